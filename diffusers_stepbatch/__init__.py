@@ -1,0 +1,13 @@
+"""diffusers-stepbatch: step-level continuous batching for Hugging Face diffusers pipelines.
+
+>>> from diffusers_stepbatch import StepBatched
+>>> pipe = StepBatched(pipe)          # any supported diffusers pipeline
+>>> image = pipe("a cat").images[0]   # same call, same output; concurrent calls share batches
+"""
+
+from .engine.core import EngineClosedError
+from .engine.request import RequestHandle, RequestStatus
+from .wrapper import StepBatched
+
+__all__ = ["EngineClosedError", "RequestHandle", "RequestStatus", "StepBatched"]
+__version__ = "0.1.0"

@@ -1,0 +1,19 @@
+"""Batched VAE decode as a work item: decodes of several requests with the same latent size share a call."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..engine.batch import WorkItem
+
+
+def vae_decode_item(vae, latents: torch.Tensor) -> WorkItem:
+    """A batched `vae.decode` of VAE-layout latents [B, C, h, w] (already unscaled)."""
+    key = ("vae.decode", tuple(latents.shape[1:]), latents.dtype, str(latents.device))
+    return WorkItem("decode", key, {"latents": latents}, functools.partial(_vae_decode, vae), rows=latents.shape[0])
+
+
+def _vae_decode(vae, latents):
+    return vae.decode(latents.to(vae.device, vae.dtype), return_dict=False)[0]

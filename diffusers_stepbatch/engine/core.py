@@ -1,0 +1,171 @@
+"""EngineCore: the background loop that turns many step programs into shared batched calls.
+
+One thread per engine, started at the first submit and asleep while idle. Each engine step is
+schedule -> execute -> update: the scheduler picks the running requests, their pending work items are
+grouped by compatibility key, each group runs as one batched call, and every request gets its rows back
+and advances to its next work item. A request that finishes resolves its Future at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .batch import make_batch, run_batch, split
+from .metrics import EngineMetrics
+from .request import Request, RequestStatus
+from .scheduler import StepScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClosedError(RuntimeError):
+    """Raised when a request is submitted to an engine that was closed."""
+
+
+class EngineCore:
+    """Runs requests' step programs in one background thread, batching their compatible work items."""
+
+    def __init__(self, scheduler: StepScheduler, name: str = "StepBatched-engine"):
+        self.scheduler = scheduler
+        self.metrics = EngineMetrics()
+        self._name = name
+        self._wakeup = threading.Condition()
+        self._inbox: list[Request] = []
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._cancel_on_close = False
+
+    # ----------------------------------------------------------------------------------- caller side
+    def submit(self, request: Request) -> None:
+        with self._wakeup:
+            if self._closing:
+                raise EngineClosedError("this StepBatched engine is closed; create a new StepBatched(pipe)")
+            self._inbox.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._wakeup.notify()
+
+    def wake(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify()
+
+    def in_engine_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def close(self, cancel_pending: bool = False, timeout: float | None = None) -> None:
+        """Stop the engine. Running and waiting requests finish first unless `cancel_pending`."""
+        with self._wakeup:
+            self._closing = True
+            self._cancel_on_close = self._cancel_on_close or cancel_pending
+            thread = self._thread
+            self._wakeup.notify()
+        if thread is not None and not self.in_engine_thread():
+            thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ----------------------------------------------------------------------------------- engine side
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread; diffusers runs pipelines under no_grad
+        while True:
+            with self._wakeup:
+                while not self._inbox and not self.scheduler.has_work() and not self._closing:
+                    self._wakeup.wait()
+                arrived, self._inbox = self._inbox, []
+                closing, cancel = self._closing, self._cancel_on_close
+            for request in arrived:
+                self.scheduler.add(request)
+            if cancel or (closing and not self.scheduler.has_work()):
+                break
+            try:
+                self.step()
+            except Exception as exc:  # an engine bug must not strand anyone: fail the running requests
+                logger.exception("StepBatched engine step failed")
+                for request in list(self.scheduler.running):
+                    self._finish(request, RequestStatus.FINISHED_ERROR, exc)
+        for request in self.scheduler.drain():
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> None:
+        """One engine step: drop aborted requests, schedule, run each group of work items once."""
+        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if request.handle.cancelled():
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+        plan = self.scheduler.schedule()
+        now = time.time()
+        for request in plan.admitted:
+            request.stats.admitted_time = now
+            self._advance(request, None)
+        groups: dict[Any, list[Request]] = defaultdict(list)
+        for request in plan.running:
+            if request.pending is not None and not request.status.is_finished:
+                groups[(request.pending.kind, request.pending.key)].append(request)
+        for members in groups.values():
+            self._execute(members)
+
+    def _execute(self, members: list[Request]) -> None:
+        batch = make_batch([request.pending for request in members])
+        kind = members[0].pending.kind
+        started = time.perf_counter()
+        try:
+            output = run_batch(batch)
+        except Exception as exc:
+            if len(members) == 1:
+                self._finish(members[0], RequestStatus.FINISHED_ERROR, exc)
+                return
+            # NOTE: retry alone so that only the request(s) whose rows raise are failed.
+            logger.warning("a batched %s of %d requests failed (%s); retrying each alone", kind, len(members), exc)
+            for request in members:
+                self._execute([request])
+            return
+        elapsed = time.perf_counter() - started
+        self.metrics.record_call(kind, batch.num_rows, elapsed)
+        for request, rows in zip(members, split(output, batch.bounds)):
+            item, request.pending = request.pending, None
+            if item.step is not None:
+                request.steps_done = item.step + 1
+                request.stats.step_times.append(elapsed)
+                request.stats.batch_rows.append(batch.num_rows)
+            self._advance(request, rows)
+
+    def _advance(self, request: Request, value: Any) -> None:
+        """Send `value` into the request's program and keep the next work item it yields."""
+        try:
+            request.pending = request.program.send(value)
+        except StopIteration as stop:
+            self._finish(request, RequestStatus.FINISHED_OK, stop.value)
+        except Exception as exc:
+            self._finish(request, RequestStatus.FINISHED_ERROR, exc)
+
+    def _finish(self, request: Request, status: RequestStatus, value: Any = None) -> None:
+        self.scheduler.finish(request, status)
+        request.pending = None
+        request.stats.finished_time = time.time()
+        try:
+            request.program.close()
+        except Exception:  # the program's own cleanup failed; the outcome below still stands
+            logger.exception("closing the step program of request %d failed", request.request_id)
+        handle = request.handle
+        if status == RequestStatus.FINISHED_ABORTED:
+            handle.cancel()
+            self.metrics.record_request(request, status)
+            return
+        if not handle.set_running_or_notify_cancel():  # aborted by the caller while it finished
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.metrics.record_request(request, request.status)
+            return
+        if status == RequestStatus.FINISHED_OK:
+            handle.set_result(value)
+        else:
+            handle.set_exception(value)
+        self.metrics.record_request(request, status)
+

@@ -1,0 +1,73 @@
+"""What the engine measures: every batched call (kind, rows, seconds) and every finished request."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One batched model call."""
+
+    time: float
+    kind: str
+    rows: int
+    seconds: float
+
+
+class EngineMetrics:
+    """Thread-safe counters; `snapshot()` returns plain data for `StepBatched.stats()`."""
+
+    def __init__(self, history: int = 10_000):
+        self._lock = threading.Lock()
+        self.calls: deque[CallRecord] = deque(maxlen=history)
+        self.rows_histogram: dict[str, Counter] = {}
+        self.requests_finished: Counter = Counter()
+        self.busy_seconds = 0.0
+        self.started = time.time()
+        self._recent_requests: deque[dict] = deque(maxlen=1000)
+
+    def record_call(self, kind: str, rows: int, seconds: float) -> None:
+        with self._lock:
+            self.calls.append(CallRecord(time.time(), kind, rows, seconds))
+            self.rows_histogram.setdefault(kind, Counter())[rows] += 1
+            self.busy_seconds += seconds
+
+    def record_request(self, request: Request, status: RequestStatus) -> None:
+        stats = request.stats
+        with self._lock:
+            self.requests_finished[status.name] += 1
+            self._recent_requests.append(
+                {
+                    "request_id": request.request_id,
+                    "status": status.name,
+                    "queue_time": stats.queue_time,
+                    "total_time": stats.total_time,
+                    "steps": len(stats.step_times),
+                    "step_times": list(stats.step_times),
+                    "batch_rows": list(stats.batch_rows),
+                }
+            )
+
+    def max_rows(self, kind: str) -> int:
+        with self._lock:
+            histogram = self.rows_histogram.get(kind)
+            return max(histogram) if histogram else 0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            elapsed = max(time.time() - self.started, 1e-9)
+            denoise = self.rows_histogram.get("denoise", Counter())
+            calls = sum(denoise.values())
+            return {
+                "rows_histogram": {kind: dict(sorted(h.items())) for kind, h in self.rows_histogram.items()},
+                "mean_denoise_rows": (sum(r * n for r, n in denoise.items()) / calls) if calls else 0.0,
+                "requests_finished": dict(self.requests_finished),
+                "busy_fraction": min(self.busy_seconds / elapsed, 1.0),
+                "requests": list(self._recent_requests),
+            }

@@ -1,0 +1,100 @@
+"""A request's lifecycle: its status, its step program, its Future and what it has measured."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Generator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .batch import WorkItem
+
+
+class RequestStatus(enum.IntEnum):
+    """Finished states sort last: `status > RequestStatus.PREEMPTED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_OK = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class RequestHandle(Future):
+    """The Future a submitted request resolves; `abort()` cancels it between two denoising steps."""
+
+    def __init__(self, request_id: int, wake_engine: Any = None):
+        super().__init__()
+        self.request_id = request_id
+        self._wake_engine = wake_engine
+
+    def abort(self) -> bool:
+        """Cancel the request: it stops before its next step and this Future ends cancelled."""
+        cancelled = self.cancel()
+        if cancelled and self._wake_engine is not None:
+            self._wake_engine()
+        return cancelled
+
+
+_request_ids = itertools.count()
+
+
+def next_request_id() -> int:
+    return next(_request_ids)
+
+
+@dataclass
+class RequestStats:
+    """Timings of one request, in seconds since the epoch (`time.time`) or as durations."""
+
+    arrival_time: float = field(default_factory=time.time)
+    admitted_time: float | None = None
+    finished_time: float | None = None
+    step_times: list[float] = field(default_factory=list)
+    batch_rows: list[int] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.admitted_time is None else self.admitted_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    """One call of the wrapped pipeline, as the engine sees it.
+
+    `program` is the family's step program: a generator that yields `WorkItem`s and returns the pipeline
+    output. `num_rows` is the most rows it puts into one batch (images x CFG branches); `num_steps` the
+    denoising steps it will run (for cost-aware policies).
+    """
+
+    request_id: int
+    program: Generator[WorkItem, Any, Any]
+    handle: RequestHandle
+    num_rows: int
+    num_steps: int = 1
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    pending: WorkItem | None = None
+    steps_done: int = 0
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def arrival_time(self) -> float:
+        return self.stats.arrival_time
+
+    @property
+    def remaining_steps(self) -> int:
+        return max(self.num_steps - self.steps_done, 0)

@@ -1,0 +1,251 @@
+"""Step program for FluxPipeline (FLUX.1 dev and schnell): FluxPipeline.__call__ as a resumable generator.
+
+It reuses the pipeline's own helpers (`check_inputs`, `encode_prompt`, `prepare_latents`, `_unpack_latents`,
+`retrieve_timesteps`) and yields a work item wherever a model runs. Timestep and guidance are per-row
+inputs, so requests at different steps and guidance scales share one transformer forward; true CFG adds
+the negative rows to the same forward and its scale is applied per request after the split.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import FluxPipelineOutput, calculate_shift, retrieve_timesteps
+
+from ..decoders.vae import vae_decode_item
+from ..engine.batch import WorkItem
+from .registry import PlannedRequest, register_program, request_pipeline
+from .validation import (
+    as_list,
+    check_generator,
+    check_latents,
+    check_num_images_per_prompt,
+    check_num_inference_steps,
+    check_output_type,
+    freeze,
+)
+
+_UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds", "negative_ip_adapter_image",
+                "negative_ip_adapter_image_embeds")
+
+
+@dataclass
+class FluxCall:
+    """One validated FluxPipeline call; names follow FluxPipeline.__call__."""
+
+    args: dict[str, Any]
+    height: int
+    width: int
+    num_inference_steps: int
+    num_images: int  # prompts x num_images_per_prompt
+    do_true_cfg: bool
+
+
+@register_program(FluxPipeline)
+def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
+    """Validate a FluxPipeline call in the caller's thread and return its step program."""
+    given = [name for name in _UNSUPPORTED if args.get(name) is not None]
+    if given:
+        raise ValueError(f"{given} are not supported by StepBatched's Flux program yet; call the wrapped pipe directly")
+    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
+    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    pipe.check_inputs(
+        args["prompt"], args["prompt_2"], height, width,
+        negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
+        prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
+        pooled_prompt_embeds=args["pooled_prompt_embeds"],
+        negative_pooled_prompt_embeds=args["negative_pooled_prompt_embeds"],
+        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
+        max_sequence_length=args["max_sequence_length"],
+    )
+    check_output_type(args["output_type"])
+    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    prompts = as_list(args["prompt"])
+    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
+    num_images = num_prompts * per_prompt
+    if args["prompt_embeds"] is not None and per_prompt > 1:
+        raise ValueError(
+            f"num_images_per_prompt={per_prompt} with prompt_embeds: FluxPipeline does not repeat given "
+            "embeddings; repeat prompt_embeds and pooled_prompt_embeds yourself and pass num_images_per_prompt=1"
+        )
+    check_generator(args["generator"], num_images)
+
+    has_negative = args["negative_prompt"] is not None or (
+        args["negative_prompt_embeds"] is not None and args["negative_pooled_prompt_embeds"] is not None
+    )
+    do_true_cfg = args["true_cfg_scale"] > 1 and has_negative
+    if do_true_cfg:
+        _check_negative(args, num_prompts)
+
+    latent_h = 2 * (int(height) // (pipe.vae_scale_factor * 2))
+    latent_w = 2 * (int(width) // (pipe.vae_scale_factor * 2))
+    channels = pipe.transformer.config.in_channels
+    check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
+
+    call = FluxCall(args, height, width, steps, num_images, do_true_cfg)
+    rows = num_images * (2 if do_true_cfg else 1)
+    return PlannedRequest(program=flux_program(pipe, call), num_rows=rows, num_steps=steps)
+
+
+def _check_negative(args: dict[str, Any], num_prompts: int) -> None:
+    if args["prompt_embeds"] is not None and args["negative_prompt_embeds"] is not None:
+        if args["prompt_embeds"].shape != args["negative_prompt_embeds"].shape:
+            raise ValueError(
+                f"prompt_embeds {tuple(args['prompt_embeds'].shape)} and negative_prompt_embeds "
+                f"{tuple(args['negative_prompt_embeds'].shape)} must have the same shape"
+            )
+    negatives = as_list(args["negative_prompt"])
+    if negatives is not None and len(negatives) != num_prompts:
+        raise ValueError(
+            f"negative_prompt has {len(negatives)} entries for {num_prompts} prompts; pass one per prompt"
+        )
+
+
+def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
+    args = call.args
+    view = request_pipeline(pipe)
+    view._guidance_scale = args["guidance_scale"]
+    view._joint_attention_kwargs = args["joint_attention_kwargs"] or {}
+    view._current_timestep = None
+    view._interrupt = False
+    device = pipe._execution_device
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    lora_scale = view._joint_attention_kwargs.get("scale")
+
+    # 1. Text: positive and negative prompts of this request are encoded in one batched call.
+    embeds, pooled = yield from _encode(pipe, args, call.do_true_cfg, per_prompt, device, lora_scale)
+
+    # 2. Latents, this request's own scheduler and timesteps (as FluxPipeline.__call__ does).
+    latents, image_ids = view.prepare_latents(
+        call.num_images, pipe.transformer.config.in_channels // 4, call.height, call.width,
+        embeds[0].dtype, device, args["generator"], args["latents"],
+    )
+    sigmas = args["sigmas"]
+    if sigmas is None:
+        sigmas = np.linspace(1.0, 1 / call.num_inference_steps, call.num_inference_steps)
+    if getattr(view.scheduler.config, "use_flow_sigmas", False):
+        sigmas = None
+    config = view.scheduler.config
+    mu = calculate_shift(
+        latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+    )
+    timesteps, num_inference_steps = retrieve_timesteps(
+        view.scheduler, call.num_inference_steps, device, sigmas=sigmas, mu=mu
+    )
+    view._num_timesteps = len(timesteps)
+    guidance = None
+    if pipe.transformer.config.guidance_embeds:
+        guidance = torch.full([latents.shape[0]], args["guidance_scale"], device=device, dtype=torch.float32)
+
+    text_dtype = pipe.text_encoder.dtype if pipe.text_encoder is not None else pipe.transformer.dtype
+    text_ids = torch.zeros(embeds[0].shape[1], 3, device=device, dtype=text_dtype)
+    denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, view._joint_attention_kwargs)
+    # NOTE: txt_ids/img_ids have no batch dim, so rows of one forward share image grid and text length.
+    grid = (call.height // (pipe.vae_scale_factor * 2), call.width // (pipe.vae_scale_factor * 2))
+    key = (
+        "flux", grid, tuple(embeds[0].shape[1:]), tuple(pooled[0].shape[1:]), guidance is not None,
+        freeze(view._joint_attention_kwargs), latents.dtype, embeds[0].dtype, str(latents.device),
+    )
+
+    # 3. Denoising loop: one work item per step; the engine batches it with other requests' items.
+    view.scheduler.set_begin_index(0)
+    callback = args["callback_on_step_end"]
+    with view.progress_bar(total=num_inference_steps) as progress_bar:
+        for i, t in enumerate(timesteps):
+            if view._interrupt:
+                continue
+            view._current_timestep = t
+            timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
+            branches = 2 if call.do_true_cfg else 1
+            inputs = {
+                "hidden_states": latents.repeat(branches, 1, 1),
+                "timestep": timestep.repeat(branches),
+                "guidance": None if guidance is None else guidance.repeat(branches),
+                "pooled_projections": torch.cat(pooled) if call.do_true_cfg else pooled[0],
+                "encoder_hidden_states": torch.cat(embeds) if call.do_true_cfg else embeds[0],
+            }
+            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=branches * latents.shape[0], step=i)
+            if call.do_true_cfg:
+                cond, uncond = noise_pred.chunk(2)
+                noise_pred = uncond + args["true_cfg_scale"] * (cond - uncond)
+            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if callback is not None:
+                tensors = {"latents": latents, "prompt_embeds": embeds[0]}
+                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+                outputs = callback(view, i, t, callback_kwargs)
+                latents = outputs.pop("latents", latents)
+                embeds[0] = outputs.pop("prompt_embeds", embeds[0])
+            progress_bar.update()
+    view._current_timestep = None
+
+    # 4. Decode (batched with other requests' decodes of the same size).
+    if args["output_type"] == "latent":
+        image = latents
+    else:
+        unpacked = view._unpack_latents(latents, call.height, call.width, view.vae_scale_factor)
+        unpacked = unpacked / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        image = yield vae_decode_item(pipe.vae, unpacked)
+        image = view.image_processor.postprocess(image, output_type=args["output_type"])
+    return FluxPipelineOutput(images=image) if args["return_dict"] else (image,)
+
+
+def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale):
+    """Yield one encode item for the prompts that need encoding; return ([embeds...], [pooled...]).
+
+    Lists hold the positive branch, then the negative one when true CFG is on; rows are repeated for
+    num_images_per_prompt as FluxPipeline.encode_prompt does.
+    """
+    branches = [("prompt", "prompt_2", "prompt_embeds", "pooled_prompt_embeds")]
+    if do_true_cfg:
+        branches.append(("negative_prompt", "negative_prompt_2", "negative_prompt_embeds",
+                         "negative_pooled_prompt_embeds"))
+    texts, texts_2, sizes = [], [], []
+    for prompt, prompt_2, _, _ in branches:
+        if args[prompt] is None:
+            sizes.append(0)
+            continue
+        prompts = as_list(args[prompt])
+        texts += prompts
+        texts_2 += as_list(args[prompt_2] or args[prompt])
+        sizes.append(len(prompts))
+    encoded_embeds = encoded_pooled = None
+    if texts:
+        run = functools.partial(_encode_text, pipe, device, args["max_sequence_length"], lora_scale)
+        key = ("flux.encode", args["max_sequence_length"], lora_scale, str(device))
+        encoded_embeds, encoded_pooled = yield WorkItem("encode", key, {"prompt": texts, "prompt_2": texts_2}, run,
+                                                        rows=len(texts))
+    embeds, pooled, start = [], [], 0
+    for (_, _, embeds_name, pooled_name), size in zip(branches, sizes):
+        if size == 0:
+            embeds.append(args[embeds_name].to(device))
+            pooled.append(args[pooled_name].to(device))
+            continue
+        embeds.append(encoded_embeds[start:start + size].repeat_interleave(per_prompt, dim=0))
+        pooled.append(encoded_pooled[start:start + size].repeat_interleave(per_prompt, dim=0))
+        start += size
+    return embeds, pooled
+
+
+def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2):
+    embeds, pooled, _ = pipe.encode_prompt(
+        prompt=prompt, prompt_2=prompt_2, device=device, num_images_per_prompt=1,
+        max_sequence_length=max_sequence_length, lora_scale=lora_scale,
+    )
+    return embeds, pooled
+
+
+def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, hidden_states, timestep, guidance,
+             pooled_projections, encoder_hidden_states):
+    return transformer(
+        hidden_states=hidden_states, timestep=timestep, guidance=guidance, pooled_projections=pooled_projections,
+        encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
+        joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
+    )[0]

@@ -1,0 +1,70 @@
+"""Which step program serves which pipeline: an explicit registry keyed on the pipeline class."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.batch import WorkItem
+
+
+@dataclass
+class PlannedRequest:
+    """A validated call, ready for the engine: its step program (not started) and its size.
+
+    Args:
+        program: the generator that yields work items and returns the pipeline output.
+        num_rows: the most rows it adds to one batch (images x CFG branches).
+        num_steps: denoising steps it will run.
+    """
+
+    program: Generator[WorkItem, Any, Any]
+    num_rows: int
+    num_steps: int
+
+
+# plan(pipe, call_args) validates a call in the caller's thread and returns its PlannedRequest.
+PlanFn = Callable[[Any, dict[str, Any]], PlannedRequest]
+
+_PROGRAMS: dict[type, PlanFn] = {}
+
+
+def register_program(pipeline_class: type) -> Callable[[PlanFn], PlanFn]:
+    """Register `plan` as the step program of `pipeline_class` (and of its subclasses).
+
+    >>> @register_program(FluxPipeline)
+    ... def plan_flux(pipe, call_args): ...
+    """
+
+    def decorate(plan: PlanFn) -> PlanFn:
+        _PROGRAMS[pipeline_class] = plan
+        return plan
+
+    return decorate
+
+
+def program_for(pipe: Any) -> PlanFn | None:
+    """The plan function registered for the pipeline's class or its nearest registered base class."""
+    for cls in type(pipe).__mro__:
+        if cls in _PROGRAMS:
+            return _PROGRAMS[cls]
+    return None
+
+
+def registered_pipelines() -> list[type]:
+    return list(_PROGRAMS)
+
+
+def request_pipeline(pipe: Any) -> Any:
+    """A per-request view of `pipe`: shares its models, owns a scheduler copy and its per-call state.
+
+    diffusers keeps per-call state on the pipeline (`_guidance_scale`, `_interrupt`, `_current_timestep`,
+    `_joint_attention_kwargs`) and schedulers are stateful (`_step_index`, `set_timesteps`), so concurrent
+    requests each need their own.
+    """
+    view = copy.copy(pipe)
+    # NOTE: write the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config.
+    view.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
+    return view

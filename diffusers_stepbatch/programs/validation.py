@@ -1,0 +1,84 @@
+"""Checks every family runs in the caller's thread, before a request enters a batch."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def check_num_inference_steps(num_inference_steps: Any, sigmas: Sequence[float] | None = None) -> int:
+    """The number of denoising steps a call will run (diffusers uses len(sigmas) when they are given)."""
+    if sigmas is not None:
+        if len(sigmas) < 1:
+            raise ValueError(f"sigmas={list(sigmas)} must hold at least one value")
+        return len(sigmas)
+    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, numbers.Integral):
+        raise ValueError(f"num_inference_steps={num_inference_steps!r} must be an int >= 1")
+    if num_inference_steps < 1:
+        raise ValueError(f"num_inference_steps={num_inference_steps} must be >= 1")
+    return int(num_inference_steps)
+
+
+def check_num_images_per_prompt(num_images_per_prompt: Any) -> int:
+    if num_images_per_prompt is None:
+        return 1
+    if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, numbers.Integral):
+        raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r} must be an int >= 1")
+    if num_images_per_prompt < 1:
+        raise ValueError(f"num_images_per_prompt={num_images_per_prompt} must be >= 1")
+    return int(num_images_per_prompt)
+
+
+def check_generator(generator: Any, num_images: int) -> None:
+    if isinstance(generator, list) and len(generator) != num_images:
+        raise ValueError(
+            f"got a list of {len(generator)} generators for {num_images} images (prompts x num_images_per_prompt); "
+            f"pass one generator or a list of {num_images}"
+        )
+
+
+def check_latents(latents: torch.Tensor | None, expected_shape: tuple[int, ...]) -> None:
+    if latents is None:
+        return
+    if not isinstance(latents, torch.Tensor):
+        raise ValueError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
+    if tuple(latents.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"latents have shape {tuple(latents.shape)} but this call needs {tuple(expected_shape)} "
+            "(images, then the pipeline's latent layout for the requested height and width)"
+        )
+    if not torch.isfinite(latents).all():
+        raise ValueError("latents contain NaN or infinite values")
+
+
+def check_output_type(output_type: Any, allowed: Sequence[str] = ("pil", "np", "pt", "latent")) -> None:
+    if output_type not in allowed:
+        raise ValueError(f"output_type={output_type!r} is not supported; use one of {list(allowed)}")
+
+
+def as_list(value: str | list[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [value] if isinstance(value, str) else list(value)
+
+
+def freeze(value: Any) -> Any:
+    """A hashable stand-in for call options, for compatibility keys.
+
+    Dicts become sorted tuples; values that are not hashable (tensors, modules) are keyed by identity, so
+    only requests that pass the very same object share a batch.
+    """
+    if isinstance(value, dict):
+        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    if isinstance(value, torch.Tensor):
+        return ("id", id(value))
+    return value
