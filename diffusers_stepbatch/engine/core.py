@@ -100,7 +100,9 @@ class EngineCore:
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
             if request.handle.cancelled():
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
+        self.metrics.record_overhead(time.perf_counter() - started)
         now = time.time()
         for request in plan.admitted:
             request.stats.admitted_time = now
@@ -111,11 +113,14 @@ class EngineCore:
                 groups[(request.pending.kind, request.pending.key)].append(request)
         for members in groups.values():
             self._execute(members)
+        self.metrics.record_engine_step()
 
     def _execute(self, members: list[Request]) -> None:
+        assembling = time.perf_counter()
         batch = make_batch([request.pending for request in members])
         kind = members[0].pending.kind
         started = time.perf_counter()
+        self.metrics.record_overhead(started - assembling)
         try:
             output = run_batch(batch)
         except Exception as exc:
@@ -129,7 +134,9 @@ class EngineCore:
             return
         elapsed = time.perf_counter() - started
         self.metrics.record_call(kind, batch.num_rows, elapsed)
-        for request, rows in zip(members, split(output, batch.bounds)):
+        parts = split(output, batch.bounds)
+        self.metrics.record_overhead(time.perf_counter() - started - elapsed)
+        for request, rows in zip(members, parts):
             item, request.pending = request.pending, None
             if item.step is not None:
                 request.steps_done = item.step + 1

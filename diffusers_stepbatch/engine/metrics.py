@@ -29,6 +29,8 @@ class EngineMetrics:
         self.rows_histogram: dict[str, Counter] = {}
         self.requests_finished: Counter = Counter()
         self.busy_seconds = 0.0
+        self.overhead_seconds = 0.0  # scheduling, make_batch and split: the engine's own cost
+        self.engine_steps = 0
         self.started = time.time()
         self._recent_requests: deque[dict] = deque(maxlen=1000)
 
@@ -37,6 +39,14 @@ class EngineMetrics:
             self.calls.append(CallRecord(time.time(), kind, rows, seconds))
             self.rows_histogram.setdefault(kind, Counter())[rows] += 1
             self.busy_seconds += seconds
+
+    def record_overhead(self, seconds: float) -> None:
+        with self._lock:
+            self.overhead_seconds += seconds
+
+    def record_engine_step(self) -> None:
+        with self._lock:
+            self.engine_steps += 1
 
     def record_request(self, request: Request, status: RequestStatus) -> None:
         stats = request.stats
@@ -69,5 +79,7 @@ class EngineMetrics:
                 "mean_denoise_rows": (sum(r * n for r, n in denoise.items()) / calls) if calls else 0.0,
                 "requests_finished": dict(self.requests_finished),
                 "busy_fraction": min(self.busy_seconds / elapsed, 1.0),
+                "engine_steps": self.engine_steps,
+                "overhead_ms_per_step": 1000 * self.overhead_seconds / max(self.engine_steps, 1),
                 "requests": list(self._recent_requests),
             }

@@ -1,0 +1,219 @@
+"""Throughput and latency: sequential plain pipeline calls vs StepBatched, side by side in one run.
+
+    python benchmarks/throughput.py                 # both sizes, 8 concurrent requests
+    python benchmarks/throughput.py --smoke         # a few seconds, for CI
+
+For each transformer size it measures, in the same process and run:
+- sequential: the N requests served one after another by the unwrapped pipeline;
+- StepBatched: the N requests submitted at once (closed loop) and as Poisson arrivals;
+- the ceiling: N images / (raw batched encode + steps x raw batch-N transformer forward + raw batched decode).
+Absolute times are not comparable across runs on a noisy machine; the ratios printed are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from diffusers_stepbatch import StepBatched  # noqa: E402
+from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    size: FluxSize
+    image_side: int  # pixels; vae_scale_factor 8, 2x2 packing: tokens = (side / 16) ** 2
+
+
+WORKLOADS = {
+    "overhead-bound": Workload("overhead-bound", FluxSize(), 256),  # hidden 32, 2 blocks, 256 tokens
+    "compute-bound": Workload(
+        "compute-bound",
+        FluxSize(num_layers=2, num_single_layers=4, attention_head_dim=64, num_attention_heads=4,
+                 joint_attention_dim=64, pooled_projection_dim=64),
+        512,  # hidden 256, 6 blocks, 1024 tokens
+    ),
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(round(q * (len(ordered) - 1))), len(ordered) - 1)]
+
+
+def summarize(latencies: list[float], wall: float) -> dict:
+    return {
+        "throughput_images_per_s": len(latencies) / wall,
+        "latency_mean_s": statistics.fmean(latencies),
+        "latency_p50_s": percentile(latencies, 0.5),
+        "latency_p95_s": percentile(latencies, 0.95),
+        "wall_s": wall,
+    }
+
+
+def request_kwargs(i: int, workload: Workload, steps: int) -> dict:
+    return dict(prompt=f"a red circle {i}", height=workload.image_side,
+                width=workload.image_side, num_inference_steps=steps, guidance_scale=3.5,
+                generator=torch.Generator().manual_seed(i), output_type="pt", max_sequence_length=32)
+
+
+def run_sequential(pipe, workload: Workload, n: int, steps: int, arrivals: list[float]) -> dict:
+    """One server, requests in arrival order: latency = finish - arrival."""
+    start = time.perf_counter()
+    latencies = []
+    for i, arrival in enumerate(arrivals[:n]):
+        delay = start + arrival - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        pipe(**request_kwargs(i, workload, steps))
+        latencies.append(time.perf_counter() - start - arrival)
+    return summarize(latencies, time.perf_counter() - start)
+
+
+def run_stepbatched(pipe, workload: Workload, n: int, steps: int, arrivals: list[float]) -> dict:
+    sb = StepBatched(pipe, max_batch_size=n)
+    latencies = [0.0] * n
+    start = time.perf_counter()
+
+    def client(i: int) -> None:
+        delay = start + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sb(**request_kwargs(i, workload, steps))
+        latencies[i] = time.perf_counter() - start - arrivals[i]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    stats = sb.stats()
+    sb.close()
+    result = summarize(latencies, wall)
+    result["mean_batch_rows"] = stats["mean_denoise_rows"]
+    result["engine_overhead_ms_per_step"] = stats["overhead_ms_per_step"]
+    return result
+
+
+def measure_ceiling(pipe, workload: Workload, n: int, steps: int, repeats: int) -> dict:
+    """Raw batched model time for n images: encode + steps x transformer forward + decode."""
+    prompts = [request_kwargs(i, workload, steps)["prompt"] for i in range(n)]
+    embeds, pooled, text_ids = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=32)
+    latents, image_ids = pipe.prepare_latents(n, pipe.transformer.config.in_channels // 4, workload.image_side,
+                                              workload.image_side, embeds.dtype, "cpu", None)
+    vae_latents = pipe._unpack_latents(latents, workload.image_side, workload.image_side, pipe.vae_scale_factor)
+    guidance = torch.full([n], 3.5) if pipe.transformer.config.guidance_embeds else None
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    with torch.no_grad():
+        encode = timed(lambda: pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=32))
+        forward = timed(lambda: pipe.transformer(hidden_states=latents, timestep=torch.full([n], 0.5),
+                                                 guidance=guidance, pooled_projections=pooled,
+                                                 encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids,
+                                                 return_dict=False))
+        decode = timed(lambda: pipe.vae.decode(vae_latents, return_dict=False))
+    total = encode + steps * forward + decode
+    return {"throughput_images_per_s": n / total, "encode_s": encode, "forward_s": forward, "decode_s": decode}
+
+
+def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: int) -> dict:
+    pipe = tiny_flux_pipeline(guidance_embeds=True, size=workload.size, vae_blocks=4)
+    for _ in range(2):  # warm-up: first-call allocations and lazy initialisation
+        pipe(**request_kwargs(0, workload, 2))
+    closed = [0.0] * n
+    sequential = run_sequential(pipe, workload, n, steps, closed)
+    batched = run_stepbatched(pipe, workload, n, steps, closed)
+    ceiling = measure_ceiling(pipe, workload, n, steps, repeats)
+    # Poisson arrivals at 1.2x the sequential service rate: the plain pipeline falls behind.
+    rng = random.Random(seed)
+    rate = 1.2 * sequential["throughput_images_per_s"]
+    arrivals, clock = [], 0.0
+    for _ in range(n):
+        arrivals.append(clock)
+        clock += rng.expovariate(rate)
+    poisson_sequential = run_sequential(pipe, workload, n, steps, arrivals)
+    poisson_batched = run_stepbatched(pipe, workload, n, steps, arrivals)
+    return {
+        "workload": workload.name,
+        "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
+        "image_tokens": (workload.image_side // 16) ** 2,
+        "concurrency": n,
+        "steps": steps,
+        "closed_loop": {"sequential": sequential, "stepbatched": batched},
+        "poisson": {"rate_per_s": rate, "sequential": poisson_sequential, "stepbatched": poisson_batched},
+        "ceiling": ceiling,
+        "ratios": {
+            "closed_throughput_vs_sequential": batched["throughput_images_per_s"] / sequential["throughput_images_per_s"],
+            "closed_throughput_vs_ceiling": batched["throughput_images_per_s"] / ceiling["throughput_images_per_s"],
+            "poisson_p50_latency_sequential_over_batched": poisson_sequential["latency_p50_s"]
+            / poisson_batched["latency_p50_s"],
+        },
+    }
+
+
+def print_result(result: dict) -> None:
+    closed, poisson, ratios = result["closed_loop"], result["poisson"], result["ratios"]
+    print(f"\n== {result['workload']}: {result['transformer_params'] / 1e6:.2f}M-param Flux transformer, "
+          f"{result['image_tokens']} image tokens, {result['concurrency']} requests x {result['steps']} steps")
+    header = f"{'':28}{'images/s':>10}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'rows':>7}{'ovh ms':>8}"
+    print(header)
+    rows = [("sequential (closed)", closed["sequential"]), ("StepBatched (closed)", closed["stepbatched"]),
+            ("sequential (Poisson)", poisson["sequential"]), ("StepBatched (Poisson)", poisson["stepbatched"])]
+    for label, r in rows:
+        extra = f"{r.get('mean_batch_rows', 1.0):7.2f}{r.get('engine_overhead_ms_per_step', 0.0):8.3f}"
+        print(f"{label:28}{r['throughput_images_per_s']:10.2f}{r['latency_mean_s']:9.3f}{r['latency_p50_s']:9.3f}"
+              f"{r['latency_p95_s']:9.3f}{extra}")
+    print(f"{'ceiling (raw batched)':28}{result['ceiling']['throughput_images_per_s']:10.2f}")
+    print(f"ratios: StepBatched/sequential {ratios['closed_throughput_vs_sequential']:.2f}x, "
+          f"StepBatched/ceiling {ratios['closed_throughput_vs_ceiling']:.2f}, "
+          f"Poisson p50 latency sequential/StepBatched {ratios['poisson_p50_latency_sequential_over_batched']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of each raw ceiling measurement")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--smoke", action="store_true", help="tiny and fast: 2 requests x 2 steps, tiny model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "throughput.json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.concurrency, args.steps, args.repeats, args.workloads = 2, 2, 1, ["overhead-bound"]
+    torch.manual_seed(args.seed)
+    results = [bench_workload(WORKLOADS[name], args.concurrency, args.steps, args.repeats, args.seed)
+               for name in args.workloads]
+    for result in results:
+        print_result(result)
+    report = {"command": " ".join(["python", "benchmarks/throughput.py", *(argv or sys.argv[1:])]),
+              "torch_threads": torch.get_num_threads(), "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
