@@ -7,7 +7,16 @@
 
 from .engine.core import EngineClosedError
 from .engine.request import RequestHandle, RequestStatus
+from .engine.scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig
 from .wrapper import StepBatched
 
-__all__ = ["EngineClosedError", "RequestHandle", "RequestStatus", "StepBatched"]
+__all__ = [
+    "DeadlineUnmeetable",
+    "EngineClosedError",
+    "QueueFull",
+    "RequestHandle",
+    "RequestStatus",
+    "SchedulerConfig",
+    "StepBatched",
+]
 __version__ = "0.1.0"

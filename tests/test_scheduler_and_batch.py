@@ -5,44 +5,48 @@ import torch
 
 from diffusers_stepbatch.engine.batch import WorkItem, make_batch, split
 from diffusers_stepbatch.engine.request import Request, RequestHandle, RequestStatus
-from diffusers_stepbatch.engine.scheduler import StepScheduler
+from diffusers_stepbatch.engine.scheduler import SchedulerConfig, StepScheduler
+
+NOW = 1000.0
 
 
-def fake_request(request_id, rows, steps=4):
-    return Request(request_id=request_id, program=iter(()), handle=RequestHandle(request_id), num_rows=rows,
-                   num_steps=steps)
+def fake_request(request_id, rows, steps=4, arrival=NOW, **fields):
+    request = Request(request_id=request_id, program=iter(()), handle=RequestHandle(request_id), num_rows=rows,
+                      num_steps=steps, **fields)
+    request.stats.arrival_time = arrival
+    return request
 
 
 @pytest.mark.parametrize("limit, rows, admitted_first", [(8, [2, 2, 2, 2, 2], 4), (4, [1, 2, 1, 3], 3), (3, [5, 1], 1)])
 def test_admission_respects_rows_in_arrival_order(limit, rows, admitted_first):
-    scheduler = StepScheduler(max_batch_size=limit)
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=limit))
     requests = [fake_request(i, r) for i, r in enumerate(rows)]
     for request in requests:
         scheduler.add(request)
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(NOW)
     assert [r.request_id for r in plan.admitted] == list(range(admitted_first))
     assert all(r.status == RequestStatus.RUNNING for r in plan.admitted)
     assert list(scheduler.waiting) == requests[admitted_first:]
 
 
 def test_oversized_request_runs_alone_then_others_join():
-    scheduler = StepScheduler(max_batch_size=2)
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=2))
     big, small = fake_request(0, 5), fake_request(1, 1)
     scheduler.add(big)
     scheduler.add(small)
-    assert scheduler.schedule().admitted == [big]
-    assert scheduler.schedule().admitted == []  # still full
+    assert scheduler.schedule(NOW).admitted == [big]
+    assert scheduler.schedule(NOW).admitted == []  # still full
     scheduler.finish(big, RequestStatus.FINISHED_OK)
-    assert scheduler.schedule().admitted == [small]
+    assert scheduler.schedule(NOW).admitted == [small]
     assert big.status.is_finished and not small.status.is_finished
 
 
 def test_finish_requires_finished_status_and_removes_waiting():
-    scheduler = StepScheduler(max_batch_size=1)
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=1))
     first, second = fake_request(0, 1), fake_request(1, 1)
     scheduler.add(first)
     scheduler.add(second)
-    scheduler.schedule()
+    scheduler.schedule(NOW)
     with pytest.raises(ValueError, match="finished status"):
         scheduler.finish(second, RequestStatus.RUNNING)
     scheduler.finish(second, RequestStatus.FINISHED_ABORTED)
@@ -52,7 +56,9 @@ def test_finish_requires_finished_status_and_removes_waiting():
 
 def test_invalid_max_batch_size():
     with pytest.raises(ValueError, match="max_batch_size=0"):
-        StepScheduler(max_batch_size=0)
+        SchedulerConfig(max_batch_size=0)
+    with pytest.raises(ValueError, match="policy='lifo'"):
+        SchedulerConfig(policy="lifo")
 
 
 @pytest.mark.parametrize("rows", [[1], [2, 1, 3], [4, 4]])

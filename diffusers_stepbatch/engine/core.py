@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from .batch import make_batch, run_batch, split
+from .costs import BatchCostModel
 from .metrics import EngineMetrics
 from .request import Request, RequestStatus
-from .scheduler import StepScheduler
+from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, StepScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ class EngineClosedError(RuntimeError):
 class EngineCore:
     """Runs requests' step programs in one background thread, batching their compatible work items."""
 
-    def __init__(self, scheduler: StepScheduler, name: str = "StepBatched-engine"):
-        self.scheduler = scheduler
+    def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine"):
+        self.config = config
+        self.scheduler = StepScheduler(config)
+        self.costs = BatchCostModel()
         self.metrics = EngineMetrics()
         self._name = name
         self._wakeup = threading.Condition()
@@ -46,6 +49,9 @@ class EngineCore:
         with self._wakeup:
             if self._closing:
                 raise EngineClosedError("this StepBatched engine is closed; create a new StepBatched(pipe)")
+            queued = len(self._inbox) + len(self.scheduler.waiting)
+            if self.config.max_queue is not None and queued >= self.config.max_queue:
+                raise QueueFull(f"{queued} requests are waiting (max_queue={self.config.max_queue}); retry later")
             self._inbox.append(request)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
@@ -100,20 +106,43 @@ class EngineCore:
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
             if request.handle.cancelled():
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-        started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        self.metrics.record_overhead(time.perf_counter() - started)
+        step_started = time.perf_counter()
         now = time.time()
+        plan = self.scheduler.schedule(now)
+        scheduled = time.perf_counter()
+        for request, reason in plan.rejected:
+            self._finish(request, RequestStatus.FINISHED_ERROR, DeadlineUnmeetable(reason))
         for request in plan.admitted:
             request.stats.admitted_time = now
             self._advance(request, None)
+        grouping = time.perf_counter()
         groups: dict[Any, list[Request]] = defaultdict(list)
         for request in plan.running:
             if request.pending is not None and not request.status.is_finished:
                 groups[(request.pending.kind, request.pending.key)].append(request)
-        for members in groups.values():
+        chunks = [members for group_key, members in groups.items() for members in self._chunk(group_key, members)]
+        self.metrics.record_overhead((scheduled - step_started) + (time.perf_counter() - grouping))
+        for members in chunks:
             self._execute(members)
+        denoise_groups = [group_key for group_key in groups if group_key[0] == "denoise"]
+        if denoise_groups:
+            largest = max(denoise_groups, key=lambda group_key: sum(r.num_rows for r in groups[group_key]))
+            self._update_step_estimates(time.perf_counter() - step_started, largest)
         self.metrics.record_engine_step()
+
+    def _chunk(self, group_key: Any, members: list[Request]) -> list[list[Request]]:
+        """One forward for the group, or several when the cost model measured that to be faster."""
+        if not self.config.cost_aware or len(members) == 1:
+            return [members]
+        indices = self.costs.chunk(group_key, [request.pending.rows for request in members])
+        return [[members[i] for i in chunk] for chunk in indices]
+
+    def _update_step_estimates(self, seconds: float, group_key: Any) -> None:
+        previous = self.scheduler.step_seconds
+        self.scheduler.step_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        target = self.config.step_time_target_s
+        if target is not None:
+            self.scheduler.row_budget = self.costs.rows_within(group_key, target, self.config.max_batch_size)
 
     def _execute(self, members: list[Request]) -> None:
         assembling = time.perf_counter()
@@ -134,6 +163,7 @@ class EngineCore:
             return
         elapsed = time.perf_counter() - started
         self.metrics.record_call(kind, batch.num_rows, elapsed)
+        self.costs.observe((kind, batch.key), batch.num_rows, elapsed)
         parts = split(output, batch.bounds)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
         for request, rows in zip(members, parts):

@@ -77,7 +77,8 @@ class Request:
 
     `program` is the family's step program: a generator that yields `WorkItem`s and returns the pipeline
     output. `num_rows` is the most rows it puts into one batch (images x CFG branches); `num_steps` the
-    denoising steps it will run (for cost-aware policies).
+    denoising steps it will run and `tokens_per_row` the image tokens of each row (for cost-aware policies);
+    `deadline` an absolute `time.time()` by which it should finish, if any.
     """
 
     request_id: int
@@ -85,7 +86,9 @@ class Request:
     handle: RequestHandle
     num_rows: int
     num_steps: int = 1
+    tokens_per_row: int = 1
     priority: int = 0
+    deadline: float | None = None
     status: RequestStatus = RequestStatus.WAITING
     pending: WorkItem | None = None
     steps_done: int = 0

@@ -1,8 +1,11 @@
 """StepScheduler: which requests run in the next engine step. Pure Python: it never touches a tensor.
 
-Requests wait in arrival order until admitted; admitted requests run one work item per engine step until
-they finish. Admission keeps the rows of all running requests within `max_batch_size` (a request larger
-than the limit runs alone rather than never).
+Requests wait until admitted; admitted requests run one work item per engine step until they finish.
+Admission keeps the rows of all running requests within a row budget (`max_batch_size`, or fewer when a
+step-time target is set); a request larger than the budget runs alone rather than never. The order of
+admission is the policy's: first come first served, shortest job first (remaining steps x per-step cost;
+a diffusion request's length is known when it arrives), or priority. A request that waited longer than
+`max_wait_s` goes first whatever the policy, so nothing starves.
 """
 
 from __future__ import annotations
@@ -12,28 +15,82 @@ from dataclasses import dataclass, field
 
 from .request import Request, RequestStatus
 
+POLICIES = ("fcfs", "sjf", "priority")
+
+
+class QueueFull(RuntimeError):
+    """The bounded waiting queue is full; retry later or raise `max_queue`."""
+
+
+class DeadlineUnmeetable(RuntimeError):
+    """A request's deadline can't be met given the current load (SLO admission)."""
+
+
+@dataclass
+class SchedulerConfig:
+    """How StepBatched admits and batches requests.
+
+    Args:
+        max_batch_size: the most rows (images x CFG branches) running at once, and so in one forward.
+        policy: "fcfs" (default), "sjf" (shortest job first) or "priority" (higher `priority=` first).
+        max_wait_s: a request waiting longer than this is admitted first, whatever the policy.
+        max_queue: the most waiting requests; `submit` raises `QueueFull` beyond it (None: unbounded).
+        on_unmeetable_deadline: for a request submitted with `deadline=` that can't be met: "reject"
+            (its Future fails at once with `DeadlineUnmeetable`) or "queue" (it runs anyway).
+        step_time_target_s: admit only as many rows as keep a measured forward under this many seconds;
+            None maximises throughput instead.
+        cost_aware: split a group into several forwards when that was measured to be faster.
+    """
+
+    max_batch_size: int = 8
+    policy: str = "fcfs"
+    max_wait_s: float = 30.0
+    max_queue: int | None = None
+    on_unmeetable_deadline: str = "reject"
+    step_time_target_s: float | None = None
+    cost_aware: bool = True
+
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
+        if self.max_wait_s <= 0:
+            raise ValueError(f"max_wait_s={self.max_wait_s} must be > 0")
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError(f"max_queue={self.max_queue} must be >= 1 or None")
+        if self.on_unmeetable_deadline not in ("reject", "queue"):
+            raise ValueError(f"on_unmeetable_deadline={self.on_unmeetable_deadline!r} must be 'reject' or 'queue'")
+        if self.step_time_target_s is not None and self.step_time_target_s <= 0:
+            raise ValueError(f"step_time_target_s={self.step_time_target_s} must be > 0 or None")
+
 
 @dataclass
 class SchedulerOutput:
-    """The plan for one engine step: requests admitted now, and every request that runs this step."""
+    """The plan for one engine step: requests admitted now, rejected now, and every request that runs."""
 
     admitted: list[Request] = field(default_factory=list)
+    rejected: list[tuple[Request, str]] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)
 
 
 class StepScheduler:
-    """First-come-first-served admission bounded by rows.
+    """Waiting and running queues with policy-ordered, row-bounded admission.
 
-    >>> scheduler = StepScheduler(max_batch_size=8)
-    >>> scheduler.add(request); plan = scheduler.schedule()
+    >>> scheduler = StepScheduler(SchedulerConfig(max_batch_size=8, policy="sjf"))
+    >>> scheduler.add(request); plan = scheduler.schedule(now=time.time())
     """
 
-    def __init__(self, max_batch_size: int = 8):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        self.max_batch_size = max_batch_size
+    def __init__(self, config: SchedulerConfig | int = SchedulerConfig()):
+        self.config = SchedulerConfig(max_batch_size=config) if isinstance(config, int) else config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.row_budget = self.config.max_batch_size  # lowered by the engine under a step-time target
+        self.step_seconds: float | None = None  # the engine's recent seconds per engine step, for deadlines
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.config.max_batch_size
 
     @property
     def running_rows(self) -> int:
@@ -46,22 +103,57 @@ class StepScheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
-        admitted = []
+    def job_cost(self, request: Request) -> float:
+        """Remaining work: steps x per-step cost, the per-step cost taken as rows x image tokens."""
+        return request.remaining_steps * request.num_rows * request.tokens_per_row
+
+    def _order(self, now: float) -> list[Request]:
+        aged = [r for r in self.waiting if now - r.arrival_time >= self.config.max_wait_s]
+        rest = [r for r in self.waiting if now - r.arrival_time < self.config.max_wait_s]
+        if self.config.policy == "sjf":
+            rest.sort(key=lambda r: (self.job_cost(r), r.arrival_time))
+        elif self.config.policy == "priority":
+            rest.sort(key=lambda r: (-r.priority, r.arrival_time))
+        return aged + rest  # both keep arrival order among equals
+
+    def _misses_deadline(self, request: Request, now: float, must_wait: bool) -> bool:
+        if request.deadline is None:
+            return False
+        if now > request.deadline:
+            return True
+        if self.step_seconds is None:
+            return False  # nothing measured yet: no grounds to reject
+        wait_steps = min((r.remaining_steps for r in self.running), default=0) if must_wait else 0
+        return now + (wait_steps + request.remaining_steps) * self.step_seconds > request.deadline
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        plan = SchedulerOutput()
+        budget = max(1, min(self.row_budget, self.config.max_batch_size))
         rows = self.running_rows
-        while self.waiting:
-            candidate = self.waiting[0]
-            fits = rows + candidate.num_rows <= self.max_batch_size
-            if not fits and self.running:
-                break
-            self.waiting.popleft()
+        strict = self.config.policy == "fcfs"
+        for candidate in self._order(now):
+            fits = rows + candidate.num_rows <= budget or not self.running
+            if self.config.on_unmeetable_deadline == "reject" and self._misses_deadline(candidate, now, not fits):
+                self.waiting.remove(candidate)
+                plan.rejected.append((candidate, self._deadline_message(candidate, now)))
+                continue
+            aged = now - candidate.arrival_time >= self.config.max_wait_s
+            if not fits:
+                if strict or aged:
+                    break  # keep arrival order: nothing overtakes the head of the line
+                continue  # backfill: a smaller request further back may fit
+            self.waiting.remove(candidate)
             candidate.status = RequestStatus.RUNNING
             self.running.append(candidate)
-            admitted.append(candidate)
+            plan.admitted.append(candidate)
             rows += candidate.num_rows
-            if not fits:  # an oversized request runs alone
-                break
-        return SchedulerOutput(admitted=admitted, running=list(self.running))
+        plan.running = list(self.running)
+        return plan
+
+    def _deadline_message(self, request: Request, now: float) -> str:
+        estimate = "" if self.step_seconds is None else f", about {self.step_seconds:.3f} s per step"
+        return (f"request {request.request_id} can't meet its deadline ({request.deadline - now:+.2f} s from now; "
+                f"{request.remaining_steps} steps to run{estimate})")
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from whichever queue holds it and mark it finished."""

@@ -1,0 +1,101 @@
+"""BatchCostModel: measured forward times per (compatibility key, rows), and how to chunk a group.
+
+Batching is not free: a compute-bound forward of 8 rows can take longer than 8 forwards of one row. The
+engine reports every call's time here; when a group of work items is ready, `chunk()` picks the split
+into forwards with the least estimated total time. Sizes not measured yet are tried once (the whole group
+first), and every `explore_every` decisions one split is measured again so the estimates follow the
+machine's load. Pure Python: no torch, tested with made-up timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict, deque
+from collections.abc import Hashable, Sequence
+
+
+def _partition(rows: Sequence[int], capacity: int) -> list[list[int]]:
+    """Consecutive items grouped into chunks of at most `capacity` rows (a larger item stays whole)."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for index, size in enumerate(rows):
+        if current and filled + size > capacity:
+            chunks.append(current)
+            current, filled = [], 0
+        current.append(index)
+        filled += size
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class BatchCostModel:
+    """Online estimates of forward seconds by (key, rows); chooses how to split groups.
+
+    >>> costs = BatchCostModel()
+    >>> costs.observe("flux-64x64", rows=8, seconds=0.9)
+    >>> costs.chunk("flux-64x64", [1, 1, 2, 1, 1, 1, 1])   # index lists, one per forward
+    """
+
+    def __init__(self, window: int = 5, explore_every: int = 50):
+        self.window = window
+        self.explore_every = explore_every
+        self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
+        self._decisions: Counter = Counter()
+
+    def observe(self, key: Hashable, rows: int, seconds: float) -> None:
+        self._samples[key].setdefault(rows, deque(maxlen=self.window)).append(seconds)
+
+    def estimate(self, key: Hashable, rows: int) -> float | None:
+        """Median measured seconds for `rows`, else linear interpolation between the nearest measured sizes."""
+        measured = self._samples.get(key)
+        if not measured:
+            return None
+        if rows in measured:
+            return statistics.median(measured[rows])
+        sizes = sorted(measured)
+        below = [s for s in sizes if s < rows]
+        above = [s for s in sizes if s > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = self.estimate(key, lo), self.estimate(key, hi)
+            return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        nearest = below[-1] if below else above[0]
+        # NOTE: outside the measured range assume cost proportional to rows: no batching gain is invented.
+        return self.estimate(key, nearest) * rows / nearest
+
+    def is_measured(self, key: Hashable, rows: int) -> bool:
+        return rows in self._samples.get(key, {})
+
+    def chunk(self, key: Hashable, item_rows: Sequence[int]) -> list[list[int]]:
+        """Split items (given by their row counts) into forwards; returns index lists in order."""
+        total = sum(item_rows)
+        if len(item_rows) <= 1:
+            return [list(range(len(item_rows)))]
+        capacities = sorted({1 << k for k in range(total.bit_length()) if (1 << k) < total} | {total})
+        options = {capacity: _partition(item_rows, capacity) for capacity in capacities}
+        decision = self._decisions[key]
+        self._decisions[key] += 1
+
+        def sizes(option: list[list[int]]) -> list[int]:
+            return [sum(item_rows[i] for i in chunk) for chunk in option]
+
+        exploration_order = [total] + [c for c in capacities if c != total]  # the whole group first
+        unmeasured = [c for c in exploration_order if not all(self.is_measured(key, s) for s in sizes(options[c]))]
+        if unmeasured:
+            return options[unmeasured[0]]
+        if self.explore_every and decision % self.explore_every == self.explore_every - 1:
+            # re-measure one option in turn so estimates follow the machine's current load
+            return options[capacities[(decision // self.explore_every) % len(capacities)]]
+        best = min(capacities, key=lambda c: (sum(self.estimate(key, s) for s in sizes(options[c])), -c))
+        return options[best]
+
+    def rows_within(self, key: Hashable, seconds: float, limit: int) -> int:
+        """The most rows (<= limit) whose estimated forward time stays within `seconds` (at least 1)."""
+        best = 1
+        for rows in range(1, limit + 1):
+            estimate = self.estimate(key, rows)
+            if estimate is not None and estimate <= seconds:
+                best = rows
+        return best

@@ -1,0 +1,129 @@
+"""Admission policies, starvation, SLO admission and cost-aware chunking, with made-up costs: no torch."""
+
+import pytest
+
+from diffusers_stepbatch.engine.costs import BatchCostModel
+from diffusers_stepbatch.engine.request import RequestStatus
+from diffusers_stepbatch.engine.scheduler import SchedulerConfig, StepScheduler
+
+from .test_scheduler_and_batch import NOW, fake_request
+
+
+def admitted_ids(scheduler, now=NOW):
+    return [r.request_id for r in scheduler.schedule(now).admitted]
+
+
+def test_fcfs_keeps_arrival_order_and_blocks_behind_the_head():
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=3, policy="fcfs"))
+    for i, rows in enumerate([2, 2, 1]):
+        scheduler.add(fake_request(i, rows, arrival=NOW + i))
+    assert admitted_ids(scheduler) == [0]  # request 1 does not fit; 2 may not overtake it
+
+
+@pytest.mark.parametrize("steps, rows, tokens, expected", [
+    ([20, 4, 10], [1, 1, 1], [1, 1, 1], [1, 2, 0]),
+    ([4, 4, 4], [2, 1, 1], [256, 256, 64], [2, 1, 0]),
+    ([8, 2, 8], [1, 2, 1], [16, 16, 4], [2, 1, 0]),
+])
+def test_sjf_orders_by_remaining_steps_times_step_cost(steps, rows, tokens, expected):
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=1, policy="sjf"))
+    for i in range(3):
+        scheduler.add(fake_request(i, rows[i], steps=steps[i], tokens_per_row=tokens[i], arrival=NOW + i))
+    order = []
+    while scheduler.has_work():
+        order += admitted_ids(scheduler)
+        scheduler.finish(scheduler.running[0], RequestStatus.FINISHED_OK)
+    assert order == expected
+
+
+def test_sjf_and_priority_backfill_smaller_requests():
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=3, policy="priority"))
+    scheduler.add(fake_request(0, 2, priority=0, arrival=NOW))
+    scheduler.add(fake_request(1, 2, priority=5, arrival=NOW + 1))
+    scheduler.add(fake_request(2, 1, priority=1, arrival=NOW + 2))
+    assert admitted_ids(scheduler) == [1, 2]  # highest priority first, then a small one that still fits
+
+
+def test_max_wait_prevents_starvation():
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=1, policy="sjf", max_wait_s=5.0))
+    scheduler.add(fake_request(0, 1, steps=50, arrival=NOW))
+    for i in range(1, 4):
+        scheduler.add(fake_request(i, 1, steps=2, arrival=NOW + 1))
+    assert admitted_ids(scheduler, now=NOW + 1) == [1]  # short jobs first while the long one is young
+    scheduler.finish(scheduler.running[0], RequestStatus.FINISHED_OK)
+    assert admitted_ids(scheduler, now=NOW + 6) == [0]  # waited 6 s > 5 s: it goes first now
+
+
+def test_slo_admission_rejects_unmeetable_deadline_and_queues_when_configured():
+    for mode, rejected in (("reject", True), ("queue", False)):
+        scheduler = StepScheduler(SchedulerConfig(max_batch_size=4, on_unmeetable_deadline=mode))
+        scheduler.step_seconds = 0.5
+        scheduler.add(fake_request(0, 1, steps=10, deadline=NOW + 3.0))  # needs ~5 s
+        scheduler.add(fake_request(1, 1, steps=4, deadline=NOW + 3.0))  # needs ~2 s
+        plan = scheduler.schedule(NOW)
+        assert [r.request_id for r, _ in plan.rejected] == ([0] if rejected else [])
+        assert [r.request_id for r in plan.admitted] == ([1] if rejected else [0, 1])
+        if rejected:
+            assert "can't meet its deadline" in plan.rejected[0][1]
+
+
+def test_deadline_counts_waiting_for_a_free_slot():
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=1, policy="fcfs"))
+    scheduler.step_seconds = 1.0
+    scheduler.add(fake_request(0, 1, steps=5))
+    scheduler.schedule(NOW)
+    scheduler.add(fake_request(1, 1, steps=2, deadline=NOW + 4.0))  # 5 steps of waiting + 2 > 4 s
+    plan = scheduler.schedule(NOW)
+    assert [r.request_id for r, _ in plan.rejected] == [1]
+
+
+def test_row_budget_caps_admission():
+    scheduler = StepScheduler(SchedulerConfig(max_batch_size=8))
+    scheduler.row_budget = 3
+    for i in range(5):
+        scheduler.add(fake_request(i, 1, arrival=NOW + i))
+    assert admitted_ids(scheduler) == [0, 1, 2]
+
+
+def feed(costs, key, seconds_for_rows, rounds=12):
+    """Drive chunk() like the engine does: run what it decides, report made-up times."""
+    decisions = []
+    for _ in range(rounds):
+        chunks = costs.chunk(key, [1] * 8)
+        decisions.append(tuple(len(c) for c in chunks))
+        for chunk in chunks:
+            costs.observe(key, len(chunk), seconds_for_rows(len(chunk)))
+    return decisions
+
+
+def test_overhead_bound_costs_keep_one_big_batch():
+    costs = BatchCostModel(explore_every=0)
+    decisions = feed(costs, "tiny", lambda rows: 0.010 + 0.001 * rows)
+    assert decisions[0] == (8,)  # the whole group is tried first
+    assert decisions[-1] == (8,)
+
+
+def test_compute_bound_costs_split_into_faster_forwards():
+    costs = BatchCostModel(explore_every=0)
+    decisions = feed(costs, "big", lambda rows: 0.1 * rows ** 1.2)  # superlinear: batching loses
+    assert decisions[-1] == (1,) * 8
+    assert len(set(decisions[:5])) > 1  # it explored before deciding
+
+
+def test_periodic_reexploration_follows_a_change_in_costs():
+    costs = BatchCostModel(explore_every=4)
+    feed(costs, "k", lambda rows: 0.1 * rows ** 1.2, rounds=12)
+    decisions = feed(costs, "k", lambda rows: 0.5 + 0.01 * rows, rounds=60)  # load changed: batching wins now
+    assert decisions[0] == (1,) * 8  # the old choice, until new measurements arrive
+    exploits = [d for i, d in enumerate(decisions[-12:]) if (12 + 48 + i) % 4 != 3]  # skip re-explorations
+    assert set(exploits) == {(8,)}
+
+
+def test_estimates_interpolate_and_never_invent_gains():
+    costs = BatchCostModel()
+    costs.observe("k", 2, 0.2)
+    costs.observe("k", 6, 0.4)
+    assert costs.estimate("k", 4) == pytest.approx(0.3)
+    assert costs.estimate("k", 12) == pytest.approx(0.8)  # proportional beyond the largest measured size
+    assert costs.estimate("other", 4) is None
+    assert costs.rows_within("k", 0.36, limit=8) == 5
