@@ -157,3 +157,253 @@ def tiny_flux_pipeline(
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# More families: SD3, Qwen-Image, SDXL, SD 1.5 and PixArt-Sigma (served by the generic program).
+__all__ += [
+    "tiny_clip_text_encoder", "tiny_t5_encoder", "tiny_vae", "tiny_qwen2_tokenizer", "tiny_sd3_pipeline",
+    "tiny_qwenimage_pipeline", "tiny_sdxl_pipeline", "tiny_sd_pipeline", "tiny_pixart_or_sana_pipeline",
+]
+
+
+def tiny_clip_text_encoder(tokenizer, hidden_size: int = 32, projection_dim: int | None = None, layers: int = 3,
+                           seed: int = 0):
+    """A CLIPTextModel, or a CLIPTextModelWithProjection when `projection_dim` is given."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden_size, intermediate_size=37, layer_norm_eps=1e-05, num_attention_heads=4,
+        num_hidden_layers=layers, vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length,
+        hidden_act="gelu", projection_dim=projection_dim or 32,
+    )
+    torch.manual_seed(seed)
+    model_class = CLIPTextModel if projection_dim is None else CLIPTextModelWithProjection
+    return model_class(config).eval()
+
+
+def tiny_t5_encoder(tokenizer, d_model: int = 32, seed: int = 0):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
+        )
+    ).eval()
+
+
+def tiny_vae(latent_channels: int = 4, blocks: int = 2, seed: int = 0, **config):
+    """An AutoencoderKL with vae_scale_factor = 2 ** (blocks - 1)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,) * blocks,
+        down_block_types=("DownEncoderBlock2D",) * blocks, up_block_types=("UpDecoderBlock2D",) * blocks,
+        layers_per_block=1, latent_channels=latent_channels, norm_num_groups=1, **config,
+    ).eval()
+
+
+def _tiny_unet(cross_attention_dim: int, sdxl: bool, seed: int, projection_dim: int = 0):
+    from diffusers import UNet2DConditionModel
+
+    extra = {}
+    if sdxl:  # SDXL's "text_time" conditioning: 6 size/crop numbers x addition_time_embed_dim + pooled text
+        extra = dict(addition_embed_type="text_time", addition_time_embed_dim=8,
+                     projection_class_embeddings_input_dim=6 * 8 + projection_dim, use_linear_projection=True)
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        block_out_channels=(4, 8), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=cross_attention_dim, attention_head_dim=(2, 4), norm_num_groups=2, **extra,
+    ).eval()
+
+
+def _unet_scheduler(name: str):
+    from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
+
+    config = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1)
+    if name == "euler":
+        return EulerDiscreteScheduler(timestep_spacing="leading", **config)
+    if name == "dpm":
+        return DPMSolverMultistepScheduler(**config)
+    raise ValueError(f"scheduler={name!r}; use 'euler' or 'dpm'")
+
+
+def tiny_sd3_pipeline(num_layers: int = 2, attention_head_dim: int = 8, num_attention_heads: int = 2,
+                      patch_size: int = 1, in_channels: int = 4, vae_blocks: int = 2, clip_max_length: int = 16,
+                      seed: int = 0):
+    """A StableDiffusion3Pipeline with two tiny CLIPs (hidden 32, projection 16) and a tiny T5 (d_model 64).
+
+    Heights and widths must be divisible by vae_scale_factor * patch_size (vae_scale_factor = 2 ** (vae_blocks - 1)).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=patch_size, in_channels=in_channels, num_layers=num_layers,
+        attention_head_dim=attention_head_dim, num_attention_heads=num_attention_heads, joint_attention_dim=64,
+        caption_projection_dim=attention_head_dim * num_attention_heads, pooled_projection_dim=32,
+        out_channels=in_channels, pos_embed_max_size=32,
+    ).eval()
+    clip_tokenizer = tiny_clip_tokenizer(clip_max_length)
+    t5_tokenizer = tiny_t5_tokenizer()
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(in_channels, vae_blocks, seed + 4, shift_factor=0.0609, scaling_factor=1.5035,
+                     use_quant_conv=False, use_post_quant_conv=False),
+        text_encoder=tiny_clip_text_encoder(clip_tokenizer, projection_dim=16, seed=seed + 1),
+        tokenizer=clip_tokenizer,
+        text_encoder_2=tiny_clip_text_encoder(clip_tokenizer, projection_dim=16, seed=seed + 2),
+        tokenizer_2=clip_tokenizer,
+        text_encoder_3=tiny_t5_encoder(t5_tokenizer, d_model=64, seed=seed + 3),
+        tokenizer_3=t5_tokenizer,
+        transformer=transformer,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+_QWEN_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                        "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_qwen2_tokenizer():
+    """A byte-level Qwen2 tokenizer with no merges (one token per character) plus Qwen's chat/vision tokens."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    for token in ("<|endoftext|>",) + _QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_QWEN_SPECIAL_TOKENS)})
+    return tokenizer
+
+
+def tiny_qwenimage_pipeline(num_layers: int = 1, attention_head_dim: int = 16, num_attention_heads: int = 2,
+                            text_hidden: int = 32, seed: int = 0):
+    """A QwenImagePipeline: tiny Qwen2.5-VL text encoder, Qwen-Image transformer and Qwen-Image VAE (scale 4).
+
+    The system prompt of the encode template is shortened (tokens are characters here), so prompts stay short;
+    heights and widths must be divisible by 8 (vae_scale_factor * 2).
+    """
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = tiny_qwen2_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "hidden_size": text_hidden, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "vocab_size": len(tokenizer), "rope_theta": 1000000.0,
+            "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
+            "bos_token_id": ids("<|endoftext|>"), "eos_token_id": ids("<|endoftext|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": text_hidden},
+        vocab_size=len(tokenizer), image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        vision_token_id=ids("<|vision_pad|>"), bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|endoftext|>"),
+    )
+    torch.manual_seed(seed + 1)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+
+    torch.manual_seed(seed)
+    quarter = attention_head_dim // 4
+    rope = (attention_head_dim - 2 * (attention_head_dim * 3 // 8), attention_head_dim * 3 // 8,
+            attention_head_dim * 3 // 8) if quarter else (attention_head_dim,)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers, attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads, joint_attention_dim=text_hidden, axes_dims_rope=rope,
+    ).eval()
+
+    z_dim = 4
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLQwenImage(
+        base_dim=z_dim * 6, z_dim=z_dim, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+    ).eval()
+
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                             tokenizer=tokenizer, transformer=transformer)
+    prefix = "<|im_start|>system\nDescribe the image.<|im_end|>\n<|im_start|>user\n"
+    pipe.prompt_template_encode = prefix + "{}<|im_end|>\n<|im_start|>assistant\n"
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix).input_ids)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sdxl_pipeline(scheduler: str = "euler", seed: int = 0):
+    """A StableDiffusionXLPipeline: CLIP (hidden 32) + CLIP with projection (hidden 32, projection 16), tiny UNet.
+
+    `scheduler` is "euler" (EulerDiscreteScheduler) or "dpm" (DPMSolverMultistepScheduler); sizes divisible by 8.
+    """
+    from diffusers import StableDiffusionXLPipeline
+
+    tokenizer = tiny_clip_tokenizer(16)
+    pipe = StableDiffusionXLPipeline(
+        vae=tiny_vae(4, 2, seed + 3),
+        text_encoder=tiny_clip_text_encoder(tokenizer, seed=seed + 1),
+        text_encoder_2=tiny_clip_text_encoder(tokenizer, projection_dim=16, seed=seed + 2),
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=_tiny_unet(64, sdxl=True, seed=seed, projection_dim=16),
+        scheduler=_unet_scheduler(scheduler),
+        force_zeros_for_empty_prompt=False,
+        add_watermarker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sd_pipeline(scheduler: str = "euler", seed: int = 0):
+    """A StableDiffusionPipeline (SD 1.5 layout): one CLIP (hidden 32), tiny UNet, no safety checker."""
+    from diffusers import StableDiffusionPipeline
+
+    tokenizer = tiny_clip_tokenizer(16)
+    pipe = StableDiffusionPipeline(
+        vae=tiny_vae(4, 2, seed + 3),
+        text_encoder=tiny_clip_text_encoder(tokenizer, seed=seed + 1),
+        tokenizer=tokenizer,
+        unet=_tiny_unet(32, sdxl=False, seed=seed),
+        scheduler=_unet_scheduler(scheduler),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_pixart_or_sana_pipeline(num_layers: int = 1, attention_head_dim: int = 8, num_attention_heads: int = 2,
+                                 seed: int = 0):
+    """A PixArtSigmaPipeline (no step program: served by the generic one) with a DPM-Solver multistep scheduler.
+
+    Call it with `use_resolution_binning=False` and `clean_caption=False`; sizes divisible by 4.
+    """
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = PixArtTransformer2DModel(
+        sample_size=8, num_layers=num_layers, patch_size=2, attention_head_dim=attention_head_dim,
+        num_attention_heads=num_attention_heads, caption_channels=32, in_channels=4,
+        cross_attention_dim=attention_head_dim * num_attention_heads, out_channels=8, attention_bias=True,
+        activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+        norm_elementwise_affine=False, norm_eps=1e-6,
+    ).eval()
+    tokenizer = tiny_t5_tokenizer()
+    pipe = PixArtSigmaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=tiny_t5_encoder(tokenizer, d_model=32, seed=seed + 1),
+        vae=tiny_vae(4, 2, seed + 2),
+        transformer=transformer,
+        scheduler=DPMSolverMultistepScheduler(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,231 @@
+"""Step program for QwenImagePipeline: its __call__ as a resumable generator.
+
+Prompt embeddings of any length share a forward: every row brings its own embedding (a list entry), and the
+batched forward pads them to the batch's longest with `encoder_hidden_states_mask` (padded text tokens are
+masked out, and text RoPE positions don't depend on the padded length). RoPE takes `img_shapes[0]` for the
+whole batch, so the image grid is part of the key. True CFG adds the negative rows to the same forward;
+its scale and norm rescaling are applied per request after the split.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
+
+from ..decoders.vae import vae_decode_item
+from ..engine.batch import WorkItem
+from .registry import PlannedRequest, register_program, request_pipeline
+from .validation import (
+    as_list,
+    check_generator,
+    check_latents,
+    check_num_images_per_prompt,
+    check_num_inference_steps,
+    check_output_type,
+    freeze,
+)
+
+
+@dataclass
+class QwenImageCall:
+    """One validated QwenImagePipeline call; names follow QwenImagePipeline.__call__."""
+
+    args: dict[str, Any]
+    height: int
+    width: int
+    num_inference_steps: int
+    num_images: int  # prompts x num_images_per_prompt
+    do_true_cfg: bool
+
+
+@register_program(QwenImagePipeline)
+def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequest:
+    """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
+    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
+        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
+    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
+    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    pipe.check_inputs(
+        args["prompt"], height, width, negative_prompt=args["negative_prompt"],
+        prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
+        prompt_embeds_mask=args["prompt_embeds_mask"], negative_prompt_embeds_mask=args["negative_prompt_embeds_mask"],
+        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
+        max_sequence_length=args["max_sequence_length"],
+    )
+    check_output_type(args["output_type"])
+    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    prompts = as_list(args["prompt"])
+    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
+    num_images = num_prompts * per_prompt
+    check_generator(args["generator"], num_images)
+    if pipe.transformer.config.guidance_embeds and args["guidance_scale"] is None:
+        raise ValueError("guidance_scale is required for a guidance-distilled Qwen-Image transformer")
+    has_negative = args["negative_prompt"] is not None or args["negative_prompt_embeds"] is not None
+    do_true_cfg = args["true_cfg_scale"] > 1 and has_negative
+    if do_true_cfg:
+        negatives = as_list(args["negative_prompt"])
+        count = len(negatives) if negatives is not None else args["negative_prompt_embeds"].shape[0]
+        if count != num_prompts:
+            raise ValueError(f"negative_prompt has {count} entries for {num_prompts} prompts; pass one per prompt")
+    latent_h = 2 * (int(height) // (pipe.vae_scale_factor * 2))
+    latent_w = 2 * (int(width) // (pipe.vae_scale_factor * 2))
+    channels = pipe.transformer.config.in_channels
+    check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
+    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg)
+    rows = num_images * (2 if do_true_cfg else 1)
+    return PlannedRequest(program=qwenimage_program(pipe, call), num_rows=rows, num_steps=steps)
+
+
+def qwenimage_program(pipe: QwenImagePipeline, call: QwenImageCall) -> Generator[WorkItem, Any, Any]:
+    args = call.args
+    view = request_pipeline(pipe)
+    view._guidance_scale = args["guidance_scale"]
+    view._attention_kwargs = args["attention_kwargs"] or {}
+    view._current_timestep = None
+    view._interrupt = False
+    device = pipe._execution_device
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+
+    # 1. Text: [positive] or [positive, negative] as (embeds, mask-or-None), as QwenImagePipeline.encode_prompt.
+    texts = [("prompt", "prompt_embeds", "prompt_embeds_mask")]
+    if call.do_true_cfg:
+        texts.append(("negative_prompt", "negative_prompt_embeds", "negative_prompt_embeds_mask"))
+    encoded = yield from _encode(pipe, args, texts, device)
+    branches = []
+    for (_, embeds_name, mask_name), (embeds, mask) in zip(texts, encoded):
+        if embeds is None:
+            embeds, mask = args[embeds_name], args[mask_name]
+        branches.append(view.encode_prompt(None, device=device, num_images_per_prompt=per_prompt, prompt_embeds=embeds,
+                                           prompt_embeds_mask=mask, max_sequence_length=args["max_sequence_length"]))
+
+    # 2. Latents, this request's own scheduler and timesteps (as QwenImagePipeline.__call__ does).
+    latents = view.prepare_latents(
+        call.num_images, pipe.transformer.config.in_channels // 4, call.height, call.width, branches[0][0].dtype,
+        device, args["generator"], args["latents"],
+    )
+    grid = (1, call.height // pipe.vae_scale_factor // 2, call.width // pipe.vae_scale_factor // 2)
+    sigmas = args["sigmas"]
+    if sigmas is None:
+        sigmas = np.linspace(1.0, 1 / call.num_inference_steps, call.num_inference_steps)
+    config = view.scheduler.config
+    mu = calculate_shift(
+        latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+    )
+    timesteps, num_inference_steps = retrieve_timesteps(view.scheduler, call.num_inference_steps, device,
+                                                        sigmas=sigmas, mu=mu)
+    view._num_timesteps = len(timesteps)
+    guidance = None
+    if pipe.transformer.config.guidance_embeds:
+        guidance = torch.full([latents.shape[0]], args["guidance_scale"], device=device, dtype=torch.float32)
+
+    denoise = functools.partial(_denoise, pipe.transformer, grid, view._attention_kwargs)
+    key = ("qwenimage", grid, tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
+           freeze(view._attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
+
+    # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images].
+    view.scheduler.set_begin_index(0)
+    callback = args["callback_on_step_end"]
+    with view.progress_bar(total=num_inference_steps) as progress_bar:
+        for i, t in enumerate(timesteps):
+            if view._interrupt:
+                continue
+            view._current_timestep = t
+            timestep = t.expand(latents.shape[0]).to(latents.dtype)
+            images = latents.shape[0]
+            inputs = {
+                "hidden_states": torch.cat([latents] * len(branches)),
+                "timestep": torch.cat([timestep / 1000] * len(branches)),
+                "guidance": None if guidance is None else torch.cat([guidance] * len(branches)),
+                "text": [embeds[j] for embeds, _ in branches for j in range(images)],
+                "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
+            }
+            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i)
+            if call.do_true_cfg:
+                noise_pred, negative_pred = noise_pred.chunk(2)
+                combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)
+                cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                noise_norm = torch.norm(combined, dim=-1, keepdim=True)
+                noise_pred = combined * (cond_norm / noise_norm)
+            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if callback is not None:
+                tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
+                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+                outputs = callback(view, i, t, callback_kwargs)
+                latents = outputs.pop("latents", latents)
+                branches[0] = (outputs.pop("prompt_embeds", branches[0][0]), branches[0][1])
+            progress_bar.update()
+    view._current_timestep = None
+
+    # 4. Decode (batched with other requests' decodes of the same size).
+    if args["output_type"] == "latent":
+        image = latents
+    else:
+        vae = pipe.vae
+        latents = view._unpack_latents(latents, call.height, call.width, view.vae_scale_factor).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
+                                                                                                    latents.dtype)
+        image = yield vae_decode_item(vae, latents / inv_std + mean)
+        image = view.image_processor.postprocess(image[:, :, 0], output_type=args["output_type"])
+    return QwenImagePipelineOutput(images=image) if args["return_dict"] else (image,)
+
+
+def _encode(pipe, args, texts, device):
+    """Yield one encode item for the prompts of all branches; return [(embeds, mask) or (None, None)] per branch.
+
+    Each branch's rows come back as the pipeline pads them when it encodes that branch alone: zero-padded to
+    the branch's own longest prompt, with its mask.
+    """
+    prompts, sizes = [], []
+    for prompt_name, _, _ in texts:
+        branch = as_list(args[prompt_name]) or []
+        prompts += branch
+        sizes.append(len(branch))
+    if not prompts:
+        return [(None, None)] * len(texts)
+    run = functools.partial(_encode_text, pipe, device)
+    embeds, mask = yield WorkItem("encode", ("qwenimage.encode", str(device)), {"prompt": prompts}, run,
+                                  rows=len(prompts))
+    encoded, start = [], 0
+    for size in sizes:
+        if size == 0:
+            encoded.append((None, None))
+            continue
+        branch_mask = mask[start:start + size]
+        length = int(branch_mask.sum(dim=1).max())
+        encoded.append((embeds[start:start + size, :length], branch_mask[:, :length]))
+        start += size
+    return encoded
+
+
+def _encode_text(pipe, device, prompt):
+    return pipe._get_qwen_prompt_embeds(prompt, device)
+
+
+def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask):
+    """One forward over rows whose prompt embeddings may differ in length: pad to the longest and mask."""
+    lengths = [row.shape[0] for row in text]
+    longest = max(lengths)
+    masks = [torch.ones(n, dtype=torch.long, device=row.device) if m is None else m.long()
+             for n, row, m in zip(lengths, text, text_mask)]
+    if all(n == longest for n in lengths) and all(m is None for m in text_mask):
+        embeds, mask = torch.stack(text), None
+    else:
+        embeds = torch.stack([torch.nn.functional.pad(row, (0, 0, 0, longest - row.shape[0])) for row in text])
+        mask = torch.stack([torch.nn.functional.pad(m, (0, longest - m.shape[0])) for m in masks])
+    return transformer(
+        hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
+        encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0], attention_kwargs=attention_kwargs,
+        return_dict=False,
+    )[0]

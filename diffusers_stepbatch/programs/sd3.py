@@ -1,0 +1,269 @@
+"""Step program for StableDiffusion3Pipeline (SD3, SD3.5): its __call__ as a resumable generator.
+
+Classic CFG runs the unconditional and conditional rows in one transformer forward, and the guidance scale is
+applied per request after the split, so requests with different scales share a forward. The timestep is a
+per-row input (raw, 0..1000). Skip-layer guidance needs a forward with `skip_layers` set, which changes the
+whole forward: those rows are a separate work item whose key holds the skip set, so they batch only with rows
+that skip the same layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import StableDiffusion3Pipeline
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+    StableDiffusion3PipelineOutput,
+    calculate_shift,
+    retrieve_timesteps,
+)
+
+from ..decoders.vae import vae_decode_item
+from ..engine.batch import WorkItem
+from .registry import PlannedRequest, register_program, request_pipeline
+from .validation import (
+    as_list,
+    check_generator,
+    check_latents,
+    check_num_images_per_prompt,
+    check_num_inference_steps,
+    check_output_type,
+    freeze,
+)
+
+_UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds")
+
+
+@dataclass
+class SD3Call:
+    """One validated StableDiffusion3Pipeline call; names follow StableDiffusion3Pipeline.__call__."""
+
+    args: dict[str, Any]
+    height: int
+    width: int
+    num_inference_steps: int
+    num_prompts: int
+    num_images: int  # prompts x num_images_per_prompt
+    do_cfg: bool
+
+
+@register_program(StableDiffusion3Pipeline)
+def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedRequest:
+    """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
+    given = [name for name in _UNSUPPORTED if args.get(name) is not None]
+    if given:
+        raise ValueError(f"{given} are not supported by StepBatched's SD3 program yet; call the wrapped pipe directly")
+    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
+        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
+    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
+    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    pipe.check_inputs(
+        args["prompt"], args["prompt_2"], args["prompt_3"], height, width,
+        negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
+        negative_prompt_3=args["negative_prompt_3"], prompt_embeds=args["prompt_embeds"],
+        negative_prompt_embeds=args["negative_prompt_embeds"], pooled_prompt_embeds=args["pooled_prompt_embeds"],
+        negative_pooled_prompt_embeds=args["negative_pooled_prompt_embeds"],
+        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
+        max_sequence_length=args["max_sequence_length"],
+    )
+    check_output_type(args["output_type"])
+    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    prompts = as_list(args["prompt"])
+    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
+    num_images = num_prompts * per_prompt
+    if args["prompt_embeds"] is not None and per_prompt > 1:
+        raise ValueError(
+            f"num_images_per_prompt={per_prompt} with prompt_embeds: StableDiffusion3Pipeline does not repeat given "
+            "embeddings; repeat prompt_embeds and pooled_prompt_embeds yourself and pass num_images_per_prompt=1"
+        )
+    check_generator(args["generator"], num_images)
+    if args["prompt_embeds"] is None:
+        for name in ("prompt_2", "prompt_3"):
+            _texts(args[name] or args["prompt"], num_prompts, name)
+    do_cfg = args["guidance_scale"] > 1
+    if do_cfg and args["negative_prompt_embeds"] is None:
+        if isinstance(args["prompt"], str) and isinstance(args["negative_prompt"], list):
+            raise ValueError("negative_prompt is a list but prompt is a str; pass both as lists or both as str")
+        negative = args["negative_prompt"] or ""
+        for name in ("negative_prompt", "negative_prompt_2", "negative_prompt_3"):
+            _texts(args[name] or negative, num_prompts, name, repeat_str=True)
+    skip = args["skip_guidance_layers"]
+    if skip is not None and not all(isinstance(layer, int) for layer in skip):
+        raise ValueError(f"skip_guidance_layers={skip!r} must be a list of transformer block indices (ints)")
+    channels = pipe.transformer.config.in_channels
+    check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
+                                    int(width) // pipe.vae_scale_factor))
+    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg)
+    skip_rows = num_images if do_cfg and skip is not None else 0
+    rows = max(num_images * (2 if do_cfg else 1), skip_rows)
+    return PlannedRequest(program=sd3_program(pipe, call), num_rows=rows, num_steps=steps)
+
+
+def _texts(value: str | list[str], count: int, name: str, repeat_str: bool = False) -> list[str]:
+    """`value` as a list of `count` prompts; the pipeline repeats a str only for negative prompts."""
+    texts = ([value] * (count if repeat_str else 1)) if isinstance(value, str) else list(value)
+    if len(texts) != count:
+        raise ValueError(f"{name} has {len(texts)} entries for {count} prompts; pass one per prompt")
+    return texts
+
+
+def sd3_program(pipe: StableDiffusion3Pipeline, call: SD3Call) -> Generator[WorkItem, Any, Any]:
+    args = call.args
+    view = request_pipeline(pipe)
+    view._guidance_scale = args["guidance_scale"]
+    view._skip_layer_guidance_scale = args["skip_layer_guidance_scale"]
+    view._clip_skip = args["clip_skip"]
+    view._joint_attention_kwargs = args["joint_attention_kwargs"]
+    view._interrupt = False
+    device = pipe._execution_device
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    lora_scale = (view._joint_attention_kwargs or {}).get("scale")
+
+    # 1. Text: [positive] or [positive, negative], repeated for num_images_per_prompt.
+    embeds, pooled = yield from _encode(pipe, call, per_prompt, device, lora_scale)
+    prompt_embeds, pooled_embeds = embeds[0], pooled[0]
+    if call.do_cfg:
+        prompt_embeds = torch.cat([embeds[1], embeds[0]], dim=0)
+        pooled_embeds = torch.cat([pooled[1], pooled[0]], dim=0)
+
+    # 2. Latents, this request's own scheduler and timesteps (as StableDiffusion3Pipeline.__call__ does).
+    latents = view.prepare_latents(
+        call.num_images, pipe.transformer.config.in_channels, call.height, call.width, prompt_embeds.dtype,
+        device, args["generator"], args["latents"],
+    )
+    scheduler_kwargs, mu = {}, args["mu"]
+    config = view.scheduler.config
+    if config.get("use_dynamic_shifting", None) and mu is None:
+        patch = pipe.transformer.config.patch_size
+        mu = calculate_shift(
+            (latents.shape[2] // patch) * (latents.shape[3] // patch), config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.16),
+        )
+    if mu is not None:
+        scheduler_kwargs["mu"] = mu
+    timesteps, num_inference_steps = retrieve_timesteps(
+        view.scheduler, call.num_inference_steps, device, sigmas=args["sigmas"], **scheduler_kwargs
+    )
+    view._num_timesteps = len(timesteps)
+
+    jak = view._joint_attention_kwargs
+    key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), tuple(pooled_embeds.shape[1:]),
+           freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
+    skip_layers = args["skip_guidance_layers"]
+    skip_key = key + (tuple(skip_layers or ()),)
+    denoise = functools.partial(_denoise, pipe.transformer, jak, None)
+    denoise_skipping = functools.partial(_denoise, pipe.transformer, jak, skip_layers)
+
+    # 3. Denoising loop: one work item per step (two while skip-layer guidance is active).
+    callback = args["callback_on_step_end"]
+    with view.progress_bar(total=num_inference_steps) as progress_bar:
+        for i, t in enumerate(timesteps):
+            if view._interrupt:
+                continue
+            branches = 2 if call.do_cfg else 1
+            inputs = {
+                "hidden_states": torch.cat([latents] * branches) if branches > 1 else latents,
+                "timestep": t.expand(branches * latents.shape[0]),
+                "encoder_hidden_states": prompt_embeds,
+                "pooled_projections": pooled_embeds,
+            }
+            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=branches * latents.shape[0], step=i)
+            if call.do_cfg:
+                noise_uncond, noise_text = noise_pred.chunk(2)
+                noise_pred = noise_uncond + args["guidance_scale"] * (noise_text - noise_uncond)
+                start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
+                if skip_layers is not None and num_inference_steps * start < i < num_inference_steps * stop:
+                    inputs = {"hidden_states": latents, "timestep": t.expand(latents.shape[0]),
+                              "encoder_hidden_states": embeds[0], "pooled_projections": pooled[0]}
+                    # NOTE: step=None: this is the second forward of step i, not a step of its own.
+                    noise_skip = yield WorkItem("denoise", skip_key, inputs, denoise_skipping, rows=latents.shape[0])
+                    noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
+            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if callback is not None:
+                tensors = {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_embeds}
+                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+                outputs = callback(view, i, t, callback_kwargs)
+                latents = outputs.pop("latents", latents)
+                prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)
+                pooled_embeds = outputs.pop("pooled_prompt_embeds", pooled_embeds)
+            progress_bar.update()
+
+    # 4. Decode (batched with other requests' decodes of the same size).
+    if args["output_type"] == "latent":
+        image = latents
+    else:
+        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        image = yield vae_decode_item(pipe.vae, latents)
+        image = view.image_processor.postprocess(image, output_type=args["output_type"])
+    return StableDiffusion3PipelineOutput(images=image) if args["return_dict"] else (image,)
+
+
+@dataclass
+class _Branch:
+    """One CFG branch of a request's text: prompts to encode (with their clip_skip) or given embeddings."""
+
+    texts: tuple[list[str], list[str], list[str]] | None = None
+    clip_skip: int | None = None
+    embeds: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+
+
+def _encode(pipe, call: SD3Call, per_prompt: int, device, lora_scale):
+    """Yield encode items for the prompts that need encoding; return ([embeds...], [pooled...]).
+
+    Lists hold the positive branch, then the negative one under CFG. The pipeline encodes negatives without
+    clip_skip, so with clip_skip set the two branches are two encode items (each batches with other requests).
+    """
+    args, n = call.args, call.num_prompts
+    if args["prompt_embeds"] is not None:
+        branches = [_Branch(embeds=args["prompt_embeds"], pooled=args["pooled_prompt_embeds"])]
+    else:
+        texts = tuple(_texts(args[name] or args["prompt"], n, name) for name in ("prompt", "prompt_2", "prompt_3"))
+        branches = [_Branch(texts, args["clip_skip"])]
+    if call.do_cfg and args["negative_prompt_embeds"] is not None:
+        branches.append(_Branch(embeds=args["negative_prompt_embeds"], pooled=args["negative_pooled_prompt_embeds"]))
+    elif call.do_cfg:
+        negative = args["negative_prompt"] or ""
+        texts = tuple(_texts(args[name] or negative, n, name, repeat_str=True)
+                      for name in ("negative_prompt", "negative_prompt_2", "negative_prompt_3"))
+        branches.append(_Branch(texts, clip_skip=None))
+
+    to_encode = [branch for branch in branches if branch.texts is not None]
+    for clip_skip in dict.fromkeys(branch.clip_skip for branch in to_encode):
+        group = [branch for branch in to_encode if branch.clip_skip == clip_skip]
+        inputs = {name: sum((branch.texts[j] for branch in group), []) for j, name in
+                  enumerate(("prompt", "prompt_2", "prompt_3"))}
+        run = functools.partial(_encode_text, pipe, device, args["max_sequence_length"], clip_skip, lora_scale)
+        key = ("sd3.encode", args["max_sequence_length"], clip_skip, lora_scale, str(device))
+        out_embeds, out_pooled = yield WorkItem("encode", key, inputs, run, rows=len(inputs["prompt"]))
+        start = 0
+        for branch in group:
+            end = start + len(branch.texts[0])
+            branch.embeds = out_embeds[start:end].repeat_interleave(per_prompt, dim=0)
+            branch.pooled = out_pooled[start:end].repeat_interleave(per_prompt, dim=0)
+            start = end
+    return [branch.embeds.to(device) for branch in branches], [branch.pooled.to(device) for branch in branches]
+
+
+def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, prompt, prompt_2, prompt_3):
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        prompt=prompt, prompt_2=prompt_2, prompt_3=prompt_3, device=device, num_images_per_prompt=1,
+        do_classifier_free_guidance=False, clip_skip=clip_skip, max_sequence_length=max_sequence_length,
+        lora_scale=lora_scale,
+    )
+    return embeds, pooled
+
+
+def _denoise(transformer, joint_attention_kwargs, skip_layers, hidden_states, timestep, encoder_hidden_states,
+             pooled_projections):
+    return transformer(
+        hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+        pooled_projections=pooled_projections, joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
+        skip_layers=skip_layers,
+    )[0]

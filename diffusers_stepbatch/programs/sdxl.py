@@ -1,0 +1,310 @@
+"""Step program for StableDiffusionXLPipeline, and the UNet denoising loop it shares with Stable Diffusion 1.x/2.x.
+
+A UNet takes a [B] timestep vector, so requests at different steps (and with different schedulers: each
+request steps its own scheduler copy, DPM-Solver's `model_outputs` history included) share a forward.
+Classic CFG puts the unconditional and conditional rows in the same forward; the guidance scale and
+`guidance_rescale` are applied per request after the split. SDXL's pooled text embeddings and
+`add_time_ids` are per-row inputs too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL, StableDiffusionXLPipeline
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.stable_diffusion_xl.pipeline_output import StableDiffusionXLPipelineOutput
+from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg, retrieve_timesteps
+
+from ..decoders.vae import vae_decode_item
+from ..engine.batch import WorkItem
+from .registry import PlannedRequest, register_program, request_pipeline
+from .validation import (
+    as_list,
+    check_generator,
+    check_latents,
+    check_num_images_per_prompt,
+    check_num_inference_steps,
+    check_output_type,
+    freeze,
+)
+
+UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds")
+
+
+@dataclass
+class UNetCall:
+    """One validated SD or SDXL call; names follow the pipelines' __call__."""
+
+    args: dict[str, Any]
+    height: int
+    width: int
+    num_inference_steps: int
+    num_prompts: int
+    num_images: int  # prompts x num_images_per_prompt
+    do_cfg: bool
+
+
+def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
+    """Checks SD and SDXL share; returns (steps, num_prompts, num_images, per_prompt)."""
+    given = [option for option in UNSUPPORTED if args.get(option) is not None]
+    if given:
+        raise ValueError(f"{given} are not supported by StepBatched's {name} program yet; call the wrapped pipe directly")
+    legacy = sorted(option for option in (args.get("kwargs") or {}) if option in ("callback", "callback_steps"))
+    if legacy:
+        raise ValueError(f"{legacy} are deprecated and not supported by StepBatched; use callback_on_step_end")
+    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
+        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
+    check_output_type(args["output_type"])
+    custom = args["timesteps"] if args["timesteps"] is not None else args["sigmas"]
+    steps = check_num_inference_steps(args["num_inference_steps"], custom)
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    prompts = as_list(args["prompt"])
+    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
+    check_generator(args["generator"], num_prompts * per_prompt)
+    return steps, num_prompts, num_prompts * per_prompt, per_prompt
+
+
+@register_program(StableDiffusionXLPipeline)
+def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedRequest:
+    """Validate a StableDiffusionXLPipeline call in the caller's thread and return its step program."""
+    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
+    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    pipe.check_inputs(
+        args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
+        args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
+        args["negative_pooled_prompt_embeds"], None, None, args["callback_on_step_end_tensor_inputs"],
+    )
+    steps, num_prompts, num_images, _ = check_unet_call(pipe, args, "SDXL")
+    if args["prompt_embeds"] is None and args["prompt_2"] is not None:
+        if len(as_list(args["prompt_2"])) != num_prompts:
+            raise ValueError(f"prompt_2 has {len(as_list(args['prompt_2']))} entries for {num_prompts} prompts")
+    do_cfg = args["guidance_scale"] > 1 and pipe.unet.config.time_cond_proj_dim is None
+    if do_cfg and _negatives_to_encode(pipe, args):
+        for name in ("negative_prompt", "negative_prompt_2"):
+            count = len(_negative_texts(args, name, num_prompts))
+            if count != num_prompts:
+                raise ValueError(f"{name} has {count} entries for {num_prompts} prompts; pass one per prompt")
+    projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
+                      else int(args["pooled_prompt_embeds"].shape[-1]))
+    for prefix in ("", "negative_"):  # raises ValueError when the UNet expects other added time embeddings
+        original, target = args[f"{prefix}original_size"], args[f"{prefix}target_size"]
+        if prefix == "" or (original is not None and target is not None):
+            pipe._get_add_time_ids(original or (height, width), args[f"{prefix}crops_coords_top_left"],
+                                   target or (height, width), dtype=torch.float32,
+                                   text_encoder_projection_dim=projection_dim)
+    check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
+                                    int(width) // pipe.vae_scale_factor))
+    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
+    rows = num_images * (2 if do_cfg else 1)
+    return PlannedRequest(program=sdxl_program(pipe, call, projection_dim), num_rows=rows, num_steps=steps)
+
+
+def _negatives_to_encode(pipe, args) -> bool:
+    zero_out = args["negative_prompt"] is None and pipe.config.force_zeros_for_empty_prompt
+    return args["negative_prompt_embeds"] is None and not zero_out
+
+
+def _negative_texts(args, name: str, count: int) -> list[str]:
+    """The negative prompts SDXL encodes: `negative_prompt or ""`, `negative_prompt_2 or negative_prompt`."""
+    value = args[name] or args["negative_prompt"] or ""
+    return [value] * count if isinstance(value, str) else list(value)
+
+
+def sdxl_program(pipe: StableDiffusionXLPipeline, call: UNetCall, projection_dim: int):
+    args = call.args
+    view = request_pipeline(pipe)
+    view._guidance_scale = args["guidance_scale"]
+    view._guidance_rescale = args["guidance_rescale"]
+    view._clip_skip = args["clip_skip"]
+    view._cross_attention_kwargs = args["cross_attention_kwargs"]
+    view._denoising_end = args["denoising_end"]
+    view._interrupt = False
+    device = pipe._execution_device
+    lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
+
+    # 1. Text: the encoders run in batched work items; the pipeline's own encode_prompt then repeats, zeroes
+    # and casts exactly as it does (it encodes nothing more: every text already has its embeddings).
+    given = {name: args[name] for name in ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
+                                           "negative_pooled_prompt_embeds")}
+    if given["prompt_embeds"] is None:
+        texts = as_list(args["prompt"])
+        run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
+        inputs = {"prompt": texts, "prompt_2": as_list(args["prompt_2"] or args["prompt"])}
+        key = ("sdxl.encode", args["clip_skip"], lora_scale, str(device))
+        given["prompt_embeds"], given["pooled_prompt_embeds"] = yield WorkItem("encode", key, inputs, run,
+                                                                              rows=len(texts))
+    if call.do_cfg and _negatives_to_encode(pipe, args):
+        length = given["prompt_embeds"].shape[1]
+        run = functools.partial(_encode_negative, pipe, device, length, lora_scale)
+        inputs = {name: _negative_texts(args, name, call.num_prompts) for name in ("negative_prompt",
+                                                                                   "negative_prompt_2")}
+        key = ("sdxl.encode.negative", length, lora_scale, str(device))
+        negative = yield WorkItem("encode", key, inputs, run, rows=call.num_prompts)
+        given["negative_prompt_embeds"], given["negative_pooled_prompt_embeds"] = negative
+    embeds, negative_embeds, pooled, negative_pooled = view.encode_prompt(
+        prompt=None, device=device, num_images_per_prompt=call.num_images // call.num_prompts,
+        do_classifier_free_guidance=call.do_cfg, negative_prompt=args["negative_prompt"], **given,
+    )
+
+    # 2. Timesteps (this request's own scheduler), latents, and SDXL's added conditioning.
+    timesteps, num_inference_steps = retrieve_timesteps(view.scheduler, args["num_inference_steps"], device,
+                                                        args["timesteps"], args["sigmas"])
+    latents = view.prepare_latents(call.num_images, pipe.unet.config.in_channels, call.height, call.width,
+                                   embeds.dtype, device, args["generator"], args["latents"])
+    size = (call.height, call.width)
+    add_time_ids = view._get_add_time_ids(args["original_size"] or size, args["crops_coords_top_left"],
+                                          args["target_size"] or size, dtype=embeds.dtype,
+                                          text_encoder_projection_dim=projection_dim)
+    negative_time_ids = add_time_ids
+    if args["negative_original_size"] is not None and args["negative_target_size"] is not None:
+        negative_time_ids = view._get_add_time_ids(args["negative_original_size"],
+                                                   args["negative_crops_coords_top_left"],
+                                                   args["negative_target_size"], dtype=embeds.dtype,
+                                                   text_encoder_projection_dim=projection_dim)
+    if call.do_cfg:
+        embeds = torch.cat([negative_embeds, embeds], dim=0)
+        pooled = torch.cat([negative_pooled, pooled], dim=0)
+        add_time_ids = torch.cat([negative_time_ids, add_time_ids], dim=0)
+    # NOTE: as the pipeline does: [neg, pos] time ids repeated per image (not per branch).
+    add_time_ids = add_time_ids.to(device).repeat(call.num_images, 1)
+    end = args["denoising_end"]
+    if end is not None and isinstance(end, float) and 0 < end < 1:
+        train_steps = view.scheduler.config.num_train_timesteps
+        cutoff = int(round(train_steps - end * train_steps))
+        num_inference_steps = len([t for t in timesteps if t >= cutoff])
+        timesteps = timesteps[:num_inference_steps]
+    view._num_timesteps = len(timesteps)
+
+    conditioning = {"prompt_embeds": embeds.to(device), "add_text_embeds": pooled.to(device),
+                    "add_time_ids": add_time_ids}
+    latents = yield from unet_denoise(view, pipe, call, latents, timesteps, conditioning)
+
+    # 3. Decode (batched with other requests' decodes of the same size).
+    if args["output_type"] == "latent":
+        return StableDiffusionXLPipelineOutput(images=latents) if args["return_dict"] else (latents,)
+    vae = pipe.vae
+    if getattr(vae.config, "latents_mean", None) is not None and getattr(vae.config, "latents_std", None) is not None:
+        mean = torch.tensor(vae.config.latents_mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+        latents = latents * std / vae.config.scaling_factor + mean
+    else:
+        latents = latents / vae.config.scaling_factor
+    if vae.dtype == torch.float16 and vae.config.force_upcast:
+        key = ("sdxl.decode.upcast", tuple(latents.shape[1:]), str(latents.device))
+        image = yield WorkItem("decode", key, {"latents": latents}, functools.partial(_decode_upcast, view),
+                               rows=latents.shape[0])
+    else:
+        image = yield decode_item(vae, latents, args["generator"])
+    if view.watermark is not None:
+        image = view.watermark.apply_watermark(image)
+    image = view.image_processor.postprocess(image, output_type=args["output_type"])
+    return StableDiffusionXLPipelineOutput(images=image) if args["return_dict"] else (image,)
+
+
+def _encode_text(pipe, device, clip_skip, lora_scale, prompt, prompt_2):
+    embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=prompt_2, device=device,
+                                              num_images_per_prompt=1, do_classifier_free_guidance=False,
+                                              lora_scale=lora_scale, clip_skip=clip_skip)
+    return embeds, pooled
+
+
+def _encode_negative(pipe, device, length, lora_scale, negative_prompt, negative_prompt_2):
+    # NOTE: the pipeline's negative path, fed placeholder positives: it only reads their count and length.
+    placeholder = torch.zeros(len(negative_prompt), length, 1, device=device)
+    _, negative, _, negative_pooled = pipe.encode_prompt(
+        prompt=None, device=device, num_images_per_prompt=1, do_classifier_free_guidance=True,
+        negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2, prompt_embeds=placeholder,
+        pooled_prompt_embeds=placeholder[:, 0], lora_scale=lora_scale,
+    )
+    return negative, negative_pooled
+
+
+def _decode_upcast(view, latents):
+    # NOTE: the pipeline upcasts the fp16 VAE for the decode and casts it back; run it as one call.
+    view.upcast_vae()
+    try:
+        latents = latents.to(next(iter(view.vae.post_quant_conv.parameters())).dtype)
+        return view.vae.decode(latents, return_dict=False)[0]
+    finally:
+        view.vae.to(dtype=torch.float16)
+
+
+def decode_item(vae, latents: torch.Tensor, generator) -> WorkItem:
+    """A batched AutoencoderKL decode; other VAEs (which may sample with `generator`) decode per request."""
+    if isinstance(vae, AutoencoderKL):
+        return vae_decode_item(vae, latents)
+    key = ("vae.decode.own", id(latents))
+    run = functools.partial(_decode_with_generator, vae, generator)
+    return WorkItem("decode", key, {"latents": latents}, run, rows=latents.shape[0])
+
+
+def _decode_with_generator(vae, generator, latents):
+    return vae.decode(latents.to(vae.dtype), return_dict=False, generator=generator)[0]
+
+
+def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: torch.Tensor,
+                 conditioning: dict[str, torch.Tensor]) -> Generator[WorkItem, Any, torch.Tensor]:
+    """The SD/SDXL denoising loop: one work item per step; returns the final latents.
+
+    `conditioning` holds the CFG-concatenated `prompt_embeds` (and SDXL's `add_text_embeds`, `add_time_ids`);
+    step callbacks may replace any of them, as in the pipelines.
+    """
+    args = call.args
+    extra_step_kwargs = view.prepare_extra_step_kwargs(args["generator"], args["eta"])
+    timestep_cond = None
+    if pipe.unet.config.time_cond_proj_dim is not None:
+        scale = torch.tensor(args["guidance_scale"] - 1).repeat(call.num_images)
+        timestep_cond = view.get_guidance_scale_embedding(scale, embedding_dim=pipe.unet.config.time_cond_proj_dim)
+        timestep_cond = timestep_cond.to(device=latents.device, dtype=latents.dtype)
+    branches = 2 if call.do_cfg else 1
+    cross_attention_kwargs = args["cross_attention_kwargs"]
+    run = functools.partial(_denoise, pipe.unet, cross_attention_kwargs)
+    if hasattr(view.scheduler, "set_begin_index"):
+        view.scheduler.set_begin_index(0)
+    callback = args["callback_on_step_end"]
+    with view.progress_bar(total=len(timesteps)) as progress_bar:
+        for i, t in enumerate(timesteps):
+            if view._interrupt:
+                continue
+            model_input = torch.cat([latents] * branches) if branches > 1 else latents
+            if hasattr(view.scheduler, "scale_model_input"):
+                model_input = view.scheduler.scale_model_input(model_input, t)
+            # NOTE: the UNet embeds timesteps as float32 either way; int timesteps (DPM) batch with float ones.
+            timestep = t.to(model_input.device).float().expand(model_input.shape[0])
+            inputs = {
+                "sample": model_input,
+                "timestep": timestep,
+                "encoder_hidden_states": conditioning["prompt_embeds"],
+                "text_embeds": conditioning.get("add_text_embeds"),
+                "time_ids": conditioning.get("add_time_ids"),
+                "timestep_cond": None if timestep_cond is None else timestep_cond.repeat(branches, 1),
+            }
+            key = ("unet",) + tuple(None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values())
+            key += (freeze(cross_attention_kwargs), str(model_input.device))
+            noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
+            if call.do_cfg:
+                noise_uncond, noise_text = noise_pred.chunk(2)
+                noise_pred = noise_uncond + args["guidance_scale"] * (noise_text - noise_uncond)
+                if args["guidance_rescale"] > 0.0:
+                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=args["guidance_rescale"])
+            latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
+            if callback is not None:
+                tensors = {"latents": latents, **conditioning}
+                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+                outputs = callback(view, i, t, callback_kwargs)
+                latents = outputs.pop("latents", latents)
+                conditioning.update({name: value for name, value in outputs.items() if name in conditioning})
+            progress_bar.update()
+    return latents
+
+
+def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_states, text_embeds, time_ids,
+             timestep_cond):
+    added = None if text_embeds is None else {"text_embeds": text_embeds, "time_ids": time_ids}
+    return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
+                cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
