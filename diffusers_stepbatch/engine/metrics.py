@@ -28,6 +28,8 @@ class EngineMetrics:
         self.calls: deque[CallRecord] = deque(maxlen=history)
         self.rows_histogram: dict[str, Counter] = {}
         self.requests_finished: Counter = Counter()
+        self.first_arrival: float | None = None
+        self.last_finish: float | None = None
         self.busy_seconds = 0.0
         self.overhead_seconds = 0.0  # scheduling, make_batch and split: the engine's own cost
         self.engine_steps = 0
@@ -52,6 +54,9 @@ class EngineMetrics:
         stats = request.stats
         with self._lock:
             self.requests_finished[status.name] += 1
+            if self.first_arrival is None or stats.arrival_time < self.first_arrival:
+                self.first_arrival = stats.arrival_time
+            self.last_finish = stats.finished_time
             self._recent_requests.append(
                 {
                     "request_id": request.request_id,
@@ -64,10 +69,11 @@ class EngineMetrics:
                 }
             )
 
-    def max_rows(self, kind: str) -> int:
-        with self._lock:
-            histogram = self.rows_histogram.get(kind)
-            return max(histogram) if histogram else 0
+    def _throughput(self) -> float:
+        """Requests finished OK per second, from the first arrival to the latest finish."""
+        if self.first_arrival is None or self.last_finish is None or self.last_finish <= self.first_arrival:
+            return 0.0
+        return self.requests_finished["FINISHED_OK"] / (self.last_finish - self.first_arrival)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -78,6 +84,7 @@ class EngineMetrics:
                 "rows_histogram": {kind: dict(sorted(h.items())) for kind, h in self.rows_histogram.items()},
                 "mean_denoise_rows": (sum(r * n for r, n in denoise.items()) / calls) if calls else 0.0,
                 "requests_finished": dict(self.requests_finished),
+                "throughput_requests_per_s": self._throughput(),
                 "busy_fraction": min(self.busy_seconds / elapsed, 1.0),
                 "engine_steps": self.engine_steps,
                 "overhead_ms_per_step": 1000 * self.overhead_seconds / max(self.engine_steps, 1),
