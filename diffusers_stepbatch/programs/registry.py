@@ -46,11 +46,20 @@ def register_program(pipeline_class: type) -> Callable[[PlanFn], PlanFn]:
 
 
 def program_for(pipe: Any) -> PlanFn | None:
-    """The plan function registered for the pipeline's class or its nearest registered base class."""
+    """The plan function registered for the pipeline's class or its nearest registered base class.
+
+    A family's program mirrors its class's `__call__`, so it serves a subclass only if the subclass keeps that
+    `__call__`; one registered on a base without `__call__` (DiffusionPipeline: the generic fallback) serves all.
+    """
+    call = _own_call(type(pipe))
     for cls in type(pipe).__mro__:
-        if cls in _PROGRAMS:
+        if cls in _PROGRAMS and _own_call(cls) in (None, call):
             return _PROGRAMS[cls]
     return None
+
+
+def _own_call(cls: type) -> Any:
+    return next((vars(base)["__call__"] for base in cls.__mro__ if "__call__" in vars(base)), None)
 
 
 def registered_pipelines() -> list[type]:

@@ -1,0 +1,345 @@
+"""Fallback step program for any DiffusionPipeline without a family program.
+
+Each request runs the pipeline's own `__call__`, unchanged, in a helper thread, on a per-request view of the
+pipeline (shared models, its own scheduler copy and per-call state). On that view the denoiser (`transformer`,
+`unet`, ...) is a proxy: every call of it becomes a work item that the request's step program hands to the
+engine, and the result goes back to the helper. The engine merges calls of several requests whose
+non-batch shapes and other arguments match (rows concatenated along dim 0, outputs cut back per request).
+Control passes between the engine thread and a helper strictly in turn, so only one of them runs at a time.
+
+What can't be merged safely runs alone: a call whose output isn't row-wise, or a whole pipeline call when its
+denoiser can't be found or carries diffusers hooks (their cache state is per model, not per request).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import queue
+import threading
+from collections.abc import Generator
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.utils import BaseOutput
+
+from ..engine.batch import WorkItem
+from .registry import PlannedRequest, register_program, request_pipeline
+from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
+
+logger = logging.getLogger(__name__)
+
+DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
+_HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
+_logged: set[tuple[str, str]] = set()
+_not_rowwise: set[Any] = set()  # call signatures whose outputs were not row-wise: they run alone from then on
+
+
+@register_program(DiffusionPipeline)
+def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedRequest:
+    """Validate what can be validated in the caller's thread and return the fallback step program."""
+    _check_call(pipe, args)
+    positional, keywords = _call_arguments(pipe, args)
+    steps = _num_steps(args)
+    prompts = as_list(args["prompt"]) if isinstance(args.get("prompt"), (str, list)) else None
+    images = (len(prompts) if prompts else 1) * check_num_images_per_prompt(args.get("num_images_per_prompt"))
+    branches = 2 if any(isinstance(args.get(name), (int, float)) and args[name] > 1
+                        for name in ("guidance_scale", "true_cfg_scale")) else 1
+    denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
+    reason = _unbatchable_reason(pipe, denoisers)
+    if reason is not None:
+        _log_once(type(pipe).__name__, reason)
+        program = _whole_call_program(pipe, positional, keywords)
+    else:
+        program = generic_program(pipe, positional, keywords, denoisers)
+    return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps)
+
+
+def _check_call(pipe, args: dict[str, Any]) -> None:
+    """The shared checks, and the pipeline's own `check_inputs` where its arguments are plain call arguments."""
+    if isinstance(args.get("callback_on_step_end"), (PipelineCallback, MultiPipelineCallbacks)):
+        args = {**args, "callback_on_step_end_tensor_inputs": args["callback_on_step_end"].tensor_inputs}
+    _num_steps(args)
+    per_prompt = check_num_images_per_prompt(args.get("num_images_per_prompt"))
+    if isinstance(args.get("prompt"), (str, list)):
+        check_generator(args.get("generator"), len(as_list(args["prompt"])) * per_prompt)
+    check = getattr(pipe, "check_inputs", None)
+    if check is None or args.get("use_resolution_binning"):  # binning changes height and width before the check
+        return
+    values = {}
+    for name, parameter in inspect.signature(check).parameters.items():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if name in ("height", "width") and args.get(name) is None:
+            return  # the pipeline derives a default size first; it checks again itself
+        if name in args:
+            values[name] = args[name]
+        elif parameter.default is parameter.empty:
+            return  # an argument __call__ computes: leave the check to the pipeline
+    try:
+        check(**values)
+    except ValueError:
+        raise
+    except Exception as exc:  # our mapping doesn't fit this pipeline; its own __call__ still checks
+        logger.debug("skipped %s.check_inputs in the caller: %r", type(pipe).__name__, exc)
+
+
+def _num_steps(args: dict[str, Any]) -> int:
+    for name in ("timesteps", "sigmas"):
+        if args.get(name) is not None:
+            return check_num_inference_steps(None, args[name])
+    if args.get("num_inference_steps") is None:
+        return 1
+    return check_num_inference_steps(args["num_inference_steps"])
+
+
+def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
+    """The bound call arguments (as the wrapper binds them) back into positional and keyword arguments."""
+    positional, keywords = [], {}
+    parameters = list(inspect.signature(type(pipe).__call__).parameters.values())[1:]
+    for parameter in parameters:
+        if parameter.name not in args:
+            continue
+        value = args[parameter.name]
+        if parameter.kind == parameter.POSITIONAL_ONLY:
+            positional.append(value)
+        elif parameter.kind == parameter.VAR_POSITIONAL:
+            positional.extend(value)
+        elif parameter.kind == parameter.VAR_KEYWORD:
+            keywords.update(value)
+        else:
+            keywords[parameter.name] = value
+    return positional, keywords
+
+
+def _unbatchable_reason(pipe, denoisers: list[str]) -> str | None:
+    if not denoisers:
+        return f"no denoiser found among {list(DENOISER_NAMES)}"
+    for name in denoisers:
+        for module in getattr(pipe, name).modules():
+            registry = getattr(module, "_diffusers_hook", None)
+            if registry is not None and registry.hooks:
+                return f"pipe.{name} has diffusers hooks ({list(registry.hooks)}), whose state is not per request"
+    return None
+
+
+def _log_once(pipeline: str, reason: str) -> None:
+    if (pipeline, reason) not in _logged:
+        _logged.add((pipeline, reason))
+        logger.info("StepBatched runs %s calls one at a time, unbatched: %s", pipeline, reason)
+
+
+# ------------------------------------------------------------------------------------------ whole-call fallback
+class _Holder:
+    """Where a work item's real result waits for its request (outputs need not be row-wise tensors)."""
+
+    __slots__ = ("output",)
+
+    def __init__(self):
+        self.output = None
+
+
+def _whole_call_program(pipe, positional: list, keywords: dict) -> Generator[WorkItem, Any, Any]:
+    holder = _Holder()
+    run = functools.partial(_run_whole_call, request_pipeline(pipe), positional, keywords)
+    yield WorkItem("call", ("generic.call", id(holder)), {_HOLDERS: [holder]}, run, rows=1)
+    return holder.output
+
+
+def _run_whole_call(view, positional, keywords, _holders):
+    _holders[0].output = view(*positional, **keywords)
+    return torch.zeros(1)
+
+
+# ----------------------------------------------------------------------------------------- batched denoiser
+class _Aborted(BaseException):
+    """Raised inside a helper thread to unwind the pipeline call of a request that was aborted or failed."""
+
+
+class _Handoff:
+    """The turn-taking between a request's step program (engine thread) and its helper thread."""
+
+    def __init__(self):
+        self.to_engine: queue.Queue = queue.Queue(maxsize=1)
+        self.to_helper: queue.Queue = queue.Queue(maxsize=1)
+
+
+class _DenoiserProxy:
+    """Stands in for a denoiser on a request's view: calls go to the engine, attributes to the model."""
+
+    def __init__(self, module: torch.nn.Module, handoff: _Handoff):
+        self.__dict__["_module"] = module
+        self.__dict__["_handoff"] = handoff
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        item, holder = denoiser_item(self._module, args, kwargs)
+        self._handoff.to_engine.put(("call", item))
+        if self._handoff.to_helper.get() is _Aborted:
+            raise _Aborted()
+        return holder.output
+
+
+def generic_program(pipe, positional: list, keywords: dict, denoisers: list[str]) -> Generator[WorkItem, Any, Any]:
+    view = request_pipeline(pipe)
+    handoff = _Handoff()
+    for name in denoisers:
+        view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff)
+    helper = threading.Thread(target=_run_in_helper, args=(view, positional, keywords, handoff), daemon=True,
+                              name=f"StepBatched-{type(pipe).__name__}-request")
+    helper.start()
+    kind = None
+    try:
+        while True:
+            kind, payload = handoff.to_engine.get()
+            if kind == "call":
+                yield payload
+                handoff.to_helper.put(None)
+            elif kind == "done":
+                return payload
+            else:
+                raise payload
+    finally:
+        if kind == "call":  # closed (aborted, or its batch failed) while the helper waits: unwind its call
+            handoff.to_helper.put(_Aborted)
+            while handoff.to_engine.get()[0] == "call":
+                handoff.to_helper.put(_Aborted)
+        helper.join()
+
+
+def _run_in_helper(view, positional, keywords, handoff: _Handoff) -> None:
+    try:
+        with torch.no_grad():
+            output = view(*positional, **keywords)
+    except _Aborted:
+        handoff.to_engine.put(("aborted", None))
+    except BaseException as exc:  # the pipeline's own error: it becomes the request's error
+        handoff.to_engine.put(("error", exc))
+    else:
+        handoff.to_engine.put(("done", output))
+
+
+def denoiser_item(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[WorkItem, _Holder]:
+    """One denoiser call as a work item; its key holds everything but the rows, so equal keys can merge.
+
+    A tensor whose dim 0 equals the call's batch size is a row input; any other tensor must be exactly equal
+    between merged calls, and any other value equal.
+    """
+    holder = _Holder()
+    rows = _batch_size(args, kwargs)
+    row_inputs: list[torch.Tensor] = []
+    template, signature = _describe((args, kwargs), rows, row_inputs)
+    key = ("generic.denoise", id(module), signature)
+    if rows is None or key in _not_rowwise:
+        key, rows = ("generic.alone", id(holder)), rows or 1
+    inputs = {f"row{i}": tensor for i, tensor in enumerate(row_inputs)}
+    inputs[_HOLDERS] = [holder] * rows
+    run = functools.partial(_merged_call, module, template, key)
+    return WorkItem("denoise", key, inputs, run, rows=rows), holder
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int | None:
+    first = args[0] if args else next((kwargs[n] for n in ("hidden_states", "sample", "x") if n in kwargs), None)
+    if isinstance(first, torch.Tensor) and first.ndim >= 1:
+        return int(first.shape[0])
+    return None
+
+
+class _Row:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _Exact:
+    """A tensor in a key: equal only to an identical tensor (same shape, dtype, device and values)."""
+
+    __slots__ = ("tensor", "_hash")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._hash = hash((tuple(tensor.shape), tensor.dtype, str(tensor.device)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Exact) or other._hash != self._hash:
+            return False
+        mine, theirs = self.tensor, other.tensor
+        return mine is theirs or (mine.shape == theirs.shape and mine.dtype == theirs.dtype
+                                  and mine.device == theirs.device and torch.equal(mine, theirs))
+
+
+def _describe(value: Any, rows: int | None, row_inputs: list) -> tuple[Any, Any]:
+    """(template, signature): the call with row tensors replaced by `_Row` markers, and its hashable form."""
+    if isinstance(value, torch.Tensor):
+        if rows is not None and value.ndim >= 1 and value.shape[0] == rows:
+            row_inputs.append(value)
+            return _Row(len(row_inputs) - 1), ("row", tuple(value.shape[1:]), value.dtype, str(value.device))
+        return value, ("same", _Exact(value))
+    if isinstance(value, (tuple, list)):
+        parts = [_describe(v, rows, row_inputs) for v in value]
+        return type(value)(p[0] for p in parts), (type(value).__name__, tuple(p[1] for p in parts))
+    if isinstance(value, dict):
+        parts = {k: _describe(v, rows, row_inputs) for k, v in value.items()}
+        return {k: p[0] for k, p in parts.items()}, ("dict", tuple((k, p[1]) for k, p in parts.items()))
+    return value, ("value", type(value).__name__, freeze(value))
+
+
+def _fill(template: Any, rows: dict[str, Any]) -> Any:
+    if isinstance(template, _Row):
+        return rows[f"row{template.index}"]
+    if isinstance(template, (tuple, list)):
+        return type(template)(_fill(v, rows) for v in template)
+    if isinstance(template, dict):
+        return {k: _fill(v, rows) for k, v in template.items()}
+    return template
+
+
+def _merged_call(module, template, key, **inputs):
+    holders = inputs.pop(_HOLDERS)
+    args, kwargs = _fill(template, inputs)
+    output = module(*args, **kwargs)
+    total = len(holders)
+    bounds, start = [], 0
+    for i in range(1, total + 1):
+        if i == total or holders[i] is not holders[start]:
+            bounds.append((start, i))
+            start = i
+    if len(bounds) == 1:  # one request: its output as the model returned it
+        holders[0].output = output
+        return torch.zeros(total)
+    try:
+        parts = [_cut(output, begin, end, total) for begin, end in bounds]
+    except _NotRowWise as exc:
+        _not_rowwise.add(key)
+        _log_once(type(module).__name__, f"its output is not row-wise ({exc}); these calls run alone")
+        raise
+    for (begin, _), part in zip(bounds, parts):
+        holders[begin].output = part
+    return torch.zeros(total)
+
+
+class _NotRowWise(ValueError):
+    pass
+
+
+def _cut(output: Any, begin: int, end: int, total: int) -> Any:
+    if isinstance(output, torch.Tensor):
+        if output.ndim == 0 or output.shape[0] != total:
+            raise _NotRowWise(f"an output of shape {tuple(output.shape)} for {total} rows")
+        return output[begin:end]
+    if isinstance(output, BaseOutput):
+        return type(output)(**{k: _cut(v, begin, end, total) for k, v in output.items()})
+    if isinstance(output, (tuple, list)):
+        return type(output)(_cut(v, begin, end, total) for v in output)
+    if isinstance(output, dict):
+        return {k: _cut(v, begin, end, total) for k, v in output.items()}
+    return output
