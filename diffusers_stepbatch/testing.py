@@ -315,9 +315,8 @@ def tiny_qwenimage_pipeline(num_layers: int = 1, attention_head_dim: int = 16, n
     text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
 
     torch.manual_seed(seed)
-    quarter = attention_head_dim // 4
-    rope = (attention_head_dim - 2 * (attention_head_dim * 3 // 8), attention_head_dim * 3 // 8,
-            attention_head_dim * 3 // 8) if quarter else (attention_head_dim,)
+    side = attention_head_dim * 3 // 8 // 2 * 2  # RoPE over (frame, row, column); every part even
+    rope = (attention_head_dim - 2 * side, side, side)
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=num_layers, attention_head_dim=attention_head_dim,
         num_attention_heads=num_attention_heads, joint_attention_dim=text_hidden, axes_dims_rope=rope,

@@ -45,3 +45,47 @@ def count_forwards(module: torch.nn.Module):
         sizes.append(int(hidden.shape[0]))
 
     return sizes, module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Other families (SD3, Qwen-Image, SDXL, SD 1.5, and PixArt-Sigma through the generic program).
+from diffusers_stepbatch.testing import (  # noqa: E402
+    tiny_pixart_or_sana_pipeline,
+    tiny_qwenimage_pipeline,
+    tiny_sd3_pipeline,
+    tiny_sd_pipeline,
+    tiny_sdxl_pipeline,
+)
+
+FAMILY_CONFIGS = {
+    # name: (builder, builder kwargs, (height, width))
+    "sd3-tiny": (tiny_sd3_pipeline, {}, (32, 32)),
+    "sd3-patch2": (tiny_sd3_pipeline, dict(patch_size=2, num_layers=3, attention_head_dim=4, num_attention_heads=4,
+                                           in_channels=8, vae_blocks=3), (32, 48)),
+    "qwen-tiny": (tiny_qwenimage_pipeline, {}, (32, 32)),
+    "qwen-wide": (tiny_qwenimage_pipeline, dict(num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                                                text_hidden=24), (48, 32)),
+    "sdxl-euler": (tiny_sdxl_pipeline, dict(scheduler="euler"), (32, 32)),
+    "sdxl-dpm": (tiny_sdxl_pipeline, dict(scheduler="dpm"), (32, 40)),
+    "sd-euler": (tiny_sd_pipeline, dict(scheduler="euler"), (40, 32)),
+    "sd-dpm": (tiny_sd_pipeline, dict(scheduler="dpm"), (32, 32)),
+    "pixart-tiny": (tiny_pixart_or_sana_pipeline, {}, (32, 32)),
+    "pixart-wide": (tiny_pixart_or_sana_pipeline, dict(num_layers=2, attention_head_dim=4, num_attention_heads=4),
+                    (24, 40)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def family_pipe(name: str):
+    builder, kwargs, _ = FAMILY_CONFIGS[name]
+    return builder(**kwargs)
+
+
+def family_size(name: str) -> tuple[int, int]:
+    return FAMILY_CONFIGS[name][2]
+
+
+def submit_all(sb, requests: list[dict]) -> list:
+    """Submit every request at once (seeded) and return their results in order."""
+    futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+    return [future.result(timeout=300) for future in futures]

@@ -52,9 +52,9 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedReques
     reason = _unbatchable_reason(pipe, denoisers)
     if reason is not None:
         _log_once(type(pipe).__name__, reason)
-        program = _whole_call_program(pipe, positional, keywords)
+        program = _whole_call_program(request_pipeline(pipe), positional, keywords)
     else:
-        program = generic_program(pipe, positional, keywords, denoisers)
+        program = generic_program(pipe, request_pipeline(pipe), positional, keywords, denoisers)
     return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps)
 
 
@@ -142,9 +142,9 @@ class _Holder:
         self.output = None
 
 
-def _whole_call_program(pipe, positional: list, keywords: dict) -> Generator[WorkItem, Any, Any]:
+def _whole_call_program(view, positional: list, keywords: dict) -> Generator[WorkItem, Any, Any]:
     holder = _Holder()
-    run = functools.partial(_run_whole_call, request_pipeline(pipe), positional, keywords)
+    run = functools.partial(_run_whole_call, view, positional, keywords)
     yield WorkItem("call", ("generic.call", id(holder)), {_HOLDERS: [holder]}, run, rows=1)
     return holder.output
 
@@ -185,8 +185,8 @@ class _DenoiserProxy:
         return holder.output
 
 
-def generic_program(pipe, positional: list, keywords: dict, denoisers: list[str]) -> Generator[WorkItem, Any, Any]:
-    view = request_pipeline(pipe)
+def generic_program(pipe, view, positional: list, keywords: dict,
+                    denoisers: list[str]) -> Generator[WorkItem, Any, Any]:
     handoff = _Handoff()
     for name in denoisers:
         view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff)

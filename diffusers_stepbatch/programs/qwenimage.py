@@ -83,12 +83,12 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
     call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg)
     rows = num_images * (2 if do_true_cfg else 1)
-    return PlannedRequest(program=qwenimage_program(pipe, call), num_rows=rows, num_steps=steps)
+    return PlannedRequest(program=qwenimage_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps)
 
 
-def qwenimage_program(pipe: QwenImagePipeline, call: QwenImageCall) -> Generator[WorkItem, Any, Any]:
+def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
+                      call: QwenImageCall) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view = request_pipeline(pipe)
     view._guidance_scale = args["guidance_scale"]
     view._attention_kwargs = args["attention_kwargs"] or {}
     view._current_timestep = None
@@ -105,8 +105,9 @@ def qwenimage_program(pipe: QwenImagePipeline, call: QwenImageCall) -> Generator
     for (_, embeds_name, mask_name), (embeds, mask) in zip(texts, encoded):
         if embeds is None:
             embeds, mask = args[embeds_name], args[mask_name]
-        branches.append(view.encode_prompt(None, device=device, num_images_per_prompt=per_prompt, prompt_embeds=embeds,
-                                           prompt_embeds_mask=mask, max_sequence_length=args["max_sequence_length"]))
+        branches.append(view.encode_prompt(None, device=device, num_images_per_prompt=per_prompt,
+                                           prompt_embeds=embeds, prompt_embeds_mask=mask,
+                                           max_sequence_length=args["max_sequence_length"]))
 
     # 2. Latents, this request's own scheduler and timesteps (as QwenImagePipeline.__call__ does).
     latents = view.prepare_latents(
@@ -173,9 +174,9 @@ def qwenimage_program(pipe: QwenImagePipeline, call: QwenImageCall) -> Generator
     else:
         vae = pipe.vae
         latents = view._unpack_latents(latents, call.height, call.width, view.vae_scale_factor).to(vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
-                                                                                                    latents.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         image = yield vae_decode_item(vae, latents / inv_std + mean)
         image = view.image_processor.postprocess(image[:, :, 0], output_type=args["output_type"])
     return QwenImagePipelineOutput(images=image) if args["return_dict"] else (image,)
@@ -226,6 +227,6 @@ def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guida
         mask = torch.stack([torch.nn.functional.pad(m, (0, longest - m.shape[0])) for m in masks])
     return transformer(
         hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
-        encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0], attention_kwargs=attention_kwargs,
-        return_dict=False,
+        encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0],
+        attention_kwargs=attention_kwargs, return_dict=False,
     )[0]

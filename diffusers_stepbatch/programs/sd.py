@@ -46,12 +46,12 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedReque
                                     int(width) // pipe.vae_scale_factor))
     call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
     rows = num_images * (2 if do_cfg else 1)
-    return PlannedRequest(program=sd_program(pipe, call), num_rows=rows, num_steps=steps)
+    return PlannedRequest(program=sd_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps)
 
 
-def sd_program(pipe: StableDiffusionPipeline, call: UNetCall) -> Generator[WorkItem, Any, Any]:
+def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
+               call: UNetCall) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view = request_pipeline(pipe)
     view._guidance_scale = args["guidance_scale"]
     view._guidance_rescale = args["guidance_rescale"]
     view._clip_skip = args["clip_skip"]

@@ -2,9 +2,9 @@
 
 Classic CFG runs the unconditional and conditional rows in one transformer forward, and the guidance scale is
 applied per request after the split, so requests with different scales share a forward. The timestep is a
-per-row input (raw, 0..1000). Skip-layer guidance needs a forward with `skip_layers` set, which changes the
-whole forward: those rows are a separate work item whose key holds the skip set, so they batch only with rows
-that skip the same layers.
+per-row input (raw, 0..1000). Skip-layer guidance adds a third row group (the conditional rows again) whose
+forward skips blocks; `skip_layers` applies to a whole forward, so each row carries its skip set and the
+batched call runs one forward per distinct set: rows share a forward only with rows that skip the same layers.
 """
 
 from __future__ import annotations
@@ -100,9 +100,8 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
     call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg)
-    skip_rows = num_images if do_cfg and skip is not None else 0
-    rows = max(num_images * (2 if do_cfg else 1), skip_rows)
-    return PlannedRequest(program=sd3_program(pipe, call), num_rows=rows, num_steps=steps)
+    rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
+    return PlannedRequest(program=sd3_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps)
 
 
 def _texts(value: str | list[str], count: int, name: str, repeat_str: bool = False) -> list[str]:
@@ -113,9 +112,9 @@ def _texts(value: str | list[str], count: int, name: str, repeat_str: bool = Fal
     return texts
 
 
-def sd3_program(pipe: StableDiffusion3Pipeline, call: SD3Call) -> Generator[WorkItem, Any, Any]:
+def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
+                call: SD3Call) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view = request_pipeline(pipe)
     view._guidance_scale = args["guidance_scale"]
     view._skip_layer_guidance_scale = args["skip_layer_guidance_scale"]
     view._clip_skip = args["clip_skip"]
@@ -156,33 +155,38 @@ def sd3_program(pipe: StableDiffusion3Pipeline, call: SD3Call) -> Generator[Work
     key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), tuple(pooled_embeds.shape[1:]),
            freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
     skip_layers = args["skip_guidance_layers"]
-    skip_key = key + (tuple(skip_layers or ()),)
-    denoise = functools.partial(_denoise, pipe.transformer, jak, None)
-    denoise_skipping = functools.partial(_denoise, pipe.transformer, jak, skip_layers)
+    denoise = functools.partial(_denoise, pipe.transformer, jak)
 
-    # 3. Denoising loop: one work item per step (two while skip-layer guidance is active).
+    # 3. Denoising loop: one work item per step; rows are [uncond, cond] under CFG, plus [cond, skipping
+    # layers] while skip-layer guidance is active.
     callback = args["callback_on_step_end"]
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
             if view._interrupt:
                 continue
-            branches = 2 if call.do_cfg else 1
+            images = latents.shape[0]
+            start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
+            skipping = (call.do_cfg and skip_layers is not None
+                        and num_inference_steps * start < i < num_inference_steps * stop)
+            hidden, text, text_pooled = [latents] * (2 if call.do_cfg else 1), [prompt_embeds], [pooled_embeds]
+            skips = [None] * len(hidden) * images
+            if skipping:  # the conditional rows again, with the pipeline's original (pre-callback) embeddings
+                hidden, text, text_pooled = hidden + [latents], text + [embeds[0]], text_pooled + [pooled[0]]
+                skips += [tuple(skip_layers)] * images
             inputs = {
-                "hidden_states": torch.cat([latents] * branches) if branches > 1 else latents,
-                "timestep": t.expand(branches * latents.shape[0]),
-                "encoder_hidden_states": prompt_embeds,
-                "pooled_projections": pooled_embeds,
+                "hidden_states": torch.cat(hidden),
+                "timestep": t.expand(len(skips)),
+                "encoder_hidden_states": torch.cat(text),
+                "pooled_projections": torch.cat(text_pooled),
+                "skip_layers": skips,
             }
-            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=branches * latents.shape[0], step=i)
+            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i)
+            noise_pred = output
             if call.do_cfg:
-                noise_uncond, noise_text = noise_pred.chunk(2)
+                noise_uncond, noise_text = output[:images], output[images:2 * images]
                 noise_pred = noise_uncond + args["guidance_scale"] * (noise_text - noise_uncond)
-                start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
-                if skip_layers is not None and num_inference_steps * start < i < num_inference_steps * stop:
-                    inputs = {"hidden_states": latents, "timestep": t.expand(latents.shape[0]),
-                              "encoder_hidden_states": embeds[0], "pooled_projections": pooled[0]}
-                    # NOTE: step=None: this is the second forward of step i, not a step of its own.
-                    noise_skip = yield WorkItem("denoise", skip_key, inputs, denoise_skipping, rows=latents.shape[0])
+                if skipping:
+                    noise_skip = output[2 * images:]
                     noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
             latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:
@@ -260,10 +264,24 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
     return embeds, pooled
 
 
-def _denoise(transformer, joint_attention_kwargs, skip_layers, hidden_states, timestep, encoder_hidden_states,
-             pooled_projections):
-    return transformer(
-        hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-        pooled_projections=pooled_projections, joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
-        skip_layers=skip_layers,
-    )[0]
+def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encoder_hidden_states, pooled_projections,
+             skip_layers):
+    """One forward per distinct skip set among the rows (`skip_layers` holds each row's set, None: no skipping)."""
+    outputs = None
+    for skip in dict.fromkeys(skip_layers):
+        rows = [r for r, row_skip in enumerate(skip_layers) if row_skip == skip]
+        whole = len(rows) == len(skip_layers)
+        index = None if whole else torch.tensor(rows, device=hidden_states.device)
+        pick = (lambda x: x) if whole else (lambda x: x.index_select(0, index))  # noqa: E731
+        output = transformer(
+            hidden_states=pick(hidden_states), timestep=pick(timestep),
+            encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
+            joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
+            skip_layers=None if skip is None else list(skip),
+        )[0]
+        if whole:
+            return output
+        if outputs is None:
+            outputs = output.new_empty((len(skip_layers),) + tuple(output.shape[1:]))
+        outputs.index_copy_(0, index, output)
+    return outputs

@@ -53,7 +53,8 @@ def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, in
     """Checks SD and SDXL share; returns (steps, num_prompts, num_images, per_prompt)."""
     given = [option for option in UNSUPPORTED if args.get(option) is not None]
     if given:
-        raise ValueError(f"{given} are not supported by StepBatched's {name} program yet; call the wrapped pipe directly")
+        raise ValueError(f"{given} are not supported by StepBatched's {name} program yet; "
+                         "call the wrapped pipe directly")
     legacy = sorted(option for option in (args.get("kwargs") or {}) if option in ("callback", "callback_steps"))
     if legacy:
         raise ValueError(f"{legacy} are deprecated and not supported by StepBatched; use callback_on_step_end")
@@ -101,7 +102,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
                                     int(width) // pipe.vae_scale_factor))
     call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
     rows = num_images * (2 if do_cfg else 1)
-    return PlannedRequest(program=sdxl_program(pipe, call, projection_dim), num_rows=rows, num_steps=steps)
+    program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps)
 
 
 def _negatives_to_encode(pipe, args) -> bool:
@@ -115,9 +117,9 @@ def _negative_texts(args, name: str, count: int) -> list[str]:
     return [value] * count if isinstance(value, str) else list(value)
 
 
-def sdxl_program(pipe: StableDiffusionXLPipeline, call: UNetCall, projection_dim: int):
+def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipeline, call: UNetCall,
+                 projection_dim: int) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view = request_pipeline(pipe)
     view._guidance_scale = args["guidance_scale"]
     view._guidance_rescale = args["guidance_rescale"]
     view._clip_skip = args["clip_skip"]
