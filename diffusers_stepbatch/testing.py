@@ -297,11 +297,13 @@ def tiny_qwenimage_pipeline(num_layers: int = 1, attention_head_dim: int = 16, n
 
     tokenizer = tiny_qwen2_tokenizer()
     ids = tokenizer.convert_tokens_to_ids
+    half = text_hidden // 2 // 2  # multimodal RoPE splits half of each (2-head) text attention head in 3 sections
+    mrope = [half // 4, half // 4, half - 2 * (half // 4)]
     config = Qwen2_5_VLConfig(
         text_config={
             "hidden_size": text_hidden, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 2, "vocab_size": len(tokenizer), "rope_theta": 1000000.0,
-            "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
+            "rope_scaling": {"mrope_section": mrope, "rope_type": "default", "type": "default"},
             "bos_token_id": ids("<|endoftext|>"), "eos_token_id": ids("<|endoftext|>"),
             "pad_token_id": ids("<|endoftext|>"),
         },

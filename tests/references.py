@@ -89,3 +89,16 @@ def submit_all(sb, requests: list[dict]) -> list:
     """Submit every request at once (seeded) and return their results in order."""
     futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
     return [future.result(timeout=300) for future in futures]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test's tiny models on one intra-op thread: on a shared 2-core CPU, waking a second thread for a
+    32-wide matmul costs a scheduler quantum (~15 ms) while the matmul itself takes ~0.05 ms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -5,7 +5,11 @@ import torch
 
 from diffusers_stepbatch import StepBatched
 
-from .references import TOLERANCE, count_forwards, family_pipe, family_size, max_diff, seeded, submit_all
+from .references import (  # noqa: F401  (single_thread is a fixture)
+    TOLERANCE, count_forwards, family_pipe, family_size, max_diff, seeded, single_thread, submit_all,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 CONFIGS = ["sd3-tiny", "sd3-patch2"]
 
