@@ -1,0 +1,55 @@
+"""A trained miniature FLUX text-to-image pipeline for toy shapes, shipped with the package (offline demo model).
+
+Captions follow `a {color} {shape} {position} on a {background} background` (see `toy.scenes`). The model is
+guidance-distilled: one transformer forward per step, `guidance_scale` is an input of the model.
+
+>>> from diffusers_stepbatch.toy import load_pipeline
+>>> pipe = load_pipeline()
+>>> image = pipe(
+...     "a red circle at the top left on a white background",
+...     height=64, width=64, num_inference_steps=20, guidance_scale=3.5, max_sequence_length=16,
+... ).images[0]
+>>> image.size
+(64, 64)
+
+`max_sequence_length=16` matters: FluxPipeline's default of 512 pads the T5 input far beyond anything the
+model saw in training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from diffusers import FluxPipeline
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+NATIVE_SIZE = 64
+MAX_SEQUENCE_LENGTH = 16
+DEFAULT_STEPS = 20
+DEFAULT_GUIDANCE = 3.5
+
+__all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "MAX_SEQUENCE_LENGTH", "NATIVE_SIZE", "WEIGHTS_DIR", "load_pipeline"]
+
+
+def load_pipeline(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> FluxPipeline:
+    """Load the shipped toy pipeline from `WEIGHTS_DIR`, fully offline.
+
+    The returned object is a plain `FluxPipeline`; its `default_sample_size` is set so that height and width
+    default to the native 64x64.
+    """
+    from diffusers import FluxPipeline
+
+    if not (WEIGHTS_DIR / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"no toy weights at {WEIGHTS_DIR}; train them with "
+            f"`python -m diffusers_stepbatch.toy.train --out {WEIGHTS_DIR}`"
+        )
+    pipe = FluxPipeline.from_pretrained(WEIGHTS_DIR, dtype=dtype, local_files_only=True)
+    # NOTE: FluxPipeline derives the default height/width as default_sample_size * vae_scale_factor (1024).
+    pipe.default_sample_size = NATIVE_SIZE // pipe.vae_scale_factor
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
