@@ -142,11 +142,16 @@ class AllocationCounter:
         self._handles: list = []
 
     def exclude(self, module: torch.nn.Module) -> AllocationCounter:
+        # NOTE: leaving the dispatch mode (rather than ignoring ops) keeps the model at full speed meanwhile.
         def pause(*_):
             self._paused += 1
+            if self._paused == 1 and self._mode is not None:
+                self._mode.__exit__(None, None, None)
 
         def resume(*_):
             self._paused -= 1
+            if self._paused == 0 and self._mode is not None:
+                self._mode.__enter__()
 
         self._handles += [module.register_forward_pre_hook(pause), module.register_forward_hook(resume)]
         return self

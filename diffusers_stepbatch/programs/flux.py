@@ -18,8 +18,13 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import FluxPipelineOutput, calculate_shift, retrieve_timesteps
 
+from ..buffers import stack_rows
+from ..cache.prompt import cached_encode, encoder_namespace
+from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
+from .cfg import transformer_activation_bytes
+from .options import ProgramOptions, current_options
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -45,6 +50,8 @@ class FluxCall:
     num_inference_steps: int
     num_images: int  # prompts x num_images_per_prompt
     do_true_cfg: bool
+    options: ProgramOptions
+    teacache: list[TeaCacheState] | None  # one per CFG branch; None: every step runs the blocks
 
 
 @register_program(FluxPipeline)
@@ -89,9 +96,27 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
 
-    call = FluxCall(args, height, width, steps, num_images, do_true_cfg)
-    rows = num_images * (2 if do_true_cfg else 1)
+    _check_second_prompts(args, "prompt", "prompt_2")
+    if do_true_cfg:
+        _check_second_prompts(args, "negative_prompt", "negative_prompt_2")
+
+    options = current_options()
+    branches = 2 if do_true_cfg else 1
+    teacache = options.teacache.states("flux", steps, branches) if options.teacache is not None else None
+    if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
+        raise ValueError(
+            "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
+            "pipe.transformer; call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None"
+        )
+    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache)
+    rows = num_images * branches
     return PlannedRequest(program=flux_program(pipe, call), num_rows=rows, num_steps=steps)
+
+
+def _check_second_prompts(args: dict[str, Any], name: str, name_2: str) -> None:
+    firsts, seconds = as_list(args[name]), as_list(args[name_2])
+    if firsts is not None and seconds is not None and len(firsts) != len(seconds):
+        raise ValueError(f"{name_2} has {len(seconds)} entries for {len(firsts)} {name}s; pass one per {name}")
 
 
 def _check_negative(args: dict[str, Any], num_prompts: int) -> None:
@@ -109,7 +134,7 @@ def _check_negative(args: dict[str, Any], num_prompts: int) -> None:
 
 
 def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
-    args = call.args
+    args, options = call.args, call.options
     view = request_pipeline(pipe)
     view._guidance_scale = args["guidance_scale"]
     view._joint_attention_kwargs = args["joint_attention_kwargs"] or {}
@@ -119,8 +144,9 @@ def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any,
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = view._joint_attention_kwargs.get("scale")
 
-    # 1. Text: positive and negative prompts of this request are encoded in one batched call.
-    embeds, pooled = yield from _encode(pipe, args, call.do_true_cfg, per_prompt, device, lora_scale)
+    # 1. Text: positive and negative prompts of this request are encoded in one batched call (or cached).
+    embeds, pooled = yield from _encode(pipe, args, call.do_true_cfg, per_prompt, device, lora_scale,
+                                        options.prompt_cache)
 
     # 2. Latents, this request's own scheduler and timesteps (as FluxPipeline.__call__ does).
     latents, image_ids = view.prepare_latents(
@@ -147,7 +173,8 @@ def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any,
 
     text_dtype = pipe.text_encoder.dtype if pipe.text_encoder is not None else pipe.transformer.dtype
     text_ids = torch.zeros(embeds[0].shape[1], 3, device=device, dtype=text_dtype)
-    denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, view._joint_attention_kwargs)
+    denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, view._joint_attention_kwargs,
+                                options.buffers)
     # NOTE: txt_ids/img_ids have no batch dim, so rows of one forward share image grid and text length.
     grid = (call.height // (pipe.vae_scale_factor * 2), call.width // (pipe.vae_scale_factor * 2))
     key = (
@@ -155,34 +182,58 @@ def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any,
         freeze(view._joint_attention_kwargs), latents.dtype, embeds[0].dtype, str(latents.device),
     )
 
-    # 3. Denoising loop: one work item per step; the engine batches it with other requests' items.
-    view.scheduler.set_begin_index(0)
+    # 3. Denoising loop: one work item per step (two when the CFG policy splits the branches); the engine
+    # batches it with other requests' items. Inputs are lists of row tensors: the batch is assembled once, in
+    # `_denoise`, into pooled buffers when the engine has them. Row r = branch b, image j: b * images + j.
     callback = args["callback_on_step_end"]
+    images, branches = latents.shape[0], 2 if call.do_true_cfg else 1
+    text, text_pooled = (torch.cat(embeds), torch.cat(pooled)) if call.do_true_cfg else (embeds[0], pooled[0])
+    scaled_timesteps = timesteps.to(latents.dtype) / 1000
+    teacache = call.teacache or [None] * branches
+    # NOTE: callbacks may keep the latents they are shown, so those requests don't ping-pong.
+    workspace = options.buffers.workspace() if options.buffers is not None and callback is None else None
+    heads = pipe.transformer.config.num_attention_heads
+    branch_bytes = transformer_activation_bytes(images, latents.shape[1] + text.shape[1],
+                                                heads * pipe.transformer.config.attention_head_dim, heads,
+                                                latents.element_size())
+    view.scheduler.set_begin_index(0)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
             if view._interrupt:
                 continue
             view._current_timestep = t
-            timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-            branches = 2 if call.do_true_cfg else 1
-            inputs = {
-                "hidden_states": latents.repeat(branches, 1, 1),
-                "timestep": timestep.repeat(branches),
-                "guidance": None if guidance is None else guidance.repeat(branches),
-                "pooled_projections": torch.cat(pooled) if call.do_true_cfg else pooled[0],
-                "encoder_hidden_states": torch.cat(embeds) if call.do_true_cfg else embeds[0],
-            }
-            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=branches * latents.shape[0], step=i)
+            for state in call.teacache or ():
+                state.step = i
+            together = not call.do_true_cfg or options.cfg_policy.batch_branches(device, branch_bytes)
+            outputs = []
+            for group in ([range(branches)] if together else [[0], [1]]):
+                rows = [(b, j) for b in group for j in range(images)]
+                inputs = {
+                    "hidden_states": [latents[j] for _, j in rows],
+                    "timestep": [scaled_timesteps[i]] * len(rows),
+                    "guidance": None if guidance is None else [guidance[j] for _, j in rows],
+                    "pooled_projections": [text_pooled[b * images + j] for b, j in rows],
+                    "encoder_hidden_states": [text[b * images + j] for b, j in rows],
+                    "teacache": [teacache[b] for b, _ in rows],
+                }
+                outputs.append((yield WorkItem("denoise", key, inputs, denoise, rows=len(rows), step=i)))
+            noise_pred = outputs[0]
             if call.do_true_cfg:
-                cond, uncond = noise_pred.chunk(2)
-                noise_pred = uncond + args["true_cfg_scale"] * (cond - uncond)
-            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                cond, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
+                scale = args["true_cfg_scale"]
+                noise_pred = workspace.guide(cond, uncond, scale) if workspace else uncond + scale * (cond - uncond)
+            if workspace is not None:
+                latents = workspace.scheduler_step(view.scheduler, noise_pred, t, latents)
+            else:
+                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": embeds[0]}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
                 outputs = callback(view, i, t, callback_kwargs)
                 latents = outputs.pop("latents", latents)
-                embeds[0] = outputs.pop("prompt_embeds", embeds[0])
+                if "prompt_embeds" in outputs:
+                    embeds[0] = outputs.pop("prompt_embeds")
+                    text = torch.cat(embeds) if call.do_true_cfg else embeds[0]
             progress_bar.update()
     view._current_timestep = None
 
@@ -197,31 +248,42 @@ def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any,
     return FluxPipelineOutput(images=image) if args["return_dict"] else (image,)
 
 
-def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale):
-    """Yield one encode item for the prompts that need encoding; return ([embeds...], [pooled...]).
+def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
+    """Yield one encode item for the texts that need encoding; return ([embeds...], [pooled...]).
 
     Lists hold the positive branch, then the negative one when true CFG is on; rows are repeated for
-    num_images_per_prompt as FluxPipeline.encode_prompt does.
+    num_images_per_prompt as FluxPipeline.encode_prompt does. Texts are (prompt, prompt_2) pairs; with a
+    prompt cache, cached pairs skip the text encoders.
     """
     branches = [("prompt", "prompt_2", "prompt_embeds", "pooled_prompt_embeds")]
     if do_true_cfg:
         branches.append(("negative_prompt", "negative_prompt_2", "negative_prompt_embeds",
                          "negative_pooled_prompt_embeds"))
-    texts, texts_2, sizes = [], [], []
+    texts, sizes = [], []
     for prompt, prompt_2, _, _ in branches:
         if args[prompt] is None:
             sizes.append(0)
             continue
         prompts = as_list(args[prompt])
-        texts += prompts
-        texts_2 += as_list(args[prompt_2] or args[prompt])
+        texts += zip(prompts, _second_prompts(args[prompt_2], prompts))
         sizes.append(len(prompts))
     encoded_embeds = encoded_pooled = None
     if texts:
-        run = functools.partial(_encode_text, pipe, device, args["max_sequence_length"], lora_scale)
-        key = ("flux.encode", args["max_sequence_length"], lora_scale, str(device))
-        encoded_embeds, encoded_pooled = yield WorkItem("encode", key, {"prompt": texts, "prompt_2": texts_2}, run,
-                                                        rows=len(texts))
+        max_sequence_length = args["max_sequence_length"]
+        run = functools.partial(_encode_text, pipe, device, max_sequence_length, lora_scale)
+        key = ("flux.encode", max_sequence_length, lora_scale, str(device))
+
+        def make_item(pairs):
+            inputs = {"prompt": [p for p, _ in pairs], "prompt_2": [p2 for _, p2 in pairs]}
+            return WorkItem("encode", key, inputs, run, rows=len(pairs))
+
+        namespace = None
+        if cache is not None:
+            namespace = encoder_namespace(
+                pipe, [pipe.text_encoder, pipe.text_encoder_2], "flux", [pipe.tokenizer, pipe.tokenizer_2],
+                max_sequence_length=max_sequence_length, lora_scale=lora_scale,
+            )
+        encoded_embeds, encoded_pooled = yield from cached_encode(cache, namespace, texts, make_item)
     embeds, pooled, start = [], [], 0
     for (_, _, embeds_name, pooled_name), size in zip(branches, sizes):
         if size == 0:
@@ -234,6 +296,13 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale):
     return embeds, pooled
 
 
+def _second_prompts(prompt_2, prompts):
+    """The T5 prompts paired with `prompts`: FluxPipeline uses `prompt` where `prompt_2` is not given."""
+    if prompt_2 is None:
+        return prompts
+    return as_list(prompt_2)
+
+
 def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2):
     embeds, pooled, _ = pipe.encode_prompt(
         prompt=prompt, prompt_2=prompt_2, device=device, num_images_per_prompt=1,
@@ -242,10 +311,17 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
     return embeds, pooled
 
 
-def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, hidden_states, timestep, guidance,
-             pooled_projections, encoder_hidden_states):
-    return transformer(
-        hidden_states=hidden_states, timestep=timestep, guidance=guidance, pooled_projections=pooled_projections,
-        encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
-        joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
-    )[0]
+def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
+             pooled_projections, encoder_hidden_states, teacache):
+    inputs = {
+        "hidden_states": stack_rows(buffers, "hidden_states", hidden_states),
+        "timestep": stack_rows(buffers, "timestep", timestep),
+        "guidance": stack_rows(buffers, "guidance", guidance),
+        "pooled_projections": stack_rows(buffers, "pooled_projections", pooled_projections),
+        "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", encoder_hidden_states),
+    }
+    if any(state is not None for state in teacache):
+        return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
+                                     joint_attention_kwargs=joint_attention_kwargs)
+    return transformer(**inputs, txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=joint_attention_kwargs,
+                       return_dict=False)[0]

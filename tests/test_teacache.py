@@ -1,0 +1,249 @@
+"""TeaCache per request and CFG branch: exact at threshold 0, batch-invariant, skipping more as it grows."""
+
+import warnings
+
+import pytest
+import torch
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.cache import TeaCacheConfig
+from diffusers_stepbatch.cache.teacache import FLUX_COEFFICIENTS, TeaCacheState, flux_teacache_forward
+from diffusers_stepbatch.engine.scheduler import SchedulerConfig
+
+from .references import TOLERANCE, flux_pipe, max_diff, seeded
+
+SIZES = {"dev-tiny": (32, 32), "schnell-tiny": (32, 48), "dev-wide": (24, 40)}
+
+
+def kwargs_for(name, prompt="a red circle", **overrides):
+    height, width = SIZES[name]
+    kwargs = dict(prompt=prompt, height=height, width=width, num_inference_steps=12, seed=0, output_type="pt",
+                  max_sequence_length=16)
+    kwargs.update(overrides)
+    return kwargs
+
+
+class BlockPasses:
+    """Rows that enter the transformer blocks, and rows in each batched forward, per forward."""
+
+    def __init__(self, transformer):
+        self.forwards: list[list[int]] = []
+        self._handles = [
+            transformer.x_embedder.register_forward_pre_hook(lambda m, a: self.forwards.append([a[0].shape[0], 0])),
+            transformer.transformer_blocks[0].register_forward_pre_hook(self._entered, with_kwargs=True),
+        ]
+
+    def _entered(self, module, args, kwargs):
+        self.forwards[-1][1] += kwargs["hidden_states"].shape[0]
+
+    @property
+    def computed(self) -> int:
+        return sum(entered for _, entered in self.forwards)
+
+    @property
+    def skipped(self) -> int:
+        return sum(rows - entered for rows, entered in self.forwards)
+
+    @property
+    def mixed(self) -> int:
+        """Forwards in which some rows skipped the blocks and others ran them."""
+        return sum(0 < entered < rows for rows, entered in self.forwards)
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+
+
+def in_lockstep(sb, calls):
+    """Plan every call before the engine runs a step, then drive the engine here: the batches are deterministic.
+
+    `sb` must be fresh (its engine thread never started by a call).
+    """
+    assert not sb.engine.is_alive
+    requests = []
+    for kwargs in calls:
+        kwargs = seeded(kwargs)
+        requests.append(sb._make_request((), kwargs, 0, None))
+    for request in requests:
+        sb.engine.scheduler.add(request)
+    with torch.no_grad():
+        while sb.engine.scheduler.has_work():
+            sb.engine.step()
+    return [request.handle.result().images for request in requests]
+
+
+@pytest.mark.parametrize("true_cfg", [False, True])
+def test_threshold_zero_equals_no_cache_exactly(flux_name, true_cfg):
+    pipe = flux_pipe(flux_name)
+    extra = dict(negative_prompt="blurry", true_cfg_scale=2.5) if true_cfg else {}
+    kwargs = kwargs_for(flux_name, guidance_scale=4.0, **extra)
+    passes = BlockPasses(pipe.transformer)
+    try:
+        with StepBatched(pipe) as plain, StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.0)) as cached:
+            expected = plain(**seeded(kwargs)).images
+            got = cached(**seeded(kwargs)).images
+    finally:
+        passes.remove()
+    assert passes.skipped == 0
+    assert torch.equal(got, expected)
+
+
+def test_forward_with_every_row_computing_is_bit_identical_to_the_model():
+    pipe = flux_pipe("dev-wide")
+    transformer = pipe.transformer
+    generator = torch.Generator().manual_seed(0)
+    rows, tokens, text = 3, 15, 7
+    inputs = dict(
+        hidden_states=torch.randn(rows, tokens, transformer.config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(rows, text, transformer.config.joint_attention_dim, generator=generator),
+        pooled_projections=torch.randn(rows, transformer.config.pooled_projection_dim, generator=generator),
+        timestep=torch.tensor([0.9, 0.5, 0.1]),
+        guidance=torch.tensor([1.0, 3.5, 7.0]),
+        img_ids=torch.randn(tokens, 3, generator=generator),
+        txt_ids=torch.zeros(text, 3),
+        joint_attention_kwargs={},
+    )
+    states = [TeaCacheState(0.4, FLUX_COEFFICIENTS, num_steps=10) for _ in range(2)]
+    with torch.no_grad():
+        expected = transformer(**inputs, return_dict=False)[0]
+        got = flux_teacache_forward(transformer, [states[0], states[0], states[1]], **inputs)
+    assert torch.equal(got, expected)
+    assert [s.computed_steps for s in states] == [1, 1] and states[0].residual.shape[0] == 2
+
+
+def test_each_request_decides_for_itself_inside_a_merged_batch():
+    """Rows that skip never enter the blocks; the others run them; outputs equal each row's solo forward."""
+    pipe = flux_pipe("dev-tiny")
+    transformer = pipe.transformer
+    generator = torch.Generator().manual_seed(1)
+
+    def inputs(rows, t):
+        return dict(
+            hidden_states=torch.randn(rows, 16, 16, generator=generator),
+            encoder_hidden_states=torch.randn(rows, 5, 32, generator=generator),
+            pooled_projections=torch.randn(rows, 32, generator=generator),
+            timestep=torch.full([rows], t), guidance=torch.full([rows], 3.5),
+            img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(5, 3), joint_attention_kwargs={},
+        )
+
+    def step(states, batch):
+        with torch.no_grad():
+            return flux_teacache_forward(transformer, states, **batch)
+
+    # Warm two requests up with one computed step each, then give them signals that force opposite decisions.
+    skipper, computer = (TeaCacheState(10.0, FLUX_COEFFICIENTS, num_steps=10) for _ in range(2))
+    first = inputs(2, 0.9)
+    step([skipper, computer], first)
+    skipper.step = computer.step = 1
+    computer.threshold = 0.0
+    second = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in first.items()}
+    second["timestep"] = torch.full([2], 0.85)
+    passes = BlockPasses(transformer)
+    try:
+        got = step([skipper, computer], second)
+    finally:
+        passes.remove()
+    assert passes.forwards == [[2, 1]]
+    assert (skipper.skipped_steps, computer.computed_steps) == (1, 2)
+    # The computing row equals a solo forward of that row; the skipping row is its cached residual applied.
+    with torch.no_grad():
+        solo = transformer(**{k: (v[1:] if isinstance(v, torch.Tensor) and k not in ("img_ids", "txt_ids") else v)
+                              for k, v in second.items()}, return_dict=False)[0]
+    assert max_diff(got[1:], solo) <= TOLERANCE
+
+
+def test_output_is_the_same_solo_and_batched():
+    pipe = flux_pipe("dev-tiny")
+    calls = [
+        kwargs_for("dev-tiny", "a red circle", seed=1, num_inference_steps=12),
+        kwargs_for("dev-tiny", "a blue square", seed=2, num_inference_steps=16, guidance_scale=7.0,
+                   negative_prompt="noise", true_cfg_scale=2.0),
+        kwargs_for("dev-tiny", "a cat", seed=3, num_inference_steps=10, num_images_per_prompt=2,
+                   teacache=TeaCacheConfig(threshold=0.25)),
+        kwargs_for("dev-tiny", "a white cross", seed=4, num_inference_steps=14, teacache=None),
+        kwargs_for("dev-tiny", "a yellow dot", seed=5, num_inference_steps=12,
+                   teacache=TeaCacheConfig(threshold=1.0)),
+    ]
+    config = SchedulerConfig(max_batch_size=16, cost_aware=False)
+    teacache = TeaCacheConfig(threshold=0.5)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in calls]
+    passes = BlockPasses(pipe.transformer)
+    try:
+        batched = in_lockstep(StepBatched(pipe, teacache=teacache, scheduler=config), calls)
+    finally:
+        passes.remove()
+    assert passes.mixed > 0, "no forward mixed skipping and computing rows: the test proves nothing"
+    assert passes.skipped > 0
+    for got, want in zip(batched, solo):
+        assert max_diff(got, want) <= TOLERANCE
+
+
+def test_skipped_block_passes_grow_with_the_threshold():
+    pipe = flux_pipe("dev-tiny")
+    kwargs = kwargs_for("dev-tiny", num_inference_steps=28, negative_prompt="noise", true_cfg_scale=2.0)
+    skipped = []
+    with StepBatched(pipe) as sb:
+        for threshold in (0.0, 0.2, 0.4, 0.6, 0.8):
+            passes = BlockPasses(pipe.transformer)
+            try:
+                sb(**seeded(kwargs), teacache=TeaCacheConfig(threshold=threshold))
+            finally:
+                passes.remove()
+            assert passes.computed + passes.skipped == 2 * 28  # two CFG branches
+            skipped.append(passes.skipped)
+    assert skipped[0] == 0
+    assert all(a <= b for a, b in zip(skipped, skipped[1:])), skipped
+    assert skipped[-1] > skipped[1] > 0, skipped
+
+
+def test_first_and_last_steps_always_compute():
+    pipe = flux_pipe("schnell-tiny")
+    passes = BlockPasses(pipe.transformer)
+    try:
+        with StepBatched(pipe, teacache=TeaCacheConfig(threshold=100.0)) as sb:
+            sb(**seeded(kwargs_for("schnell-tiny", num_inference_steps=10)))
+    finally:
+        passes.remove()
+    assert [entered for _, entered in passes.forwards] == [1] + [0] * 8 + [1]
+
+
+def test_few_step_requests_run_without_teacache_and_warn_once():
+    pipe = flux_pipe("schnell-tiny")
+    config = TeaCacheConfig(threshold=0.8)
+    kwargs = kwargs_for("schnell-tiny", num_inference_steps=4)
+    with StepBatched(pipe) as plain:
+        expected = plain(**seeded(kwargs)).images
+    with StepBatched(pipe, teacache=config) as sb, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = sb(**seeded(kwargs)).images
+        second = sb(**seeded(kwargs)).images
+    messages = [str(w.message) for w in caught if "TeaCache is off" in str(w.message)]
+    assert len(messages) == 1 and "num_inference_steps=4" in messages[0]
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+
+
+def test_per_request_override():
+    pipe = flux_pipe("dev-tiny")
+    kwargs = kwargs_for("dev-tiny", num_inference_steps=16)
+    with StepBatched(pipe) as plain:
+        exact = plain(**seeded(kwargs)).images
+    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.8)) as sb:
+        engine_default = sb(**seeded(kwargs)).images
+        off = sb(**seeded(kwargs), teacache=None).images
+        zero = sb(**seeded(kwargs), teacache=TeaCacheConfig(threshold=0.0)).images
+        with pytest.raises(ValueError, match="teacache=0.4"):
+            sb(**seeded(kwargs), teacache=0.4)
+    assert torch.equal(off, exact) and torch.equal(zero, exact)
+    assert not torch.equal(engine_default, exact) and max_diff(engine_default, exact) < 0.05
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(threshold=-0.1), "threshold=-0.1"),
+    (dict(threshold="0.4"), "threshold='0.4'"),
+    (dict(min_steps=2), "min_steps=2"),
+    (dict(coefficients=()), "coefficients"),
+])
+def test_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        TeaCacheConfig(**bad)
