@@ -1,6 +1,6 @@
 """Demo: concurrent prompts through StepBatched; saves an image grid and prints batch statistics.
 
-    python examples/demo.py [--requests 8] [--steps 12] [--out outputs/demo_grid.png]
+    python examples/demo.py [--requests 8] [--steps 20] [--out outputs/demo_grid.png]
 
 Uses the shipped toy-shapes FLUX pipeline when it is installed (`diffusers_stepbatch.toy`), otherwise a tiny
 random-weight FluxPipeline built offline (its images are noise: it shows the mechanics, not the art).
@@ -36,9 +36,10 @@ CAPTIONS = [
 def load_demo_pipeline():
     """The trained toy model if available, else a random tiny pipeline (and which one it is)."""
     try:
-        from diffusers_stepbatch.toy import load_pipeline
+        from diffusers_stepbatch.toy import DEFAULT_GUIDANCE, MAX_SEQUENCE_LENGTH, load_pipeline
 
-        pipe, name, call = load_pipeline(), "toy-shapes FLUX (trained, shipped with the package)", {}
+        pipe, name = load_pipeline(), "toy-shapes FLUX (trained, shipped with the package)"
+        call = {"max_sequence_length": MAX_SEQUENCE_LENGTH, "guidance_scale": DEFAULT_GUIDANCE}
     except (ImportError, OSError, FileNotFoundError):
         from diffusers_stepbatch.testing import tiny_flux_pipeline
 
@@ -59,7 +60,7 @@ def grid(images: list[Image.Image], columns: int = 4) -> Image.Image:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("outputs/demo_grid.png"))
     args = parser.parse_args()
 

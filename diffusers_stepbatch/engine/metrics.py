@@ -80,7 +80,9 @@ class EngineMetrics:
             elapsed = max(time.time() - self.started, 1e-9)
             denoise = self.rows_histogram.get("denoise", Counter())
             calls = sum(denoise.values())
+            denoise_calls = [(round(c.time - self.started, 4), c.rows) for c in self.calls if c.kind == "denoise"]
             return {
+                "denoise_rows_over_time": denoise_calls,
                 "rows_histogram": {kind: dict(sorted(h.items())) for kind, h in self.rows_histogram.items()},
                 "mean_denoise_rows": (sum(r * n for r, n in denoise.items()) / calls) if calls else 0.0,
                 "requests_finished": dict(self.requests_finished),
