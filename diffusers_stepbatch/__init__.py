@@ -5,6 +5,8 @@
 >>> image = pipe("a cat").images[0]   # same call, same output; concurrent calls share batches
 """
 
+from .decoders.pid import PiDDecoder
+from .decoders.registry import PiDDecoding, register_decoder
 from .engine.core import EngineClosedError
 from .engine.request import RequestHandle, RequestStatus
 from .engine.scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig
@@ -13,10 +15,13 @@ from .wrapper import StepBatched
 __all__ = [
     "DeadlineUnmeetable",
     "EngineClosedError",
+    "PiDDecoder",
+    "PiDDecoding",
     "QueueFull",
     "RequestHandle",
     "RequestStatus",
     "SchedulerConfig",
     "StepBatched",
+    "register_decoder",
 ]
 __version__ = "0.1.0"

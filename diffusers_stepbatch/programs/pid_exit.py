@@ -1,0 +1,194 @@
+"""PiD early exit for step programs: stop the main model at step K and let PiD decode its x_t at full size.
+
+With `StepBatched(pipe, decoder=..., pid_exit_step=K)` a call for `height` x `width` runs the main model at
+`height / sr_scale` x `width / sr_scale` for K of its N steps (default N - 2, source document 000), then PiD
+turns the early-exited latent x_t (the packed latent unpacked to the VAE layout, still scaled as the transformer
+sees it) and its noise level `scheduler.sigmas[K]` into the image at the requested size. A program calls
+`plan_pid_exit` while planning (in the caller's thread, so bad input raises there) and `pid_exit_decode` in
+place of its VAE decode:
+
+>>> pid = plan_pid_exit(pipe, args)                       # None when the engine has no PiD decoder
+>>> image = yield from pid_exit_decode(view, pid, args, latents, prompt_embeds, cache)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import numbers
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache.prompt import PromptCache, cached_encode
+from ..decoders.pid.work import pid_decode_item, pid_text_item, pid_text_namespace
+from ..decoders.registry import PiDDecoding
+from ..engine.batch import WorkItem
+from .validation import as_list, check_num_images_per_prompt, check_num_inference_steps
+
+# Pipeline classes whose step program implements the early exit (by class name, to keep diffusers imports lazy).
+PID_PIPELINES = ("FluxPipeline",)
+
+
+@dataclass(frozen=True)
+class PiDExitOptions:
+    """An engine's PiD decoding and where its requests leave the main model.
+
+    Args:
+        decoding: the PiD decoder, its text source and sampler.
+        exit_step: K, the number of main-model steps before PiD takes over: an int in [1, N], or a fraction of
+            the N steps in (0, 1] (rounded to the nearest step); None: N - 2 (at least 1). K = N hands PiD the
+            clean latent (sigma 0).
+    """
+
+    decoding: PiDDecoding
+    exit_step: int | float | None = None
+
+    def __post_init__(self):
+        step = self.exit_step
+        if step is None:
+            return
+        if isinstance(step, bool) or not isinstance(step, numbers.Real):
+            raise ValueError(f"pid_exit_step={step!r} must be a step index (int >= 1), a fraction in (0, 1] or None")
+        if isinstance(step, numbers.Integral):
+            if step < 1:
+                raise ValueError(f"pid_exit_step={step} must be >= 1: the main model runs at least one step")
+        elif not 0 < step <= 1:
+            raise ValueError(f"pid_exit_step={step} as a fraction of the steps must be in (0, 1]")
+
+    def step_for(self, num_steps: int) -> int:
+        """K for a call of `num_steps` steps; ValueError when it falls outside [1, num_steps]."""
+        step = self.exit_step
+        if step is None:
+            return max(num_steps - 2, 1)
+        if isinstance(step, numbers.Integral):
+            if step > num_steps:
+                raise ValueError(
+                    f"pid_exit_step={step} is beyond num_inference_steps={num_steps}; use a step in [1, {num_steps}] "
+                    "or a fraction of the steps"
+                )
+            return int(step)
+        exit_at = round(step * num_steps)
+        if exit_at < 1:
+            raise ValueError(
+                f"pid_exit_step={step} of num_inference_steps={num_steps} rounds to step 0; use a larger fraction"
+            )
+        return exit_at
+
+
+_current: contextvars.ContextVar[PiDExitOptions | None] = contextvars.ContextVar("stepbatch_pid_exit", default=None)
+
+
+@contextlib.contextmanager
+def planning_with_pid(options: PiDExitOptions | None) -> Iterator[None]:
+    """Plan calls with this PiD early exit (None: VAE decode)."""
+    token = _current.set(options)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
+    """At engine construction: the pipeline has an early-exit program and the decoder fits its latent space."""
+    if not any(cls.__name__ in PID_PIPELINES for cls in type(pipe).__mro__):
+        raise ValueError(f"PiD decoding is implemented for {list(PID_PIPELINES)}, not {type(pipe).__name__}")
+    decoder = decoding.decoder
+    channels = pipe.vae.config.latent_channels
+    if decoder.lq_latent_channels != channels:
+        raise ValueError(
+            f"the PiD decoder reads {decoder.lq_latent_channels}-channel latents, {type(pipe).__name__}'s VAE has "
+            f"{channels}; use a PiD checkpoint trained for this pipeline"
+        )
+    if decoder.latent_spatial_down_factor != pipe.vae_scale_factor:
+        raise ValueError(
+            f"the PiD decoder's latent_spatial_down_factor={decoder.latent_spatial_down_factor} differs from the "
+            f"pipeline's vae_scale_factor={pipe.vae_scale_factor}; use a PiD checkpoint trained for this pipeline"
+        )
+    if decoding.uses_pipeline_text:
+        dim = pipe.transformer.config.joint_attention_dim
+        if decoding.txt_embed_dim != dim:
+            raise ValueError(
+                f"text_encoder='pipeline' gives {dim}-dim prompt embeddings but the PiD decoder expects "
+                f"txt_embed_dim={decoding.txt_embed_dim}; pass its own text encoder"
+            )
+
+
+@dataclass(frozen=True)
+class PiDExit:
+    """One request's early exit: K, the output size, and the size the main model runs at."""
+
+    decoding: PiDDecoding
+    exit_step: int
+    height: int
+    width: int
+    main_height: int
+    main_width: int
+
+
+def plan_pid_exit(pipe: Any, args: dict[str, Any]) -> PiDExit | None:
+    """Validate a call for PiD early exit (in the caller's thread); None when the engine decodes with the VAE."""
+    options = _current.get()
+    if options is None:
+        return None
+    decoder = options.decoding.decoder
+    sr_scale = decoder.sr_scale
+    multiple = math.lcm(sr_scale * pipe.vae_scale_factor * 2, decoder.patch_size)
+    size = {}
+    for name in ("height", "width"):
+        value = args[name] or pipe.default_sample_size * pipe.vae_scale_factor
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+        if value % multiple:
+            raise ValueError(
+                f"{name}={value} must be divisible by {multiple} for PiD decoding: the main model runs at 1/"
+                f"sr_scale={sr_scale} of it, in multiples of vae_scale_factor * 2 = {pipe.vae_scale_factor * 2}, "
+                f"and PiD's output is in {decoder.patch_size}-pixel patches"
+            )
+        size[name] = int(value)
+    if args["output_type"] == "latent":
+        raise ValueError("output_type='latent' skips decoding, but this engine decodes with PiD; use 'pil', 'np' or 'pt'")
+    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
+    exit_step = options.step_for(steps)
+    if not options.decoding.uses_pipeline_text and args["prompt"] is None:
+        raise ValueError("PiD's text encoder needs the caption: pass prompt=..., not only prompt_embeds")
+    return PiDExit(options.decoding, exit_step, size["height"], size["width"],
+                   size["height"] // sr_scale, size["width"] // sr_scale)
+
+
+def pid_exit_decode(
+    view: Any,
+    pid: PiDExit,
+    args: dict[str, Any],
+    latents: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    cache: PromptCache | None,
+) -> Generator[WorkItem, Any, Any]:
+    """Decode the packed x_t after `pid.exit_step` steps with PiD; returns the postprocessed images.
+
+    `view` is the request's pipeline view (its scheduler has run exactly K steps), `prompt_embeds` the positive
+    prompt embeddings, one row per image (used when the decoder reads the pipeline's text).
+    """
+    unpacked = view._unpack_latents(latents, pid.main_height, pid.main_width, view.vae_scale_factor)
+    images = unpacked.shape[0]
+    sigma = torch.full((images,), float(view.scheduler.sigmas[pid.exit_step]), dtype=torch.float32)
+    decoding = pid.decoding
+    if decoding.uses_pipeline_text:
+        text = prompt_embeds
+    else:
+        per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+        prompts = as_list(args["prompt"])
+        encoder = decoding.text_encoder
+        (encoded,) = yield from cached_encode(
+            cache, pid_text_namespace(encoder), prompts, lambda texts: pid_text_item(encoder, texts)
+        )
+        text = encoded.repeat_interleave(per_prompt, dim=0)
+    # NOTE: each image draws PiD's noise from its own generator (or its request's one), continuing the stream the
+    # latents came from, so the decode of a request does not depend on who shares the batch.
+    generator = args["generator"]
+    generators = list(generator) if isinstance(generator, list) else [generator] * images
+    image = yield pid_decode_item(decoding, unpacked, sigma, text, generators, height=pid.height, width=pid.width)
+    return view.image_processor.postprocess(image, output_type=args["output_type"])
