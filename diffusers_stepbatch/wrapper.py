@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
+import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
+from .buffers import LatentBuffers
+from .cache.prompt import PromptCache
+from .cache.teacache import TeaCacheConfig
+from .decoders.registry import resolve_decoder
 from .engine.core import EngineCore
 from .engine.request import Request, RequestHandle, next_request_id
-from .engine.scheduler import StepScheduler
+from .engine.scheduler import SchedulerConfig
 from .programs import program_for, registered_pipelines
+from .programs.cfg import CFGPolicy
+from .programs.options import ProgramOptions, planning_with
+from .programs.pid_exit import PiDExitOptions, check_pid_pipeline, planning_with_pid
+from .streaming import stream_call
 
-_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "_plan", "_signature", "_finalizer"})
+_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "options", "pid", "_plan", "_signature", "_finalizer"})
+_DEFAULT = object()  # "not given": a fresh PromptCache() for the engine, the engine's teacache for a call
 
 
 class StepBatched:
@@ -29,55 +41,128 @@ class StepBatched:
 
     Args:
         pipe: the diffusers pipeline to serve.
-        max_batch_size: the most rows (images x CFG branches) in one denoising forward.
+        max_batch_size: the most rows (images x CFG branches) in one denoising forward (default 8).
+        scheduler: admission policy, queue bound, deadlines and cost-aware batching (`SchedulerConfig`);
+            `max_batch_size`, when given, replaces its `max_batch_size`.
+        prompt_cache: a `PromptCache` (may be shared by several engines); by default a private one of 256 MiB;
+            None encodes every prompt.
+        teacache: a `TeaCacheConfig` to skip steps whose blocks barely change the output; a call may pass its
+            own `teacache=` (a config, or None for exact steps).
+        cfg_policy: a `CFGPolicy` deciding whether CFG branches share one forward; by default by free memory.
+        latent_buffers: reuse pre-allocated buffers in the denoising loop (bit-identical output).
+        quantize: "qint8", "qint4" or "qfloat8": quantize the transformer's weights in place with
+            optimum-quanto before serving (see `diffusers_stepbatch.quantize`).
+        decoder: decode with PiD instead of the VAE: a `PiDDecoder`, a `PiDDecoding` or a name registered with
+            `register_decoder` ("pid": the released checkpoint for the pipeline). A call for `height` x `width`
+            then runs the main model at 1/sr_scale of that size and PiD returns the requested size (docs/pid.md).
+        pid_exit_step: with `decoder`, the main-model steps before PiD takes over: a step index K in [1, N], a
+            fraction of the N steps, or None for N - 2.
     """
 
-    def __init__(self, pipe: Any, *, max_batch_size: int = 8):
+    def __init__(
+        self,
+        pipe: Any,
+        *,
+        max_batch_size: int | None = None,
+        scheduler: SchedulerConfig | None = None,
+        prompt_cache: PromptCache | None = _DEFAULT,
+        teacache: TeaCacheConfig | None = None,
+        cfg_policy: CFGPolicy | None = None,
+        latent_buffers: bool = True,
+        quantize: str | None = None,
+        decoder: Any = None,
+        pid_exit_step: int | float | None = None,
+    ):
         plan = program_for(pipe)
         if plan is None:
             supported = ", ".join(cls.__name__ for cls in registered_pipelines())
             raise ValueError(f"StepBatched has no step program for {type(pipe).__name__}; supported: {supported}")
+        _check_option("prompt_cache", prompt_cache, PromptCache, _DEFAULT)
+        _check_option("teacache", teacache, TeaCacheConfig)
+        _check_option("cfg_policy", cfg_policy, CFGPolicy)
+        if quantize is not None:
+            from .quantize import quantize_transformer
+
+            quantize_transformer(pipe, weights=quantize)
+        self.pid = _pid_options(pipe, decoder, pid_exit_step)
         self.pipe = pipe
         self._plan = plan
         self._signature = inspect.signature(type(pipe).__call__)
-        self.engine = EngineCore(StepScheduler(max_batch_size))
+        self.options = ProgramOptions(
+            prompt_cache=PromptCache() if prompt_cache is _DEFAULT else prompt_cache,
+            teacache=teacache,
+            cfg_policy=cfg_policy or CFGPolicy(),
+            buffers=LatentBuffers() if latent_buffers else None,
+        )
+        config = scheduler or SchedulerConfig()
+        if max_batch_size is not None:
+            config = dataclasses.replace(config, max_batch_size=max_batch_size)
+        self.engine = EngineCore(config)
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
         self._finalizer = weakref.finalize(self, self.engine.close, True)
 
     # ------------------------------------------------------------------------------------- calls
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> Any:
         """Run one call, batched with whatever else is in flight; blocks until its output is ready."""
-        handle = self.submit(*args, **kwargs)
+        handle = self.submit(*args, priority=priority, deadline=deadline, **kwargs)
         try:
             return handle.result()
         except BaseException:  # KeyboardInterrupt or an outer timeout: don't leave the request running
             handle.abort()
             raise
 
-    def submit(self, *args: Any, **kwargs: Any) -> RequestHandle:
+    def submit(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> RequestHandle:
         """Validate a call and queue it; returns a `concurrent.futures.Future` with `abort()`.
 
-        Bad input raises `ValueError` (or `TypeError` for unknown arguments) here, in the caller.
+        `priority` orders admission under the "priority" policy (higher first); `deadline` is seconds from
+        now by which the request should finish (SLO admission, see `SchedulerConfig`). Bad input raises
+        `ValueError` (or `TypeError` for unknown arguments) here, in the caller; a full queue `QueueFull`.
         """
+        if deadline is not None and deadline <= 0:
+            raise ValueError(f"deadline={deadline} must be a positive number of seconds from now")
         if self.engine.in_engine_thread():
             raise RuntimeError("StepBatched cannot be called from its own engine thread (e.g. from a step callback)")
+        request = self._make_request(args, kwargs, priority, deadline)
+        self.engine.submit(request)
+        return request.handle
+
+    def _make_request(self, args: tuple, kwargs: dict, priority: int, deadline: float | None) -> Request:
+        """Bind and plan a call (in the caller's thread) into a `Request` the engine can run."""
+        options = self.options
+        teacache = kwargs.pop("teacache", _DEFAULT)
+        if teacache is not _DEFAULT:
+            _check_option("teacache", teacache, TeaCacheConfig)
+            options = dataclasses.replace(options, teacache=teacache)
         call_args = self._bind(args, kwargs)
-        planned = self._plan(self.pipe, call_args)
+        with planning_with(options), planning_with_pid(self.pid):
+            planned = self._plan(self.pipe, call_args)
         request_id = next_request_id()
-        handle = RequestHandle(request_id, wake_engine=self.engine.wake)
-        request = Request(
+        return Request(
             request_id=request_id,
             program=planned.program,
-            handle=handle,
+            handle=RequestHandle(request_id, wake_engine=self.engine.wake),
             num_rows=planned.num_rows,
             num_steps=planned.num_steps,
+            tokens_per_row=planned.tokens_per_row,
+            priority=priority,
+            deadline=None if deadline is None else time.time() + deadline,
         )
-        self.engine.submit(request)
-        return handle
 
-    async def agenerate(self, *args: Any, **kwargs: Any) -> Any:
+    async def agenerate(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> Any:
         """`await sb.agenerate(...)`; cancelling the awaiting task aborts the request."""
-        return await asyncio.wrap_future(self.submit(*args, **kwargs))
+        return await asyncio.wrap_future(self.submit(*args, priority=priority, deadline=deadline, **kwargs))
+
+    def stream(self, *args: Any, preview_every: int = 4, priority: int = 0, deadline: float | None = None,
+               **kwargs: Any) -> Iterator[Any]:
+        """Yield a `StreamPreview` every `preview_every` steps, then the pipeline's output.
+
+        A preview is the predicted clean latent shown through a linear latent-to-RGB map (`.images`).
+        Stopping the iteration early aborts the request.
+
+        >>> for item in sb.stream("a cat", num_inference_steps=28, preview_every=7):
+        ...     show(item.images[0])
+        """
+        return stream_call(self, args, kwargs, preview_every, priority=priority, deadline=deadline)
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         try:
@@ -93,9 +178,17 @@ class StepBatched:
     def stats(self) -> dict:
         """Engine statistics: batch-size histograms per work kind, finished requests, recent request timings."""
         snapshot = self.engine.metrics.snapshot()
+        if self.options.prompt_cache is not None:
+            snapshot["prompt_cache"] = dataclasses.asdict(self.options.prompt_cache.stats())
         snapshot["waiting"] = len(self.engine.scheduler.waiting)
         snapshot["running"] = len(self.engine.scheduler.running)
         return snapshot
+
+    def register_prometheus(self, registry: Any = None) -> Any:
+        """Expose engine metrics to Prometheus (needs `prometheus-client`); returns the collector."""
+        from .engine.prometheus import register_collector
+
+        return register_collector(self.engine.metrics, registry)
 
     def close(self, cancel_pending: bool = False) -> None:
         """Stop the engine thread; in-flight requests finish first unless `cancel_pending` cancels them."""
@@ -125,4 +218,20 @@ class StepBatched:
             setattr(self.pipe, name, value)
 
     def __repr__(self) -> str:
-        return f"StepBatched({type(self.pipe).__name__}, max_batch_size={self.engine.scheduler.max_batch_size})"
+        return f"StepBatched({type(self.pipe).__name__}, {self.engine.config})"
+
+
+def _check_option(name: str, value: Any, expected: type, *allowed: Any) -> None:
+    if value is None or isinstance(value, expected) or any(value is a for a in allowed):
+        return
+    raise ValueError(f"{name}={value!r} must be a {expected.__name__} or None")
+
+
+def _pid_options(pipe: Any, decoder: Any, pid_exit_step: int | float | None) -> PiDExitOptions | None:
+    if decoder is None:
+        if pid_exit_step is not None:
+            raise ValueError(f"pid_exit_step={pid_exit_step!r} needs a PiD decoder: pass decoder=... too")
+        return None
+    decoding = resolve_decoder(decoder, pipe)
+    check_pid_pipeline(pipe, decoding)
+    return PiDExitOptions(decoding, pid_exit_step)

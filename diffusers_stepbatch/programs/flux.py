@@ -115,7 +115,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
         )
     call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid)
     rows = num_images * branches
-    return PlannedRequest(program=flux_program(pipe, call), num_rows=rows, num_steps=steps)
+    tokens = (latent_h // 2) * (latent_w // 2)
+    return PlannedRequest(program=flux_program(pipe, call), num_rows=rows, num_steps=steps, tokens_per_row=tokens)
 
 
 def _check_second_prompts(args: dict[str, Any], name: str, name_2: str) -> None:

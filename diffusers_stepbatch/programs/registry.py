@@ -18,11 +18,13 @@ class PlannedRequest:
         program: the generator that yields work items and returns the pipeline output.
         num_rows: the most rows it adds to one batch (images x CFG branches).
         num_steps: denoising steps it will run.
+        tokens_per_row: image tokens per row, the size a row's per-step cost scales with (for scheduling).
     """
 
     program: Generator[WorkItem, Any, Any]
     num_rows: int
     num_steps: int
+    tokens_per_row: int = 1
 
 
 # plan(pipe, call_args) validates a call in the caller's thread and returns its PlannedRequest.
