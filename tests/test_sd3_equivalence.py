@@ -112,3 +112,29 @@ def test_bad_input_raises_value_error_in_caller(overrides, message):
         with pytest.raises(ValueError, match=message):
             sb.submit(**kwargs)
     assert not sb.engine.is_alive  # nothing reached the engine (it starts at the first submit)
+
+
+def test_given_embeddings_and_step_callbacks_stay_per_request():
+    pipe = family_pipe("sd3-tiny")
+    embeds, negative, pooled, negative_pooled = pipe.encode_prompt("a blue square", None, None,
+                                                                   max_sequence_length=16)
+    seen = {}
+
+    def shrink(step_pipe, i, t, tensors):
+        seen.setdefault(step_pipe.guidance_scale, []).append(i)
+        return {"latents": tensors["latents"] * 0.9}
+
+    requests = [
+        kwargs_for("sd3-tiny", prompt=None, prompt_embeds=embeds, pooled_prompt_embeds=pooled,
+                   negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled,
+                   guidance_scale=3.0, seed=1),
+        kwargs_for("sd3-tiny", guidance_scale=6.0, num_inference_steps=4, seed=2, callback_on_step_end=shrink,
+                   callback_on_step_end_tensor_inputs=["latents", "prompt_embeds", "pooled_prompt_embeds"]),
+        kwargs_for("sd3-tiny", guidance_scale=2.0, num_inference_steps=2, seed=3, callback_on_step_end=shrink),
+    ]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    reference, seen = seen, {}
+    with StepBatched(pipe) as sb:
+        results = submit_all(sb, requests)
+    assert all(max_diff(r.images, e) <= TOLERANCE for r, e in zip(results, expected))
+    assert seen == reference == {6.0: [0, 1, 2, 3], 2.0: [0, 1]}

@@ -130,3 +130,33 @@ def test_bad_input_raises_value_error_in_caller(name, overrides, message):
         with pytest.raises(ValueError, match=message):
             sb.submit(**kwargs)
     assert not sb.engine.is_alive
+
+
+def test_zeroed_negatives_given_embeddings_and_step_callbacks():
+    """SDXL's force_zeros_for_empty_prompt, given (pooled) embeddings, and callbacks that edit conditioning."""
+    pipe = family_pipe("sdxl-euler")
+    embeds, negative, pooled, negative_pooled = pipe.encode_prompt("a blue square", num_images_per_prompt=1)
+    seen = {}
+
+    def edit(step_pipe, i, t, tensors):
+        seen.setdefault(step_pipe.guidance_scale, []).append(i)
+        return {"latents": tensors["latents"] * 0.95, "add_text_embeds": tensors["add_text_embeds"] * 1.1}
+
+    requests = [
+        kwargs_for("sdxl-euler", prompt=None, prompt_embeds=embeds, pooled_prompt_embeds=pooled,
+                   negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled,
+                   num_images_per_prompt=2, guidance_scale=3.0, seed=1),
+        kwargs_for("sdxl-euler", guidance_scale=6.0, num_inference_steps=4, seed=2, callback_on_step_end=edit,
+                   callback_on_step_end_tensor_inputs=["latents", "add_text_embeds"]),
+        kwargs_for("sdxl-euler", prompt=["a", "b"], guidance_scale=2.0, seed=3),  # zeroed negatives
+    ]
+    pipe.register_to_config(force_zeros_for_empty_prompt=True)
+    try:
+        expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+        reference, seen = seen, {}
+        with StepBatched(pipe) as sb:
+            results = submit_all(sb, requests)
+    finally:
+        pipe.register_to_config(force_zeros_for_empty_prompt=False)
+    assert all(max_diff(r.images, e) <= TOLERANCE for r, e in zip(results, expected))
+    assert seen == reference == {6.0: [0, 1, 2, 3]}
