@@ -74,9 +74,11 @@ def test_mixed_batch_equals_solo_runs(name):
             results = submit_all(sb, requests)
     finally:
         hook.remove()
+        steps = sorted(request["steps"] for request in sb.stats()["requests"])
     for kwargs, got, want in zip(requests, results, expected):
         assert max_diff(images(got), want) <= TOLERANCE, kwargs
     assert max(sizes) > 2, "no forward held rows of more than one request"
+    assert steps == sorted(kwargs["num_inference_steps"] for kwargs in requests)  # progress from each scheduler
     assert not helper_threads()
 
 

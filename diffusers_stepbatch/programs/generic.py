@@ -55,7 +55,11 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedReques
         program = _whole_call_program(request_pipeline(pipe), positional, keywords)
     else:
         program = generic_program(pipe, request_pipeline(pipe), positional, keywords, denoisers)
-    return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps)
+    scale = getattr(pipe, "vae_scale_factor", None)
+    tokens = 1  # unknown: the pipeline derives its default size itself
+    if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
+        tokens = (args["height"] // scale) * (args["width"] // scale)
+    return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps, tokens_per_row=tokens)
 
 
 def _check_call(pipe, args: dict[str, Any]) -> None:
@@ -170,15 +174,17 @@ class _Handoff:
 class _DenoiserProxy:
     """Stands in for a denoiser on a request's view: calls go to the engine, attributes to the model."""
 
-    def __init__(self, module: torch.nn.Module, handoff: _Handoff):
+    def __init__(self, module: torch.nn.Module, handoff: _Handoff, scheduler: Any):
         self.__dict__["_module"] = module
         self.__dict__["_handoff"] = handoff
+        self.__dict__["_scheduler"] = scheduler
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         item, holder = denoiser_item(self._module, args, kwargs)
+        item.step = _step_index(self._scheduler)
         self._handoff.to_engine.put(("call", item))
         if self._handoff.to_helper.get() is _Aborted:
             raise _Aborted()
@@ -189,7 +195,7 @@ def generic_program(pipe, view, positional: list, keywords: dict,
                     denoisers: list[str]) -> Generator[WorkItem, Any, Any]:
     handoff = _Handoff()
     for name in denoisers:
-        view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff)
+        view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff, view.scheduler)
     helper = threading.Thread(target=_run_in_helper, args=(view, positional, keywords, handoff), daemon=True,
                               name=f"StepBatched-{type(pipe).__name__}-request")
     helper.start()
@@ -210,6 +216,13 @@ def generic_program(pipe, view, positional: list, keywords: dict,
             while handoff.to_engine.get()[0] == "call":
                 handoff.to_helper.put(_Aborted)
         helper.join()
+
+
+def _step_index(scheduler) -> int | None:
+    """The step the request's own scheduler is at (for progress and scheduling), if it tracks one."""
+    if not hasattr(type(scheduler), "step_index"):
+        return None
+    return scheduler.step_index or 0  # None until the first scheduler.step: step 0
 
 
 def _run_in_helper(view, positional, keywords, handoff: _Handoff) -> None:

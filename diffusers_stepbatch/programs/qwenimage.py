@@ -83,7 +83,9 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
     call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg)
     rows = num_images * (2 if do_true_cfg else 1)
-    return PlannedRequest(program=qwenimage_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps)
+    program = qwenimage_program(pipe, request_pipeline(pipe), call)
+    tokens = (latent_h // 2) * (latent_w // 2)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
 
 
 def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,

@@ -101,7 +101,10 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
                                     int(width) // pipe.vae_scale_factor))
     call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
-    return PlannedRequest(program=sd3_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps)
+    patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+    tokens = (int(height) // patch) * (int(width) // patch)
+    return PlannedRequest(program=sd3_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,
+                          tokens_per_row=tokens)
 
 
 def _texts(value: str | list[str], count: int, name: str, repeat_str: bool = False) -> list[str]:

@@ -103,7 +103,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
     call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
     rows = num_images * (2 if do_cfg else 1)
     program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
-    return PlannedRequest(program=program, num_rows=rows, num_steps=steps)
+    tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
 
 
 def _negatives_to_encode(pipe, args) -> bool:
