@@ -182,6 +182,9 @@ class _DenoiserProxy:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:  # as without the proxy: the shared model changes
+        setattr(self._module, name, value)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         item, holder = denoiser_item(self._module, args, kwargs)
         item.step = _step_index(self._scheduler)

@@ -88,8 +88,6 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
             _texts(args[name] or args["prompt"], num_prompts, name)
     do_cfg = args["guidance_scale"] > 1
     if do_cfg and args["negative_prompt_embeds"] is None:
-        if isinstance(args["prompt"], str) and isinstance(args["negative_prompt"], list):
-            raise ValueError("negative_prompt is a list but prompt is a str; pass both as lists or both as str")
         negative = args["negative_prompt"] or ""
         for name in ("negative_prompt", "negative_prompt_2", "negative_prompt_3"):
             _texts(args[name] or negative, num_prompts, name, repeat_str=True)
