@@ -6,6 +6,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from .references import FLUX_CONFIGS  # noqa: E402
 
@@ -13,3 +14,13 @@ from .references import FLUX_CONFIGS  # noqa: E402
 @pytest.fixture(params=sorted(FLUX_CONFIGS))
 def flux_name(request):
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_intra_op_thread():
+    """Tiny models run on one intra-op thread: on a shared 2-core CPU, waking a second thread for a 32-wide
+    matmul costs a scheduler quantum (~15 ms) while the matmul itself takes ~0.05 ms."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -171,6 +171,27 @@ def test_calling_from_engine_thread_is_refused():
             sb(**seeded(kwargs_for(callback_on_step_end=reenter)))
 
 
+def test_scheduler_swap_applies_to_later_submissions_only():
+    pipe = flux_pipe("dev-tiny")
+    original = pipe.scheduler
+    shifted = type(original).from_config(original.config, shift=3.0)
+    waiting_kwargs, later_kwargs = kwargs_for("waiting", seed=1), kwargs_for("later", seed=2)
+    expected_waiting = pipe(**seeded(waiting_kwargs)).images
+    try:
+        with StepBatched(pipe, max_batch_size=1) as sb:
+            first = sb.submit(**seeded(kwargs_for(steps=10)))
+            waiting = sb.submit(**seeded(waiting_kwargs))  # not admitted yet: max_batch_size=1
+            sb.scheduler = shifted
+            later = sb.submit(**seeded(later_kwargs))
+            results = [h.result(timeout=60).images for h in (first, waiting, later)]
+        expected_later = pipe(**seeded(later_kwargs)).images
+    finally:
+        pipe.scheduler = original
+    assert max_diff(results[1], expected_waiting) <= TOLERANCE
+    assert max_diff(results[2], expected_later) <= TOLERANCE
+    assert max_diff(expected_later, pipe(**seeded(later_kwargs)).images) > 1e-3  # the swap mattered
+
+
 def test_attributes_fall_through_to_the_pipeline():
     pipe = flux_pipe("dev-tiny")
     with StepBatched(pipe) as sb:

@@ -116,7 +116,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid)
     rows = num_images * branches
     tokens = (latent_h // 2) * (latent_w // 2)
-    return PlannedRequest(program=flux_program(pipe, call), num_rows=rows, num_steps=steps, tokens_per_row=tokens)
+    program = flux_program(pipe, request_pipeline(pipe), call)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
 
 
 def _check_second_prompts(args: dict[str, Any], name: str, name_2: str) -> None:
@@ -139,9 +140,9 @@ def _check_negative(args: dict[str, Any], num_prompts: int) -> None:
         )
 
 
-def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
+def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
+    """`view` is the request's own view of `pipe` (made at submit, so it keeps the scheduler of that moment)."""
     args, options = call.args, call.options
-    view = request_pipeline(pipe)
     view._guidance_scale = args["guidance_scale"]
     view._joint_attention_kwargs = args["joint_attention_kwargs"] or {}
     view._current_timestep = None
@@ -292,7 +293,7 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
         if cache is not None:
             namespace = encoder_namespace(
                 pipe, [pipe.text_encoder, pipe.text_encoder_2], "flux", [pipe.tokenizer, pipe.tokenizer_2],
-                max_sequence_length=max_sequence_length, lora_scale=lora_scale,
+                execution_device=device, max_sequence_length=max_sequence_length, lora_scale=lora_scale,
             )
         encoded_embeds, encoded_pooled = yield from cached_encode(cache, namespace, texts, make_item)
     embeds, pooled, start = [], [], 0
