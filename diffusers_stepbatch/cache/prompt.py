@@ -117,7 +117,8 @@ class PromptCache:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return f"PromptCache(entries={s.entries}, bytes={s.bytes}, max_bytes={s.max_bytes}, hits={s.hits}, misses={s.misses})"
+        return (f"PromptCache(entries={s.entries}, bytes={s.bytes}, max_bytes={s.max_bytes}, hits={s.hits}, "
+                f"misses={s.misses})")
 
     def _lookup(self, key: Hashable) -> tuple[torch.Tensor, ...] | None:
         """The stored tensors themselves; callers inside this module only read them."""
@@ -186,14 +187,14 @@ def _weights_digest(module: torch.nn.Module, tensors: list[tuple[str, torch.Tens
 weights_fingerprint = _Fingerprints()
 
 
-def placement(pipe: Any, module: torch.nn.Module | None) -> str:
+def placement(execution_device: Any, module: torch.nn.Module | None) -> str:
     """Where a text encoder runs: the pipeline's execution device, the module's device and any offload hook."""
     if module is None:
         return "none"
     hook = getattr(module, "_hf_hook", None)
     first = next(module.parameters(), None)
     where = str(first.device) if first is not None else "no-params"
-    return f"{pipe._execution_device}|{where}|{type(hook).__name__ if hook is not None else 'resident'}"
+    return f"{execution_device}|{where}|{type(hook).__name__ if hook is not None else 'resident'}"
 
 
 def encoder_namespace(
@@ -201,6 +202,7 @@ def encoder_namespace(
     encoders: Sequence[torch.nn.Module | None],
     family: str,
     tokenizers: Sequence[Any] = (),
+    execution_device: Any = None,
     **options: Any,
 ) -> tuple:
     """The part of a cache key shared by every text of one encode configuration.
@@ -215,15 +217,18 @@ def encoder_namespace(
         family: which encode function produced the embedding ("flux", "sd3", ...): the same encoders can give
             different embeddings in different families (e.g. a penultimate CLIP layer).
         tokenizers: the encoders' tokenizers; their class, vocabulary size and max length join the key.
+        execution_device: `pipe._execution_device` if the caller has it (computing it walks every module).
         options: everything else that changes the embedding: max_sequence_length, lora_scale, clip_skip, ...
     """
+    if execution_device is None:
+        execution_device = pipe._execution_device
     return (
         ("family", family),
         ("model", getattr(pipe, "name_or_path", None) or f"<{type(pipe).__name__} at {id(pipe):#x}>"),
         ("weights", tuple(weights_fingerprint(e) if e is not None else None for e in encoders)),
         ("tokenizers", tuple(_describe_tokenizer(t) for t in tokenizers)),
         ("dtype", tuple(str(getattr(e, "dtype", None)) for e in encoders)),
-        ("placement", tuple(placement(pipe, e) for e in encoders)),
+        ("placement", tuple(placement(execution_device, e) for e in encoders)),
         ("options", tuple(sorted(options.items()))),
     )
 
