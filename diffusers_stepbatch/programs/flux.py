@@ -25,6 +25,7 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from .cfg import transformer_activation_bytes
 from .options import ProgramOptions, current_options
+from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -52,6 +53,7 @@ class FluxCall:
     do_true_cfg: bool
     options: ProgramOptions
     teacache: list[TeaCacheState] | None  # one per CFG branch; None: every step runs the blocks
+    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
 
 
 @register_program(FluxPipeline)
@@ -60,6 +62,9 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     given = [name for name in _UNSUPPORTED if args.get(name) is not None]
     if given:
         raise ValueError(f"{given} are not supported by StepBatched's Flux program yet; call the wrapped pipe directly")
+    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    if pid is not None:
+        args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
     pipe.check_inputs(
@@ -108,9 +113,11 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
             "pipe.transformer; call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None"
         )
-    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache)
+    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid)
     rows = num_images * branches
-    return PlannedRequest(program=flux_program(pipe, call), num_rows=rows, num_steps=steps)
+    tokens = (latent_h // 2) * (latent_w // 2)
+    program = flux_program(pipe, request_pipeline(pipe), call)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
 
 
 def _check_second_prompts(args: dict[str, Any], name: str, name_2: str) -> None:
@@ -133,9 +140,9 @@ def _check_negative(args: dict[str, Any], num_prompts: int) -> None:
         )
 
 
-def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
+def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
+    """`view` is the request's own view of `pipe` (made at submit, so it keeps the scheduler of that moment)."""
     args, options = call.args, call.options
-    view = request_pipeline(pipe)
     view._guidance_scale = args["guidance_scale"]
     view._joint_attention_kwargs = args["joint_attention_kwargs"] or {}
     view._current_timestep = None
@@ -199,6 +206,8 @@ def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any,
     view.scheduler.set_begin_index(0)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
+            if call.pid is not None and i == call.pid.exit_step:
+                break  # PiD early exit: PiD decodes this x_t (step 4)
             if view._interrupt:
                 continue
             view._current_timestep = t
@@ -238,6 +247,9 @@ def flux_program(pipe: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any,
     view._current_timestep = None
 
     # 4. Decode (batched with other requests' decodes of the same size).
+    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+        image = yield from pid_exit_decode(view, call.pid, args, latents, embeds[0], options.prompt_cache)
+        return FluxPipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":
         image = latents
     else:
@@ -281,7 +293,7 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
         if cache is not None:
             namespace = encoder_namespace(
                 pipe, [pipe.text_encoder, pipe.text_encoder_2], "flux", [pipe.tokenizer, pipe.tokenizer_2],
-                max_sequence_length=max_sequence_length, lora_scale=lora_scale,
+                execution_device=device, max_sequence_length=max_sequence_length, lora_scale=lora_scale,
             )
         encoded_embeds, encoded_pooled = yield from cached_encode(cache, namespace, texts, make_item)
     embeds, pooled, start = [], [], 0
