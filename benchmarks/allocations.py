@@ -115,7 +115,7 @@ def measure(pipe, calls: list[dict], repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=28)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7, help="timing runs per side (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (see benchmarks/teacache.py)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS} (.smoke.json with --smoke)")
