@@ -10,6 +10,7 @@ throughput and its latency grows linearly; step-level batching raises throughput
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from throughput import WORKLOADS, in_worker_thread, run_sequential, run_stepbatched  # noqa: E402
+from throughput import WORKLOADS, in_worker_thread, request_kwargs, run_sequential, run_stepbatched  # noqa: E402
 
 from diffusers_stepbatch.testing import tiny_flux_pipeline  # noqa: E402
 
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for n in args.concurrency:
         arrivals = [0.0] * n
-        sequential = in_worker_thread(run_sequential, pipe, workload, n, args.steps, arrivals)
-        batched = run_stepbatched(pipe, workload, n, args.steps, arrivals)
+        make_kwargs = functools.partial(request_kwargs, workload=workload, steps=args.steps)
+        sequential = in_worker_thread(run_sequential, pipe, make_kwargs, n, arrivals)
+        batched = run_stepbatched(pipe, make_kwargs, n, arrivals)
         rows.append({"concurrency": n, "sequential": sequential, "stepbatched": batched})
         print(f"n={n}: throughput {sequential['throughput_images_per_s']:.2f} -> "
               f"{batched['throughput_images_per_s']:.2f} images/s "

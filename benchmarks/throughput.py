@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                 # both sizes, 8 concurrent requests
     python benchmarks/throughput.py --smoke         # a few seconds, for CI
+    python benchmarks/throughput.py --family sd3    # sd3, qwenimage, sdxl, sd, pixart-generic: tiny, closed loop
 
 For each transformer size it measures, in the same process and run:
 - sequential: the N requests served one after another by the unwrapped pipeline;
@@ -13,6 +14,7 @@ Absolute times are not comparable across runs on a noisy machine; the ratios pri
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -84,20 +86,20 @@ def request_kwargs(i: int, workload: Workload, steps: int) -> dict:
                 generator=torch.Generator().manual_seed(i), output_type="pt", max_sequence_length=32)
 
 
-def run_sequential(pipe, workload: Workload, n: int, steps: int, arrivals: list[float]) -> dict:
-    """One server, requests in arrival order: latency = finish - arrival."""
+def run_sequential(pipe, make_kwargs, n: int, arrivals: list[float]) -> dict:
+    """One server, requests in arrival order: latency = finish - arrival. `make_kwargs(i)` is request i."""
     start = time.perf_counter()
     latencies = []
     for i, arrival in enumerate(arrivals[:n]):
         delay = start + arrival - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        pipe(**request_kwargs(i, workload, steps)).images.cpu()  # .cpu(): wait for the device
+        pipe(**make_kwargs(i)).images.cpu()  # .cpu(): wait for the device
         latencies.append(time.perf_counter() - start - arrival)
     return summarize(latencies, time.perf_counter() - start)
 
 
-def run_stepbatched(pipe, workload: Workload, n: int, steps: int, arrivals: list[float]) -> dict:
+def run_stepbatched(pipe, make_kwargs, n: int, arrivals: list[float]) -> dict:
     sb = StepBatched(pipe, max_batch_size=n)
     latencies = [0.0] * n
     start = time.perf_counter()
@@ -106,7 +108,7 @@ def run_stepbatched(pipe, workload: Workload, n: int, steps: int, arrivals: list
         delay = start + arrivals[i] - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        sb(**request_kwargs(i, workload, steps)).images.cpu()
+        sb(**make_kwargs(i)).images.cpu()
         latencies[i] = time.perf_counter() - start - arrivals[i]
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
@@ -157,11 +159,12 @@ def measure_ceiling(pipe, workload: Workload, n: int, steps: int, repeats: int) 
 
 def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: int, pipe=None) -> dict:
     pipe = pipe or tiny_flux_pipeline(guidance_embeds=True, size=workload.size, vae_blocks=4)
+    make_kwargs = functools.partial(request_kwargs, workload=workload, steps=steps)
     for _ in range(2):  # warm-up: first-call allocations and lazy initialisation
         in_worker_thread(lambda: pipe(**request_kwargs(0, workload, 2)))
     closed = [0.0] * n
-    sequential = in_worker_thread(run_sequential, pipe, workload, n, steps, closed)
-    batched = run_stepbatched(pipe, workload, n, steps, closed)
+    sequential = in_worker_thread(run_sequential, pipe, make_kwargs, n, closed)
+    batched = run_stepbatched(pipe, make_kwargs, n, closed)
     ceiling = in_worker_thread(measure_ceiling, pipe, workload, n, steps, repeats)
     # Poisson arrivals at 1.2x the sequential service rate: the plain pipeline falls behind.
     rng = random.Random(seed)
@@ -170,8 +173,8 @@ def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: i
     for _ in range(n):
         arrivals.append(clock)
         clock += rng.expovariate(rate)
-    poisson_sequential = in_worker_thread(run_sequential, pipe, workload, n, steps, arrivals)
-    poisson_batched = run_stepbatched(pipe, workload, n, steps, arrivals)
+    poisson_sequential = in_worker_thread(run_sequential, pipe, make_kwargs, n, arrivals)
+    poisson_batched = run_stepbatched(pipe, make_kwargs, n, arrivals)
     return {
         "workload": workload.name,
         "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
@@ -188,6 +191,46 @@ def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: i
             / poisson_batched["latency_p50_s"],
         },
     }
+
+
+# Other families: tiny offline pipelines, closed loop only (the ceiling measurement is Flux-specific).
+FAMILY_PIPELINES = {
+    "sd3": ("tiny_sd3_pipeline", {}, dict(height=32, width=32, guidance_scale=5.0)),
+    "qwenimage": ("tiny_qwenimage_pipeline", {}, dict(height=32, width=32, true_cfg_scale=4.0, negative_prompt="blur")),
+    "sdxl": ("tiny_sdxl_pipeline", {}, dict(height=32, width=32, guidance_scale=5.0)),
+    "sd": ("tiny_sd_pipeline", {}, dict(height=32, width=32, guidance_scale=7.5)),
+    "pixart-generic": ("tiny_pixart_or_sana_pipeline", {},
+                       dict(height=32, width=32, use_resolution_binning=False, clean_caption=False)),
+}
+
+
+def bench_family(family: str, n: int, steps: int) -> dict:
+    import diffusers_stepbatch.testing as testing
+
+    builder, build_kwargs, call = FAMILY_PIPELINES[family]
+    pipe = getattr(testing, builder)(**build_kwargs)
+
+    def make_kwargs(i: int) -> dict:
+        return dict(prompt=f"a red circle {i}", num_inference_steps=steps, output_type="pt",
+                    generator=torch.Generator().manual_seed(i), **call)
+
+    in_worker_thread(lambda: pipe(**make_kwargs(0)))  # warm-up
+    closed = [0.0] * n
+    sequential = in_worker_thread(run_sequential, pipe, make_kwargs, n, closed)
+    batched = run_stepbatched(pipe, make_kwargs, n, closed)
+    return {"family": family, "pipeline": type(pipe).__name__, "concurrency": n, "steps": steps,
+            "closed_loop": {"sequential": sequential, "stepbatched": batched},
+            "ratios": {"closed_throughput_vs_sequential":
+                       batched["throughput_images_per_s"] / sequential["throughput_images_per_s"]}}
+
+
+def print_family(result: dict) -> None:
+    closed = result["closed_loop"]
+    print(f"== {result['pipeline']} ({result['family']}): {result['concurrency']} requests x {result['steps']} steps: "
+          f"sequential {closed['sequential']['throughput_images_per_s']:.2f} images/s, StepBatched "
+          f"{closed['stepbatched']['throughput_images_per_s']:.2f} images/s "
+          f"(mean rows {closed['stepbatched']['mean_batch_rows']:.2f}): "
+          f"{result['ratios']['closed_throughput_vs_sequential']:.2f}x")
 
 
 def print_result(result: dict) -> None:
@@ -214,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each raw ceiling measurement")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--family", default="flux", choices=["flux", *FAMILY_PIPELINES],
+                        help="flux: both Flux workloads with the ceiling; others: tiny closed-loop comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny and fast: 2 requests x 2 steps, tiny model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "throughput.json")
@@ -221,10 +266,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.concurrency, args.steps, args.repeats, args.workloads = 2, 2, 1, ["overhead-bound"]
     torch.manual_seed(args.seed)
-    results = [bench_workload(WORKLOADS[name], args.concurrency, args.steps, args.repeats, args.seed)
-               for name in args.workloads]
-    for result in results:
-        print_result(result)
+    if args.family == "flux":
+        results = [bench_workload(WORKLOADS[name], args.concurrency, args.steps, args.repeats, args.seed)
+                   for name in args.workloads]
+        for result in results:
+            print_result(result)
+    else:
+        results = [bench_family(args.family, args.concurrency, args.steps)]
+        print_family(results[0])
     report = {"command": " ".join(["python", "benchmarks/throughput.py", *(argv or sys.argv[1:])]),
               "torch_threads": torch.get_num_threads(), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
