@@ -239,3 +239,20 @@ def test_thread_safe_under_concurrent_puts_and_gets():
     stats = cache.stats()
     assert stats.bytes == stats.entries * 256 <= 64 * 1024
     assert stats.hits + stats.misses == 1200
+
+
+def test_lora_adapter_switches_change_the_key():
+    # NOTE: peft is not installed here; these are the attributes a peft LoRA layer carries, which
+    # `set_adapters` / `disable_lora` change without touching any tensor.
+    pipe = tiny_flux_pipeline(seed=8)
+    encoders = [pipe.text_encoder, pipe.text_encoder_2]
+    plain = encoder_namespace(pipe, encoders, "flux")
+    layer = pipe.text_encoder.encoder.layers[0].self_attn.q_proj
+    layer.scaling, layer.active_adapters, layer.disable_adapters = {"style": 1.0}, ["style"], False
+    pipe.text_encoder._hf_peft_config_loaded = True
+    loaded = encoder_namespace(pipe, encoders, "flux")
+    layer.scaling = {"style": 0.5}
+    rescaled = encoder_namespace(pipe, encoders, "flux")
+    layer.disable_adapters = True
+    disabled = encoder_namespace(pipe, encoders, "flux")
+    assert len({plain, loaded, rescaled, disabled}) == 4

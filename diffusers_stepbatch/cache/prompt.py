@@ -154,12 +154,25 @@ class _Fingerprints:
         signature = tuple((name, id(t), t._version) for name, t in tensors)
         with self._lock:
             memo = self._memo.get(module)
-        if memo is not None and memo[0] == signature:
-            return memo[1]
-        digest = _weights_digest(module, tensors)
-        with self._lock:
-            self._memo[module] = (signature, digest)
-        return digest
+        if memo is None or memo[0] != signature:
+            memo = (signature, _weights_digest(module, tensors))
+            with self._lock:
+                self._memo[module] = memo
+        adapters = _adapter_state(module)
+        return memo[1] if adapters is None else f"{memo[1]}+{hashlib.blake2b(adapters.encode()).hexdigest()[:16]}"
+
+
+def _adapter_state(module: torch.nn.Module) -> str | None:
+    """Loaded LoRA adapters' scales and switches: `set_adapters` changes them without touching any tensor."""
+    if not (getattr(module, "_hf_peft_config_loaded", False) or hasattr(module, "peft_config")):
+        return None
+    state = []
+    for name, layer in module.named_modules():
+        scaling = getattr(layer, "scaling", None)
+        if isinstance(scaling, dict):
+            state.append((name, sorted(scaling.items()), getattr(layer, "active_adapters", None),
+                          getattr(layer, "merged_adapters", None), getattr(layer, "disable_adapters", None)))
+    return repr(state)
 
 
 def _weights_digest(module: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> str:
