@@ -98,9 +98,7 @@ class TeaCacheState:
         edge = self.step == 0 or self.step >= self.num_steps - 1
         if edge or self.previous_signal is None or self.residual is None:
             return True, 0.0
-        previous = self.previous_signal
-        change = ((signal - previous).abs().mean() / previous.abs().mean()).item()
-        accumulated = self.accumulated + _polyval(self.coefficients, change)
+        accumulated = self.accumulated + _polyval(self.coefficients, _relative_l1(signal, self.previous_signal))
         if accumulated < self.threshold:
             return False, accumulated
         return True, 0.0
@@ -113,6 +111,48 @@ class TeaCacheState:
             self.computed_steps += 1
         else:
             self.skipped_steps += 1
+
+
+def fit_coefficients(pipe: Any, prompts: Sequence[str], degree: int = 4, **call_kwargs: Any) -> tuple[float, ...]:
+    """Fit a rescale polynomial for `pipe`'s Flux transformer, as the TeaCache authors did for FLUX.1-dev.
+
+    Runs `pipe` (unwrapped, every step computed) on `prompts` and fits, over consecutive steps of each CFG
+    branch, the model output's relative L1 change against the signal's. Pass the result as
+    `TeaCacheConfig(coefficients=...)` for a model whose statistics differ from FLUX.1-dev's.
+
+    >>> coefficients = fit_coefficients(pipe, ["a cat", "a red square"], num_inference_steps=28)
+    >>> sb = StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.4, coefficients=coefficients))
+    """
+    import numpy as np
+
+    transformer = pipe.transformer
+    xs, ys = [], []
+    for prompt in prompts:
+        signals, outputs = [], []
+        hooks = [
+            transformer.transformer_blocks[0].norm1.register_forward_hook(
+                lambda module, args, out: signals.append(out[0].detach().double())),
+            transformer.register_forward_hook(
+                lambda module, args, out: outputs.append((out[0] if isinstance(out, tuple) else out.sample).double())),
+        ]
+        try:
+            with torch.no_grad():
+                pipe(prompt, **call_kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        steps = call_kwargs.get("num_inference_steps") or len(outputs)
+        branches = max(len(outputs) // steps, 1)  # true CFG calls the transformer twice per step
+        for i in range(branches, len(outputs)):
+            xs.append(_relative_l1(signals[i], signals[i - branches]))
+            ys.append(_relative_l1(outputs[i], outputs[i - branches]))
+    if len(xs) <= degree:
+        raise ValueError(f"{len(xs)} step pairs cannot fit a degree-{degree} polynomial; use more prompts or steps")
+    return tuple(float(c) for c in np.polyfit(xs, ys, degree))
+
+
+def _relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
+    return float((current - previous).abs().mean() / previous.abs().mean())
 
 
 def _polyval(coefficients: Sequence[float], x: float) -> float:
