@@ -27,8 +27,14 @@ import torch.nn.functional as F  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.cache import TeaCacheConfig  # noqa: E402
+from diffusers_stepbatch.cache.teacache import FLUX_COEFFICIENTS, fit_coefficients  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "teacache.json"
+CALIBRATION_PROMPTS = [  # for fit_coefficients; never among the evaluated prompts
+    "a purple circle at the bottom left on a white background",
+    "an orange square at the top left on a gray background",
+    "a white cross in the center on a black background",
+]
 PROMPTS = [
     "a red circle at the top left on a white background",
     "a blue square in the center on a gray background",
@@ -81,9 +87,12 @@ def ssim(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(ssim_map.mean())
 
 
-def run(sb: StepBatched, prompts: list[str], steps: int, threshold: float | None) -> tuple[list, float, int, int]:
-    """Images, summed denoise seconds, rows that ran the blocks, rows that skipped, for one configuration."""
-    teacache = None if threshold is None else TeaCacheConfig(threshold=threshold)
+def run(sb: StepBatched, prompts: list[str], steps: int, config: tuple | None) -> tuple[list, float, int, int]:
+    """Images, summed denoise seconds, rows that ran the blocks, rows that skipped, for one configuration.
+
+    `config` is None (no cache) or (coefficients name, threshold, coefficients).
+    """
+    teacache = None if config is None else TeaCacheConfig(threshold=config[1], coefficients=config[2])
     metrics = sb.engine.metrics
     before = len(metrics.calls)
     transformer = sb.pipe.transformer
@@ -117,6 +126,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 by default: on a shared 2-core machine under load, OpenMP with 2 "
                              "threads ran these small models 10-25x slower and far noisier")
+    parser.add_argument("--coefficients", choices=["flux", "fitted", "both"], default="both",
+                        help="FLUX.1-dev's published polynomial, one fitted to this model (fit_coefficients), or both")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS} (.smoke.json with --smoke)")
     args = parser.parse_args()
@@ -127,7 +138,15 @@ def main() -> None:
         args.steps, args.thresholds, args.repeats, prompts = 12, [0.2, 0.6], 1, PROMPTS[:1]
     pipe, model = load_model(args.smoke)
     print(f"model: {model}", flush=True)
-    configs = [None] + args.thresholds
+    call = dict(num_inference_steps=args.steps, guidance_scale=3.5, height=64, width=64, max_sequence_length=16,
+                output_type="latent")
+    polynomials = {}
+    if args.coefficients in ("flux", "both"):
+        polynomials["flux"] = FLUX_COEFFICIENTS
+    if args.coefficients in ("fitted", "both"):
+        polynomials["fitted"] = fit_coefficients(pipe, CALIBRATION_PROMPTS[: 1 if args.smoke else 3], **call)
+        print(f"fitted coefficients (highest power first): {[f'{c:.4g}' for c in polynomials['fitted']]}")
+    configs = [None] + [(name, t, c) for name, c in polynomials.items() for t in args.thresholds]
     times: dict = {c: [] for c in configs}
     outputs: dict = {}
     with StepBatched(pipe) as sb:
@@ -140,23 +159,27 @@ def main() -> None:
     reference = outputs[None][0]
     base = statistics.median(times[None])
     rows = []
-    for threshold in args.thresholds:
-        images, entered, skipped = outputs[threshold]
+    for config in configs[1:]:
+        images, entered, skipped = outputs[config]
         rows.append({
-            "threshold": threshold,
-            "speedup": base / statistics.median(times[threshold]),
+            "coefficients": config[0],
+            "threshold": config[1],
+            "speedup": base / statistics.median(times[config]),
             "skipped_fraction": skipped / (entered + skipped),
             "ideal_speedup": (entered + skipped) / entered,
             "psnr_db": statistics.fmean(psnr(a, b) for a, b in zip(images, reference)),
             "ssim": statistics.fmean(ssim(a, b) for a, b in zip(images, reference)),
         })
     print(f"{args.steps} steps, {len(prompts)} prompts, median of {args.repeats}; no-cache loop {base:.3f} s")
-    print(f"{'threshold':>9} {'speedup':>8} {'ideal':>6} {'skipped':>8} {'PSNR dB':>8} {'SSIM':>6}")
+    header = ("coefficients", "threshold", "speedup", "ideal", "skipped", "PSNR dB", "SSIM")
+    print("{:>12} {:>9} {:>8} {:>6} {:>8} {:>8} {:>6}".format(*header))
     for row in rows:
-        print(f"{row['threshold']:>9.2f} {row['speedup']:>7.2f}x {row['ideal_speedup']:>5.2f}x "
-              f"{row['skipped_fraction']:>7.0%} {row['psnr_db']:>8.2f} {row['ssim']:>6.3f}")
+        print(f"{row['coefficients']:>12} {row['threshold']:>9.2f} {row['speedup']:>7.2f}x "
+              f"{row['ideal_speedup']:>5.2f}x {row['skipped_fraction']:>7.0%} {row['psnr_db']:>8.2f} "
+              f"{row['ssim']:>6.3f}")
     result = {"model": model, "steps": args.steps, "prompts": prompts, "repeats": args.repeats,
-              "no_cache_loop_s": base, "torch_threads": torch.get_num_threads(), "rows": rows,
+              "no_cache_loop_s": base, "torch_threads": torch.get_num_threads(),
+              "coefficients": {name: list(c) for name, c in polynomials.items()}, "rows": rows,
               "smoke": args.smoke}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
