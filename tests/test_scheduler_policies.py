@@ -99,15 +99,15 @@ def feed(costs, key, seconds_for_rows, rounds=12):
 def test_overhead_bound_costs_keep_one_big_batch():
     costs = BatchCostModel(explore_every=0)
     decisions = feed(costs, "tiny", lambda rows: 0.010 + 0.001 * rows)
-    assert decisions[0] == (8,)  # the whole group is tried first
-    assert decisions[-1] == (8,)
+    assert decisions[:2] == [(8,), (4, 4)]  # the whole group, then one trial split
+    assert decisions[2:] == [(8,)] * 10  # halves were slower: no further exploration
 
 
 def test_compute_bound_costs_split_into_faster_forwards():
     costs = BatchCostModel(explore_every=0)
     decisions = feed(costs, "big", lambda rows: 0.1 * rows ** 1.2)  # superlinear: batching loses
-    assert decisions[-1] == (1,) * 8
-    assert len(set(decisions[:5])) > 1  # it explored before deciding
+    assert decisions[:4] == [(8,), (4, 4), (2, 2, 2, 2), (1,) * 8]  # halving while it keeps helping
+    assert decisions[4:] == [(1,) * 8] * 8
 
 
 def test_periodic_reexploration_follows_a_change_in_costs():
@@ -117,6 +117,7 @@ def test_periodic_reexploration_follows_a_change_in_costs():
     assert decisions[0] == (1,) * 8  # the old choice, until new measurements arrive
     exploits = [d for i, d in enumerate(decisions[-12:]) if (12 + 48 + i) % 4 != 3]  # skip re-explorations
     assert set(exploits) == {(8,)}
+    assert (2, 2, 2, 2) in decisions and (4, 4) in decisions  # it climbed back through the neighbours
 
 
 def test_estimates_interpolate_and_never_invent_gains():
@@ -127,3 +128,14 @@ def test_estimates_interpolate_and_never_invent_gains():
     assert costs.estimate("k", 12) == pytest.approx(0.8)  # proportional beyond the largest measured size
     assert costs.estimate("other", 4) is None
     assert costs.rows_within("k", 0.36, limit=8) == 5
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ([1] * 8, [(8,), (4, 4), (2, 2, 2, 2), (1,) * 8]),
+    ([2, 2, 2], [(6,), (2, 2, 2)]),  # capacity 3 and capacity 1 give the same split: kept once
+    ([1, 2, 1, 1], [(5,), (1, 2, 2), (1, 2, 1, 1)]),
+])
+def test_halving_options_have_no_repeats(rows, expected):
+    from diffusers_stepbatch.engine.costs import _halving_options, _sizes
+
+    assert [tuple(_sizes(rows, option)) for option in _halving_options(rows)] == expected

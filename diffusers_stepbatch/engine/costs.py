@@ -30,6 +30,23 @@ def _partition(rows: Sequence[int], capacity: int) -> list[list[int]]:
     return chunks
 
 
+def _sizes(item_rows: Sequence[int], option: list[list[int]]) -> list[int]:
+    return [sum(item_rows[i] for i in chunk) for chunk in option]
+
+
+def _halving_options(item_rows: Sequence[int]) -> list[list[list[int]]]:
+    """Partitions for capacities total, total/2, total/4, ..., 1, without repeats."""
+    options: list[list[list[int]]] = []
+    capacity = sum(item_rows)
+    while True:
+        option = _partition(item_rows, capacity)
+        if not options or option != options[-1]:
+            options.append(option)
+        if capacity == 1:
+            return options
+        capacity = max(1, capacity // 2)
+
+
 class BatchCostModel:
     """Online estimates of forward seconds by (key, rows); chooses how to split groups.
 
@@ -70,26 +87,33 @@ class BatchCostModel:
 
     def chunk(self, key: Hashable, item_rows: Sequence[int]) -> list[list[int]]:
         """Split items (given by their row counts) into forwards; returns index lists in order."""
-        total = sum(item_rows)
         if len(item_rows) <= 1:
             return [list(range(len(item_rows)))]
-        capacities = sorted({1 << k for k in range(total.bit_length()) if (1 << k) < total} | {total})
-        options = {capacity: _partition(item_rows, capacity) for capacity in capacities}
+        options = _halving_options(item_rows)
         decision = self._decisions[key]
         self._decisions[key] += 1
-
-        def sizes(option: list[list[int]]) -> list[int]:
-            return [sum(item_rows[i] for i in chunk) for chunk in option]
-
-        exploration_order = [total] + [c for c in capacities if c != total]  # the whole group first
-        unmeasured = [c for c in exploration_order if not all(self.is_measured(key, s) for s in sizes(options[c]))]
-        if unmeasured:
-            return options[unmeasured[0]]
+        measured = [self._measured_cost(key, item_rows, option) for option in options]
+        # Explore by halving: the whole group first, then halves, quarters... only while splitting has helped.
+        for k, cost in enumerate(measured):
+            if cost is None:
+                if k <= 1 or measured[k - 1] < measured[k - 2]:
+                    return options[k]
+                break
+            if k >= 1 and cost >= measured[k - 1]:
+                break
+        estimates = [sum(self.estimate(key, size) for size in _sizes(item_rows, option)) for option in options]
+        best = min(range(len(options)), key=lambda k: (estimates[k], k))
         if self.explore_every and decision % self.explore_every == self.explore_every - 1:
-            # re-measure one option in turn so estimates follow the machine's current load
-            return options[capacities[(decision // self.explore_every) % len(capacities)]]
-        best = min(capacities, key=lambda c: (sum(self.estimate(key, s) for s in sizes(options[c])), -c))
+            # re-measure a neighbour of the best option so the choice follows the machine's current load
+            neighbours = [k for k in (best - 1, best + 1) if 0 <= k < len(options)]
+            return options[neighbours[(decision // self.explore_every) % len(neighbours)]]
         return options[best]
+
+    def _measured_cost(self, key: Hashable, item_rows: Sequence[int], option: list[list[int]]) -> float | None:
+        sizes = _sizes(item_rows, option)
+        if not all(self.is_measured(key, size) for size in sizes):
+            return None
+        return sum(self.estimate(key, size) for size in sizes)
 
     def rows_within(self, key: Hashable, seconds: float, limit: int) -> int:
         """The most rows (<= limit) whose estimated forward time stays within `seconds` (at least 1)."""
