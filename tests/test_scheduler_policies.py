@@ -139,3 +139,10 @@ def test_halving_options_have_no_repeats(rows, expected):
     from diffusers_stepbatch.engine.costs import _halving_options, _sizes
 
     assert [tuple(_sizes(rows, option)) for option in _halving_options(rows)] == expected
+
+
+def test_new_group_sizes_use_estimates_once_exploration_concluded():
+    costs = BatchCostModel(explore_every=0)
+    feed(costs, "tiny", lambda rows: 0.010 + 0.001 * rows, rounds=4)
+    assert costs.chunk("tiny", [1] * 7) == [list(range(7))]  # no new trial split for 7 rows
+    assert costs.chunk("tiny", [1] * 5) == [list(range(5))]

@@ -60,6 +60,7 @@ class BatchCostModel:
         self.explore_every = explore_every
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
         self._decisions: Counter = Counter()
+        self._concluded: set[Hashable] = set()
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
         self._samples[key].setdefault(rows, deque(maxlen=self.window)).append(seconds)
@@ -92,15 +93,18 @@ class BatchCostModel:
         options = _halving_options(item_rows)
         decision = self._decisions[key]
         self._decisions[key] += 1
-        measured = [self._measured_cost(key, item_rows, option) for option in options]
-        # Explore by halving: the whole group first, then halves, quarters... only while splitting has helped.
-        for k, cost in enumerate(measured):
-            if cost is None:
-                if k <= 1 or measured[k - 1] < measured[k - 2]:
-                    return options[k]
-                break
-            if k >= 1 and cost >= measured[k - 1]:
-                break
+        if key not in self._concluded:
+            # Explore by halving: the whole group, then halves, quarters... only while splitting has helped.
+            # Once concluded, other group sizes are estimated by interpolation instead of explored again.
+            measured = [self._measured_cost(key, item_rows, option) for option in options]
+            for k, cost in enumerate(measured):
+                if cost is None:
+                    if k <= 1 or measured[k - 1] < measured[k - 2]:
+                        return options[k]
+                    break
+                if k >= 1 and cost >= measured[k - 1]:
+                    break
+            self._concluded.add(key)
         estimates = [sum(self.estimate(key, size) for size in _sizes(item_rows, option)) for option in options]
         best = min(range(len(options)), key=lambda k: (estimates[k], k))
         if self.explore_every and decision % self.explore_every == self.explore_every - 1:
