@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-GOLDEN_DIR = Path(os.environ.get("PID_GOLDEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "pid-golden"))
+# Test vectors from the reference PiD network (see its README), kept in the repo so CI always has them.
+GOLDEN_DIR = Path(os.environ.get("PID_GOLDEN_DIR", Path(__file__).resolve().parent / "data" / "pid-golden"))
 GOLDEN_NAMES = ("pid_v1_tiny", "pid_v1pt5_tiny")
 
 # The v1 2k structure at toy width; variants below exercise each branch of the network.

@@ -1,4 +1,4 @@
-"""PiDDecoder against the reference network's golden vectors (../shared/pid-golden, see its README)."""
+"""PiDDecoder against the reference network's golden vectors (tests/data/pid-golden, see its README)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
-from .pid_helpers import GOLDEN_DIR, GOLDEN_NAMES, single_thread
 from safetensors.torch import load_file
 
 from diffusers_stepbatch.decoders.pid import PiDDecoder
 
-pytestmark = pytest.mark.skipif(not GOLDEN_DIR.is_dir(), reason=f"golden vectors not found at {GOLDEN_DIR}")
+from .pid_helpers import GOLDEN_DIR, GOLDEN_NAMES, single_thread
 
 
 @pytest.fixture(autouse=True, scope="module")
