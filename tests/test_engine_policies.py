@@ -3,6 +3,7 @@
 import io
 import time
 
+import prometheus_client
 import pytest
 import torch
 
@@ -112,7 +113,6 @@ def test_progress_bar_per_request_follows_the_pipeline_config():
 
 
 def test_stats_and_prometheus_exposition():
-    prometheus_client = pytest.importorskip("prometheus_client")
     pipe = flux_pipe("dev-tiny")
     registry = prometheus_client.CollectorRegistry()
     with StepBatched(pipe) as sb:
