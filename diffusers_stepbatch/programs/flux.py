@@ -29,11 +29,11 @@ from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
-    check_generator,
+    check_call_size,
+    check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
-    check_num_inference_steps,
-    check_output_type,
+    check_unsupported,
     freeze,
 )
 
@@ -59,9 +59,7 @@ class FluxCall:
 @register_program(FluxPipeline)
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
-    given = [name for name in _UNSUPPORTED if args.get(name) is not None]
-    if given:
-        raise ValueError(f"{given} are not supported by StepBatched's Flux program yet; call the wrapped pipe directly")
+    check_unsupported(args, _UNSUPPORTED, "Flux")
     pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
     if pid is not None:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
@@ -76,18 +74,9 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
         callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
         max_sequence_length=args["max_sequence_length"],
     )
-    check_output_type(args["output_type"])
-    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
-    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
-    prompts = as_list(args["prompt"])
-    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
-    num_images = num_prompts * per_prompt
-    if args["prompt_embeds"] is not None and per_prompt > 1:
-        raise ValueError(
-            f"num_images_per_prompt={per_prompt} with prompt_embeds: FluxPipeline does not repeat given "
-            "embeddings; repeat prompt_embeds and pooled_prompt_embeds yourself and pass num_images_per_prompt=1"
-        )
-    check_generator(args["generator"], num_images)
+    size = check_call_size(args, args["sigmas"])
+    check_given_embeds_not_repeated(args, size.per_prompt, "FluxPipeline")
+    steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
 
     has_negative = args["negative_prompt"] is not None or (
         args["negative_prompt_embeds"] is not None and args["negative_pooled_prompt_embeds"] is not None

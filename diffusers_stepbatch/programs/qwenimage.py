@@ -18,19 +18,17 @@ import numpy as np
 import torch
 from diffusers import QwenImagePipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
-    check_generator,
+    check_call_size,
     check_latents,
     check_num_images_per_prompt,
-    check_num_inference_steps,
-    check_output_type,
     freeze,
 )
 
@@ -61,13 +59,8 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
         callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
         max_sequence_length=args["max_sequence_length"],
     )
-    check_output_type(args["output_type"])
-    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
-    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
-    prompts = as_list(args["prompt"])
-    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
-    num_images = num_prompts * per_prompt
-    check_generator(args["generator"], num_images)
+    size = check_call_size(args, args["sigmas"])
+    steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if pipe.transformer.config.guidance_embeds and args["guidance_scale"] is None:
         raise ValueError("guidance_scale is required for a guidance-distilled Qwen-Image transformer")
     has_negative = args["negative_prompt"] is not None or args["negative_prompt_embeds"] is not None

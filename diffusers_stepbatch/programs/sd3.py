@@ -27,12 +27,11 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
-    as_list,
-    check_generator,
+    check_call_size,
+    check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
-    check_num_inference_steps,
-    check_output_type,
+    check_unsupported,
     freeze,
 )
 
@@ -55,9 +54,7 @@ class SD3Call:
 @register_program(StableDiffusion3Pipeline)
 def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
-    given = [name for name in _UNSUPPORTED if args.get(name) is not None]
-    if given:
-        raise ValueError(f"{given} are not supported by StepBatched's SD3 program yet; call the wrapped pipe directly")
+    check_unsupported(args, _UNSUPPORTED, "SD3")
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
@@ -71,18 +68,9 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
         callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
         max_sequence_length=args["max_sequence_length"],
     )
-    check_output_type(args["output_type"])
-    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
-    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
-    prompts = as_list(args["prompt"])
-    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
-    num_images = num_prompts * per_prompt
-    if args["prompt_embeds"] is not None and per_prompt > 1:
-        raise ValueError(
-            f"num_images_per_prompt={per_prompt} with prompt_embeds: StableDiffusion3Pipeline does not repeat given "
-            "embeddings; repeat prompt_embeds and pooled_prompt_embeds yourself and pass num_images_per_prompt=1"
-        )
-    check_generator(args["generator"], num_images)
+    size = check_call_size(args, args["sigmas"])
+    check_given_embeds_not_repeated(args, size.per_prompt, "StableDiffusion3Pipeline")
+    steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if args["prompt_embeds"] is None:
         for name in ("prompt_2", "prompt_3"):
             _texts(args[name] or args["prompt"], num_prompts, name)

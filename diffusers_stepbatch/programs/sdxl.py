@@ -25,11 +25,9 @@ from ..engine.batch import WorkItem
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
-    check_generator,
+    check_call_size,
     check_latents,
-    check_num_images_per_prompt,
-    check_num_inference_steps,
-    check_output_type,
+    check_unsupported,
     freeze,
 )
 
@@ -51,23 +49,14 @@ class UNetCall:
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
     """Checks SD and SDXL share; returns (steps, num_prompts, num_images, per_prompt)."""
-    given = [option for option in UNSUPPORTED if args.get(option) is not None]
-    if given:
-        raise ValueError(f"{given} are not supported by StepBatched's {name} program yet; "
-                         "call the wrapped pipe directly")
+    check_unsupported(args, UNSUPPORTED, name)
     legacy = sorted(option for option in (args.get("kwargs") or {}) if option in ("callback", "callback_steps"))
     if legacy:
         raise ValueError(f"{legacy} are deprecated and not supported by StepBatched; use callback_on_step_end")
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    check_output_type(args["output_type"])
-    custom = args["timesteps"] if args["timesteps"] is not None else args["sigmas"]
-    steps = check_num_inference_steps(args["num_inference_steps"], custom)
-    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
-    prompts = as_list(args["prompt"])
-    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
-    check_generator(args["generator"], num_prompts * per_prompt)
-    return steps, num_prompts, num_prompts * per_prompt, per_prompt
+    size = check_call_size(args, args["timesteps"] if args["timesteps"] is not None else args["sigmas"])
+    return size.steps, size.num_prompts, size.num_images, size.per_prompt
 
 
 @register_program(StableDiffusionXLPipeline)

@@ -4,9 +4,51 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class CallSize:
+    """How much a call asks for: denoising steps, prompts, and images per prompt."""
+
+    steps: int
+    num_prompts: int
+    per_prompt: int
+
+    @property
+    def num_images(self) -> int:
+        return self.num_prompts * self.per_prompt
+
+
+def check_call_size(args: dict[str, Any], custom_schedule: Sequence[float] | None = None) -> CallSize:
+    """The checks every family shares: output type, steps (or a custom schedule's length), images per
+    prompt and the length of a generator list."""
+    check_output_type(args["output_type"])
+    steps = check_num_inference_steps(args["num_inference_steps"], custom_schedule)
+    per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    prompts = as_list(args["prompt"])
+    num_prompts = len(prompts) if prompts is not None else args["prompt_embeds"].shape[0]
+    check_generator(args["generator"], num_prompts * per_prompt)
+    return CallSize(steps, num_prompts, per_prompt)
+
+
+def check_unsupported(args: dict[str, Any], names: Sequence[str], family: str) -> None:
+    given = [name for name in names if args.get(name) is not None]
+    if given:
+        raise ValueError(f"{given} are not supported by StepBatched's {family} program yet; "
+                         "call the wrapped pipe directly")
+
+
+def check_given_embeds_not_repeated(args: dict[str, Any], per_prompt: int, pipeline: str) -> None:
+    """Flux and SD3 use given `prompt_embeds` as they are: they don't repeat them per image."""
+    if args["prompt_embeds"] is not None and per_prompt > 1:
+        raise ValueError(
+            f"num_images_per_prompt={per_prompt} with prompt_embeds: {pipeline} does not repeat given "
+            "embeddings; repeat prompt_embeds and pooled_prompt_embeds yourself and pass num_images_per_prompt=1"
+        )
 
 
 def check_num_inference_steps(num_inference_steps: Any, sigmas: Sequence[float] | None = None) -> int:
