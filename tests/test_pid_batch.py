@@ -7,7 +7,7 @@ import torch
 
 from diffusers_stepbatch.decoders.pid import PID_DISTILLED_TIMESTEPS, PiDSamplerConfig, decode, sampler_step
 
-from .pid_helpers import TINY_CONFIGS, inputs, single_thread, tiny_decoder
+from .pid_helpers import TINY_CONFIGS, inputs, tiny_decoder
 
 SIGMAS = (0.0, 0.35, 0.9)
 # (config, latent h x w): outputs from 32 x 32 to 96 x 128 pixels, square and not, folded and upsampled latents.
@@ -22,12 +22,6 @@ CASES = [
     ("folded_latent", (8, 8)),
     ("folded_latent", (4, 6)),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(autouse=True)

@@ -31,17 +31,11 @@ from diffusers_stepbatch.decoders.pid.hub import (
     save_official_checkpoint,
 )
 
-from .pid_helpers import TINY_CONFIGS, inputs, single_thread, tiny_decoder
+from .pid_helpers import TINY_CONFIGS, inputs, tiny_decoder
 
 CHECKPOINT = "PiD_res2k_sr4x_official_flux_distill_4step"
 CHECKPOINT_V1PT5 = "PiD_v1pt5_res2kto4k_sr4x_official_flux_distill_4step"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(autouse=True)

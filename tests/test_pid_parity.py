@@ -10,13 +10,7 @@ from safetensors.torch import load_file
 
 from diffusers_stepbatch.decoders.pid import PiDDecoder
 
-from .pid_helpers import GOLDEN_DIR, GOLDEN_NAMES, single_thread
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
+from .pid_helpers import GOLDEN_DIR, GOLDEN_NAMES
 
 
 @pytest.fixture(autouse=True)

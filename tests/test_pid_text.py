@@ -8,7 +8,6 @@ from transformers import BatchEncoding, Gemma2Config, Gemma2Model
 
 from diffusers_stepbatch.decoders.pid import PiDTextEncoder, PiDTextEncoderConfig
 
-from .pid_helpers import single_thread
 
 BOS, PAD = 2, 0
 
@@ -27,12 +26,6 @@ class CharTokenizer:
         mask = [[1] * len(i) + [0] * (max_length - len(i)) for i in ids]
         ids = [i + [PAD] * (max_length - len(i)) for i in ids]
         return BatchEncoding({"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(autouse=True)
