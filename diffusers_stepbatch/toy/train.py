@@ -44,15 +44,15 @@ class TrainConfig:
     object_weight: float = 10.0
     color_weight: float = 1.0
     kl_weight: float = 1e-6
-    renders_per_caption: int = 16
-    flow_steps: int = 800
+    renders_per_caption: int = 32
+    flow_steps: int = 2000
     flow_batch: int = 64
     flow_lr: float = 8e-4
     caption_dropout: float = 0.1
-    distill_steps: int = 200
+    distill_steps: int = 500
     distill_lr: float = 5e-4
     guidance_range: tuple[float, float] = (1.0, 5.0)
-    ema_decay: float = 0.999
+    ema_decay: float = 0.998
     eval_steps: int = 20
 
     def __post_init__(self):
@@ -197,6 +197,7 @@ def train_flow(cfg: TrainConfig, pipe, latents, index, embeds, pooled, start: fl
 def distill_guidance(cfg: TrainConfig, pipe, teacher, latents, index, embeds, pooled, start: float):
     from diffusers import FluxTransformer2DModel
 
+    torch.manual_seed(cfg.seed + 4)
     student = FluxTransformer2DModel(**build.TRANSFORMER_CONFIG)
     missing, unexpected = student.load_state_dict(teacher.state_dict(), strict=False)
     if unexpected or any("guidance_embedder" not in k for k in missing):
