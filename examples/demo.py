@@ -70,11 +70,20 @@ def main() -> None:
     kwargs = [dict(prompt=c, num_inference_steps=args.steps, generator=torch.Generator().manual_seed(i), **call)
               for i, c in enumerate(captions)]
 
-    pipe(**{**kwargs[0], "generator": torch.Generator()})  # warm-up, so the baseline below is fair
-    started = time.perf_counter()
-    for kw in kwargs[:2]:  # a short sequential baseline on the same pipeline
-        pipe(**{**kw, "generator": torch.Generator().manual_seed(0)})
-    sequential_per_image = (time.perf_counter() - started) / 2
+    def sequential_baseline() -> float:
+        pipe(**{**kwargs[0], "generator": torch.Generator()})  # warm-up, so the baseline is fair
+        started = time.perf_counter()
+        for kw in kwargs[:2]:
+            pipe(**{**kw, "generator": torch.Generator().manual_seed(0)})
+        return (time.perf_counter() - started) / 2
+
+    # NOTE: off the main thread, like StepBatched's engine: on a busy CPU OpenMP in the main thread can be
+    # several times slower, which would flatter the comparison.
+    baseline = threading.Thread(target=lambda: timings.append(sequential_baseline()))
+    timings: list[float] = []
+    baseline.start()
+    baseline.join()
+    sequential_per_image = timings[0]
 
     images: list[Image.Image | None] = [None] * len(kwargs)
     with StepBatched(pipe, max_batch_size=8) as sb:
