@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see throughput.py
 
 sys.path.insert(0, str(Path(__file__).parent))
 

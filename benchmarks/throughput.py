@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# NOTE: before torch loads: OpenMP threads that sleep instead of spinning; on a shared CPU spinning made
+# the same calls several times slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 

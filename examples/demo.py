@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# NOTE: before torch loads: OpenMP threads that sleep instead of spinning; on a shared CPU spinning made
+# the same calls several times slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
