@@ -113,11 +113,14 @@ class TeaCacheState:
             self.skipped_steps += 1
 
 
-def fit_coefficients(pipe: Any, prompts: Sequence[str], degree: int = 4, **call_kwargs: Any) -> tuple[float, ...]:
+def fit_coefficients(
+    pipe: Any, prompts: Sequence[str], degree: int = 4, seed: int = 0, **call_kwargs: Any
+) -> tuple[float, ...]:
     """Fit a rescale polynomial for `pipe`'s Flux transformer, as the TeaCache authors did for FLUX.1-dev.
 
     Runs `pipe` (unwrapped, every step computed) on `prompts` and fits, over consecutive steps of each CFG
-    branch, the model output's relative L1 change against the signal's. Pass the result as
+    branch, the model output's relative L1 change against the signal's; prompt i is sampled with seed
+    `seed + i` unless `call_kwargs` holds a generator. Pass the result as
     `TeaCacheConfig(coefficients=...)` for a model whose statistics differ from FLUX.1-dev's.
 
     >>> coefficients = fit_coefficients(pipe, ["a cat", "a red square"], num_inference_steps=28)
@@ -127,7 +130,7 @@ def fit_coefficients(pipe: Any, prompts: Sequence[str], degree: int = 4, **call_
 
     transformer = pipe.transformer
     xs, ys = [], []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         signals, outputs = [], []
         hooks = [
             transformer.transformer_blocks[0].norm1.register_forward_hook(
@@ -137,7 +140,8 @@ def fit_coefficients(pipe: Any, prompts: Sequence[str], degree: int = 4, **call_
         ]
         try:
             with torch.no_grad():
-                pipe(prompt, **call_kwargs)
+                generator = call_kwargs.get("generator") or torch.Generator().manual_seed(seed + index)
+                pipe(prompt, **{**call_kwargs, "generator": generator})
         finally:
             for hook in hooks:
                 hook.remove()
