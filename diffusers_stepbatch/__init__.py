@@ -5,23 +5,29 @@
 >>> image = pipe("a cat").images[0]   # same call, same output; concurrent calls share batches
 """
 
+from .cache.prompt import PromptCache
+from .cache.teacache import TeaCacheConfig
 from .decoders.pid import PiDDecoder
 from .decoders.registry import PiDDecoding, register_decoder
 from .engine.core import EngineClosedError
 from .engine.request import RequestHandle, RequestStatus
 from .engine.scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig
+from .programs.cfg import CFGPolicy
 from .wrapper import StepBatched
 
 __all__ = [
+    "CFGPolicy",
     "DeadlineUnmeetable",
     "EngineClosedError",
     "PiDDecoder",
     "PiDDecoding",
+    "PromptCache",
     "QueueFull",
     "RequestHandle",
     "RequestStatus",
     "SchedulerConfig",
     "StepBatched",
+    "TeaCacheConfig",
     "register_decoder",
 ]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ from .engine.core import EngineCore
 from .engine.request import Request, RequestHandle, next_request_id
 from .engine.scheduler import SchedulerConfig
 from .programs import program_for, registered_pipelines
+from .programs.registry import check_feature
 from .programs.cfg import CFGPolicy
 from .programs.options import ProgramOptions, planning_with
 from .programs.pid_exit import PiDExitOptions, check_pid_pipeline, planning_with_pid
@@ -79,6 +80,8 @@ class StepBatched:
             raise ValueError(f"StepBatched has no step program for {type(pipe).__name__}; supported: {supported}")
         _check_option("prompt_cache", prompt_cache, PromptCache, _DEFAULT)
         _check_option("teacache", teacache, TeaCacheConfig)
+        if teacache is not None:
+            check_feature(pipe, "teacache", "teacache=")
         _check_option("cfg_policy", cfg_policy, CFGPolicy)
         if quantize is not None:
             from .quantize import quantize_transformer
@@ -132,6 +135,8 @@ class StepBatched:
         teacache = kwargs.pop("teacache", _DEFAULT)
         if teacache is not _DEFAULT:
             _check_option("teacache", teacache, TeaCacheConfig)
+            if teacache is not None:
+                check_feature(self.pipe, "teacache", "teacache=")
             options = dataclasses.replace(options, teacache=teacache)
         call_args = self._bind(args, kwargs)
         with planning_with(options), planning_with_pid(self.pid):

@@ -279,3 +279,14 @@ def test_fitted_coefficients_explain_the_output_change():
     assert fitted < constant
     with pytest.raises(ValueError, match="cannot fit a degree-4"):
         fit_coefficients(pipe, ["x"], **dict(call, num_inference_steps=2))
+
+
+def test_teacache_on_a_family_without_it_is_an_error():
+    from diffusers_stepbatch.testing import tiny_sd3_pipeline
+
+    pipe = tiny_sd3_pipeline()
+    message = r"teacache= is not supported for StableDiffusion3Pipeline; supported: \['FluxPipeline'\]"
+    with pytest.raises(ValueError, match=message):
+        StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.4))
+    with StepBatched(pipe) as sb, pytest.raises(ValueError, match="teacache= is not supported"):
+        sb.submit("a cat", height=32, width=32, num_inference_steps=12, teacache=TeaCacheConfig(threshold=0.4))

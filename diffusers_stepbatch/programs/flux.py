@@ -56,7 +56,7 @@ class FluxCall:
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
 
 
-@register_program(FluxPipeline)
+@register_program(FluxPipeline, features=("teacache",))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
     check_unsupported(args, _UNSUPPORTED, "Flux")

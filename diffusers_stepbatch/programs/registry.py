@@ -33,18 +33,34 @@ PlanFn = Callable[[Any, dict[str, Any]], PlannedRequest]
 _PROGRAMS: dict[type, PlanFn] = {}
 
 
-def register_program(pipeline_class: type) -> Callable[[PlanFn], PlanFn]:
+_FEATURES: dict[type, frozenset[str]] = {}
+
+
+def register_program(pipeline_class: type, features: tuple[str, ...] = ()) -> Callable[[PlanFn], PlanFn]:
     """Register `plan` as the step program of `pipeline_class` (and of its subclasses).
 
-    >>> @register_program(FluxPipeline)
+    `features` names the optional reducers the program implements (e.g. "teacache"); asking for one that a
+    family's program lacks is an error, not a silent no-op.
+
+    >>> @register_program(FluxPipeline, features=("teacache",))
     ... def plan_flux(pipe, call_args): ...
     """
 
     def decorate(plan: PlanFn) -> PlanFn:
         _PROGRAMS[pipeline_class] = plan
+        _FEATURES[pipeline_class] = frozenset(features)
         return plan
 
     return decorate
+
+
+def check_feature(pipe: Any, feature: str, option: str) -> None:
+    """Raise a ValueError naming `option` when the pipeline's step program doesn't implement `feature`."""
+    plan = program_for(pipe)
+    features = next((_FEATURES[cls] for cls, fn in _PROGRAMS.items() if fn is plan), frozenset())
+    if feature not in features:
+        supporting = [cls.__name__ for cls, names in _FEATURES.items() if feature in names]
+        raise ValueError(f"{option} is not supported for {type(pipe).__name__}; supported: {supporting}")
 
 
 def program_for(pipe: Any) -> PlanFn | None:
