@@ -61,8 +61,14 @@ class BatchCostModel:
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
+        self._warmed: set[tuple[Hashable, int]] = set()
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
+        # NOTE: the first call at a new shape pays one-time costs (allocations, lazy init); one such outlier
+        # would otherwise decide the exploration, so it is not recorded.
+        if (key, rows) not in self._warmed:
+            self._warmed.add((key, rows))
+            return
         self._samples[key].setdefault(rows, deque(maxlen=self.window)).append(seconds)
 
     def estimate(self, key: Hashable, rows: int) -> float | None:
