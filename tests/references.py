@@ -91,6 +91,28 @@ def submit_all(sb, requests: list[dict]) -> list:
     return [future.result(timeout=300) for future in futures]
 
 
+def output_images(output):
+    """The images of a pipeline output, whether `return_dict` was True or False."""
+    return output[0] if isinstance(output, tuple) else output.images
+
+
+def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[dict], max_batch_size: int) -> None:
+    """Submitted together, each request equals its solo unwrapped run, and batches > 1 really ran."""
+    from diffusers_stepbatch import StepBatched
+
+    expected = [output_images(pipe(**seeded(kwargs))) for kwargs in requests]
+    sizes, hook = count_forwards(denoiser)
+    try:
+        with StepBatched(pipe, max_batch_size=max_batch_size) as sb:
+            results = submit_all(sb, requests)
+    finally:
+        hook.remove()
+    for kwargs, got, want in zip(requests, results, expected):
+        assert max_diff(output_images(got), want) <= TOLERANCE, kwargs
+    assert max(sizes) > 1, "the denoiser never ran a batch larger than one"
+    assert max(sizes) <= max_batch_size
+
+
 import pytest  # noqa: E402
 
 

@@ -11,7 +11,8 @@ from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
 from diffusers_stepbatch import StepBatched
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, count_forwards, family_pipe, family_size, max_diff, seeded, single_thread, submit_all,
+    TOLERANCE, assert_batched_equals_solo, count_forwards, family_pipe, family_size, max_diff, seeded, single_thread,
+    submit_all,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -61,25 +62,10 @@ def mixed_requests(name):
     return requests
 
 
-def images(output):
-    return output[0] if isinstance(output, tuple) else output.images
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_mixed_batch_equals_solo_runs(name):
     pipe = family_pipe(name)
-    requests = mixed_requests(name)
-    expected = [images(pipe(**seeded(kwargs))) for kwargs in requests]
-    sizes, hook = count_forwards(pipe.unet)
-    try:
-        with StepBatched(pipe, max_batch_size=8) as sb:
-            results = submit_all(sb, requests)
-    finally:
-        hook.remove()
-    for kwargs, got, want in zip(requests, results, expected):
-        assert max_diff(images(got), want) <= TOLERANCE, kwargs
-    assert max(sizes) > 1, "the UNet never ran a batch larger than one"
-    assert max(sizes) <= 8
+    assert_batched_equals_solo(pipe, pipe.unet, mixed_requests(name), max_batch_size=8)
 
 
 @pytest.mark.parametrize("name", ["sdxl-euler", "sd-euler"])
