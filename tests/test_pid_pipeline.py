@@ -83,15 +83,17 @@ def test_pid_decode_of_several_requests_batched_equals_each_alone():
     with StepBatched(pipe, decoder=decoding, pid_exit_step=3, scheduler=SchedulerConfig(cost_aware=False)) as sb:
         alone = [sb(**kwargs).images for kwargs in calls()]
         assert sb.stats()["rows_histogram"]["pid"] == {1: 1, 2: 2}
-        # NOTE: a request at another size holds the engine in its first step's callback, so the three are
-        # submitted before any of them starts and run in lockstep.
-        released = threading.Event()
+        # NOTE: a request at another size holds the engine in its first step's callback; the three are submitted
+        # only once the engine is held there, so all of them are admitted in the same engine step (lockstep).
+        entered, released = threading.Event(), threading.Event()
 
         def hold_engine(*_):
+            entered.set()
             released.wait(60)
             return {}
 
         blocker = sb.submit(**call(height=32, width=32, steps=4, callback_on_step_end=hold_engine))
+        assert entered.wait(60)
         handles = [sb.submit(**kwargs) for kwargs in calls()]
         released.set()
         together = [h.result().images for h in handles]
