@@ -126,9 +126,10 @@ def test_subclass_overriding_call_batches_through_the_generic_program():
                      seed=i, output_type="pt") for i in range(4)]
     requests.append(dict(requests[0], num_inference_steps=4, seed=9))  # other timesteps: rarely merged with them
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
-    released = threading.Event()
+    entered, released = threading.Event(), threading.Event()
 
     def hold_engine_once(step_pipe, i, t, tensors):
+        entered.set()
         released.wait(60)  # the engine waits on this helper: later submissions start together, in lockstep
         return {}
 
@@ -136,6 +137,7 @@ def test_subclass_overriding_call_batches_through_the_generic_program():
     try:
         with StepBatched(pipe) as sb:
             futures = [sb.submit(**seeded(requests[0]), callback_on_step_end=hold_engine_once)]
+            assert entered.wait(60)  # submit the others only once the engine is held
             futures += [sb.submit(**seeded(kwargs)) for kwargs in requests[1:]]
             released.set()
             results = [future.result(timeout=300) for future in futures]
