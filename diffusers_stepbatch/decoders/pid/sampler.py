@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+from diffusers.utils.torch_utils import randn_tensor
 
 if TYPE_CHECKING:
     from .model import PiDDecoder
@@ -87,12 +88,10 @@ def randn_rows(shape: Sequence[int], generator: Generators, device: torch.device
     With one generator the whole batch is one draw (as the reference does); with a list, a row's noise does not
     depend on the other rows, which is what keeps batched decoding equal to decoding alone.
     """
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
-    if len(generator) != shape[0]:
+    if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != shape[0]:
         raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}; give one per row")
-    row_shape = (1, *shape[1:])
-    return torch.cat([torch.randn(row_shape, generator=g, device=device, dtype=torch.float32) for g in generator])
+    # NOTE: diffusers' helper draws on the generators' device and moves the noise, so CPU generators serve CUDA too.
+    return randn_tensor(tuple(shape), generator=generator, device=torch.device(device), dtype=torch.float32)
 
 
 def initial_noise(batch: int, height: int, width: int, generator: Generators, device="cpu") -> torch.Tensor:
