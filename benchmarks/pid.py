@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                      "memory_saving": saving, "meets_speedup_target": speedup >= TARGET_SPEEDUP,
                      "meets_memory_target": saving >= TARGET_MEMORY_SAVING})  # fmt: skip
         print(f"{concurrency} request(s) of {full['output'][0]}x{full['output'][1]}, N={args.steps} steps "
-              f"(PiD: main model at {pid['main_model']['size'][0]}px for {pid['main_model']['forwards_per_round'] // concurrency} steps):")  # fmt: skip
+              f"(main-model forwards per round, batched: full {full['main_model']['forwards_per_round']} at "
+              f"{full['main_model']['size'][0]}px, pid {pid['main_model']['forwards_per_round']} at {pid['main_model']['size'][0]}px):")  # fmt: skip
         print(f"  latency      full {full['latency_s']:7.2f} s   pid {pid['latency_s']:7.2f} s   "
               f"-> {speedup:.2f}x faster (target >= {TARGET_SPEEDUP}x)")
         print(f"  peak memory  full {full['peak_memory_mib']:7.1f} MiB pid {pid['peak_memory_mib']:7.1f} MiB "
