@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from diffusers_stepbatch import PiDDecoder
-from diffusers_stepbatch.toy import NATIVE_SIZE, WEIGHTS_DIR
-from diffusers_stepbatch.toy import train_pid
+from diffusers_stepbatch.toy import NATIVE_SIZE, WEIGHTS_DIR, train_pid
 
 from .pid_helpers import single_thread
 
-NARROW = dict(hidden_size=32, patch_depth=2, lq_hidden_dim=16, lq_num_res_blocks=1)
+NARROW = {"hidden_size": 32, "patch_depth": 2, "lq_hidden_dim": 16, "lq_num_res_blocks": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +56,9 @@ def test_main_saves_a_strictly_loadable_adapter_with_its_scores(tmp_path):
     out = tmp_path / "adapter"
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:  # NOTE: main() switches deterministic algorithms on for the whole process
-        train_pid.main(["--vae", str(WEIGHTS_DIR), "--out", str(out), "--steps", "2", "--batch", "1", "--eval-count", "2"])
+        train_pid.main(
+            ["--vae", str(WEIGHTS_DIR), "--out", str(out), "--steps", "2", "--batch", "1", "--eval-count", "2"]
+        )
     finally:
         torch.use_deterministic_algorithms(deterministic)
     loaded = PiDDecoder.from_pretrained(out)
