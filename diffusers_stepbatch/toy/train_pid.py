@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers.utils.torch_utils import randn_tensor
 
 from diffusers_stepbatch.decoders.pid import PID_DISTILLED_TIMESTEPS, PiDDecoder, decode, sampler_step
 from diffusers_stepbatch.toy import build
@@ -125,10 +127,16 @@ def latents_of(vae, images: torch.Tensor) -> torch.Tensor:
     return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
 
+@functools.lru_cache(maxsize=1)
+def _text_pipeline():
+    # NOTE: built once per process: every held-out evaluation needs the same text encoders.
+    return build.build_pipeline(0)
+
+
 @torch.no_grad()
 def caption_embeddings(captions: list[str]) -> dict[str, torch.Tensor]:
     """The toy pipeline's T5 embeddings of each caption ([16, 64]); its text encoders are fixed by the seed."""
-    pipe = build.build_pipeline(0)
+    pipe = _text_pipeline()
     embeds, _, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, max_sequence_length=build.MAX_SEQUENCE_LENGTH)
     return {text: row for text, row in zip(captions, embeds)}
 
@@ -147,7 +155,7 @@ def degrade(latent: torch.Tensor, cfg: PiDTrainConfig, gen: torch.Generator) -> 
     b = latent.shape[0]
     sigma = torch.rand(b, generator=gen) * cfg.sigma_max
     sigma = torch.where(torch.rand(b, generator=gen) < cfg.p_clean, torch.zeros_like(sigma), sigma)
-    eps = _randn(latent, gen)
+    eps = randn_tensor(latent.shape, generator=gen, device=latent.device)
     sigma = sigma.to(latent.device)
     s = sigma.view(-1, 1, 1, 1)
     return (1 - s) * latent + s * eps, sigma
@@ -159,15 +167,11 @@ def _lr_factor(step: int, total: int, warmup: int = 100) -> float:
     return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def _randn(like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(like.shape, generator=gen).to(like.device)
-
-
 def training_input(model, x0, lq, sigma, text, step_index: int, rollout: bool, gen: torch.Generator):
     """x_t at the distilled time `step_index`: from the target (x0) or from a no-grad rollout of the sampler."""
     ts = PID_DISTILLED_TIMESTEPS
     b = x0.shape[0]
-    noise = _randn(x0, gen)
+    noise = randn_tensor(x0.shape, generator=gen, device=x0.device)
     if not rollout or step_index == 0:
         t = ts[step_index]
         return (1 - t) * x0 + t * noise
@@ -176,7 +180,8 @@ def training_input(model, x0, lq, sigma, text, step_index: int, rollout: bool, g
         for i in range(step_index):
             t_rows = torch.full((b,), ts[i], device=x0.device)
             v = model(x, t_rows * 1000, text, lq_latent=lq, degrade_sigma=sigma)
-            x = sampler_step(x, v, t_rows, torch.full_like(t_rows, ts[i + 1]), _randn(x0, gen))
+            eps = randn_tensor(x0.shape, generator=gen, device=x0.device)
+            x = sampler_step(x, v, t_rows, torch.full_like(t_rows, ts[i + 1]), eps)
     return x
 
 
@@ -249,8 +254,8 @@ def evaluate(decoder: PiDDecoder, vae, count: int = 64, seed: int = 4321, sigma:
         decoded = vae.decode(latent / vae.config.scaling_factor + vae.config.shift_factor).sample.cpu()
         bicubic = F.interpolate(decoded, size=(OUTPUT_SIZE, OUTPUT_SIZE), mode="bicubic", align_corners=False)
         if sigma > 0:
-            noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed + start))
-            latent = (1 - sigma) * latent + sigma * noise.to(device)
+            noise = randn_tensor(latent.shape, generator=torch.Generator().manual_seed(seed + start), device=device)
+            latent = (1 - sigma) * latent + sigma * noise
         generators = [torch.Generator().manual_seed(seed + start + i) for i in range(len(texts))]
         text = torch.stack([embeds[t] for t in texts])
         image = decode(decoder, latent, sigma, text, generator=generators)
