@@ -35,7 +35,7 @@ __all__ = [
 PID_DISTILLED_TIMESTEPS = (0.999, 0.866, 0.634, 0.342, 0.0)
 SAMPLE_TYPES = ("sde", "ode")
 
-Generators = torch.Generator | Sequence[torch.Generator] | None
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,13 @@ def randn_rows(shape: Sequence[int], generator: Generators, device: torch.device
     """
     if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != shape[0]:
         raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}; give one per row")
+    shape, device = tuple(shape), torch.device(device)
+    if isinstance(generator, (list, tuple)) and any(g is None for g in generator):
+        # NOTE: a request without a generator shares a batch with seeded ones: its rows use the global RNG.
+        rows = [randn_rows((1, *shape[1:]), g, device) for g in generator]
+        return torch.cat(rows) if rows else torch.empty(shape, device=device)
     # NOTE: diffusers' helper draws on the generators' device and moves the noise, so CPU generators serve CUDA too.
-    return randn_tensor(tuple(shape), generator=generator, device=torch.device(device), dtype=torch.float32)
+    return randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
 
 
 def initial_noise(batch: int, height: int, width: int, generator: Generators, device="cpu") -> torch.Tensor:
