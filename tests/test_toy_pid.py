@@ -13,16 +13,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from diffusers_stepbatch import PiDDecoder, SchedulerConfig, StepBatched
-from diffusers_stepbatch.decoders.pid import decode
 from diffusers_stepbatch.decoders.registry import TOY_ADAPTER_DIR
-from diffusers_stepbatch.toy.judge import judge_image, psnr
-from diffusers_stepbatch.toy.scenes import heldout_captions, render_scene, sample_scene
+from diffusers_stepbatch.toy.judge import judge_image
+from diffusers_stepbatch.toy.scenes import heldout_captions
 
 from .pid_helpers import single_thread
 
@@ -50,33 +47,11 @@ def decoder():
     return PiDDecoder.from_pretrained(TOY_ADAPTER_DIR).eval()
 
 
-def _to_tensor(images) -> torch.Tensor:
-    array = np.stack([np.asarray(image, dtype=np.float32) for image in images])
-    return torch.from_numpy(array).permute(0, 3, 1, 2) / 127.5 - 1.0
-
-
-def _to_uint8(x: torch.Tensor) -> np.ndarray:
-    return ((x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-
-
-@torch.no_grad()
 def test_pid_beats_vae_decode_plus_bicubic_on_heldout_scenes(pipe, decoder):
-    rng = np.random.default_rng(SEED)
-    captions = heldout_captions()
-    texts = [captions[int(i)] for i in rng.permutation(len(captions))[:SCENES]]
-    scenes = [sample_scene(rng, text) for text in texts]
-    truth = np.stack([np.asarray(render_scene(scene, OUTPUT)) for scene in scenes])
-    vae = pipe.vae
-    latent = vae.encode(_to_tensor([render_scene(scene, NATIVE) for scene in scenes])).latent_dist.mode()
-    bicubic = F.interpolate(vae.decode(latent).sample, size=(OUTPUT, OUTPUT), mode="bicubic", align_corners=False)
-    # NOTE: PiD reads the latent as the transformer sees it, and the pipeline's T5 caption embeddings.
-    normalised = (latent - vae.config.shift_factor) * vae.config.scaling_factor
-    embeds, _, _ = pipe.encode_prompt(texts, prompt_2=None, max_sequence_length=16)
-    generators = [torch.Generator().manual_seed(SEED + i) for i in range(SCENES)]
-    image = decode(decoder, normalised, 0.0, embeds, generator=generators)
+    from diffusers_stepbatch.toy.train_pid import evaluate
 
-    pid_db = np.mean([psnr(a, b) for a, b in zip(truth, _to_uint8(image))])
-    bicubic_db = np.mean([psnr(a, b) for a, b in zip(truth, _to_uint8(bicubic))])
+    scores = evaluate(decoder, pipe.vae, count=SCENES, seed=SEED)
+    pid_db, bicubic_db = scores["pid_psnr"], scores["bicubic_psnr"]
     print(f"held-out PSNR at {OUTPUT}px over {SCENES} scenes: PiD {pid_db:.2f} dB, VAE + bicubic {bicubic_db:.2f} dB")
     assert pid_db > bicubic_db
 

@@ -93,8 +93,7 @@ def randn_rows(shape: Sequence[int], generator: Generators, device: torch.device
     shape, device = tuple(shape), torch.device(device)
     if isinstance(generator, (list, tuple)) and any(g is None for g in generator):
         # NOTE: a request without a generator shares a batch with seeded ones: its rows use the global RNG.
-        rows = [randn_rows((1, *shape[1:]), g, device) for g in generator]
-        return torch.cat(rows) if rows else torch.empty(shape, device=device)
+        return torch.cat([randn_rows((1, *shape[1:]), g, device) for g in generator])
     # NOTE: diffusers' helper draws on the generators' device and moves the noise, so CPU generators serve CUDA too.
     return randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
 
