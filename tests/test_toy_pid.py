@@ -3,8 +3,8 @@
 Held-out scenes (captions never seen in training, fresh size/offset jitter) are rendered at the toy model's native
 64 x 64 and encoded by the toy VAE; the latent goes (a) through the VAE decoder and bicubic 4x upsampling and (b)
 through PiD straight to 256 x 256. Both are scored by PSNR against the scene rendered at 256 x 256. Issue 7 asks for
-PiD >= 1 dB above (a); this adapter is 0.3 dB above (docs/pid.md), so the suite checks that it is above (a) and that
-the scores its card reports are the ones it gets.
+PiD >= 1 dB above (a), on scenes of a seed the training script never evaluates with; the suite also checks that the
+scores its card reports are the ones it gets.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_pid_beats_vae_decode_plus_bicubic_on_heldout_scenes(pipe, decoder):
     scores = evaluate(decoder, pipe.vae, count=SCENES, seed=SEED)
     pid_db, bicubic_db = scores["pid_psnr"], scores["bicubic_psnr"]
     print(f"held-out PSNR at {OUTPUT}px over {SCENES} scenes: PiD {pid_db:.2f} dB, VAE + bicubic {bicubic_db:.2f} dB")
-    assert pid_db > bicubic_db
+    assert pid_db >= bicubic_db + 1.0
 
 
 def test_adapter_is_a_strictly_loadable_hub_folder_with_its_card(decoder):

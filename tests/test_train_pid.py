@@ -52,6 +52,42 @@ def test_same_seed_same_weights_other_seed_other_weights(vae, batch, rollout):
     assert any(not torch.equal(first[k], init[k]) for k in first)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_aux_rgb_loss_trains_the_adapter_head(vae, monkeypatch, batch):
+    monkeypatch.setitem(train_pid.PID_TOY_CONFIG, "lq_aux_rgb_head", True)
+    torch.manual_seed(0)
+    init = _weights(PiDDecoder(**train_pid.PID_TOY_CONFIG))
+
+    def run(weight):
+        cfg = train_pid.PiDTrainConfig(steps=3, batch=batch, aux_rgb_weight=weight)
+        return _weights(train_pid.train(cfg, vae, time.time()))
+
+    head = [k for k in init if "lq_aux_rgb_head" in k]
+    off, on = run(0.0), run(1.0)
+    assert head and all(torch.equal(off[k], init[k]) for k in head)  # no gradient reaches an unused head
+    assert all(not torch.equal(on[k], init[k]) for k in head)
+    assert any(not torch.equal(on[k], off[k]) for k in init if k not in head)  # the loss also shapes the trunk
+
+
+def test_aux_rgb_lays_the_head_tokens_out_as_the_native_image():
+    """Token (row, col) predicts the p x p native pixels under its patch: an identity head returns the image."""
+    config = dict(train_pid.PID_TOY_CONFIG, lq_aux_rgb_head=True)
+    model = PiDDecoder(**config)
+    model.lq_proj.lq_aux_rgb_head = torch.nn.Identity()
+    p = model.patch_size // model.sr_scale
+    image = torch.randn(2, 3, NATIVE_SIZE, NATIVE_SIZE + 2 * p)
+    features = torch.nn.functional.pixel_unshuffle(image, p)  # channel (c, i, j) of token (row, col)
+    assert torch.equal(train_pid.aux_rgb(model, features), image)
+
+
+def test_aux_rgb_weight_needs_the_head(vae, monkeypatch):
+    monkeypatch.setitem(train_pid.PID_TOY_CONFIG, "lq_aux_rgb_head", False)
+    with pytest.raises(ValueError, match="lq_aux_rgb_head"):
+        train_pid.train(train_pid.PiDTrainConfig(steps=1, batch=1, aux_rgb_weight=1.0), vae, time.time())
+    with pytest.raises(ValueError, match="aux_rgb_weight"):
+        train_pid.PiDTrainConfig(aux_rgb_weight=-1.0)
+
+
 def test_main_saves_a_strictly_loadable_adapter_with_its_scores(tmp_path):
     out = tmp_path / "adapter"
     deterministic = torch.are_deterministic_algorithms_enabled()
