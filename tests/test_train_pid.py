@@ -60,7 +60,9 @@ def test_aux_rgb_loss_trains_the_adapter_head(vae, monkeypatch, batch):
 
     def run(weight):
         cfg = train_pid.PiDTrainConfig(steps=3, batch=batch, aux_rgb_weight=weight)
-        return _weights(train_pid.train(cfg, vae, time.time()))
+        model = train_pid.train(cfg, vae, time.time())
+        assert not model.lq_proj.latent_proj._forward_hooks  # the training-only hook is gone
+        return _weights(model)
 
     head = [k for k in init if "lq_aux_rgb_head" in k]
     off, on = run(0.0), run(1.0)

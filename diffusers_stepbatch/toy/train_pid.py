@@ -59,7 +59,8 @@ PID_TOY_CONFIG = dict(
     lq_num_res_blocks=3,
     lq_interval=1,
     # NOTE: the v1.5 additions: the adapter also feeds the pixel blocks, and its training-only RGB head gives the
-    # adapter a direct loss on the 64 px image (20.8 / 24.3 dB vs 17.1 / 23.0 without, steps 500 / 1000).
+    # adapter a direct loss on the 64 px image. Held-out dB at steps 500 / 1000: neither 17.1 / 23.0, the head
+    # 20.8 / 24.3, both 20.9 / 24.6 (docs/pid.md).
     pit_lq_inject=True,
     lq_aux_rgb_head=True,
     sr_scale=4,
@@ -214,7 +215,7 @@ def train(cfg: PiDTrainConfig, vae, start: float) -> PiDDecoder:
         if not hasattr(model.lq_proj, "lq_aux_rgb_head"):
             raise ValueError("aux_rgb_weight > 0 needs lq_aux_rgb_head=True in the network's config")
         # NOTE: the head reads the adapter's conv trunk, which the network's forward does not return.
-        model.lq_proj.latent_proj.register_forward_hook(lambda _m, _i, out: adapter_features.update(last=out))
+        hook = model.lq_proj.latent_proj.register_forward_hook(lambda _m, _i, out: adapter_features.update(last=out))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.01)
     captions = train_captions()
     embeds = {text: row.to(cfg.device) for text, row in caption_embeddings(captions).items()}
@@ -254,6 +255,8 @@ def train(cfg: PiDTrainConfig, vae, start: float) -> PiDDecoder:
             probe = PiDDecoder(**PID_TOY_CONFIG).to(cfg.device)
             probe.load_state_dict(ema)
             _log(start, f"step {step} EMA held-out: {evaluate(probe.eval(), vae, count=16)}")
+    if cfg.aux_rgb_weight:
+        hook.remove()  # the returned decoder should not keep its last features alive
     model.load_state_dict(ema)
     return model.eval().requires_grad_(False)
 
