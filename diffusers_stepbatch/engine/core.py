@@ -18,7 +18,9 @@ import torch
 
 from .batch import make_batch, run_batch, split
 from .costs import BatchCostModel
+from .faults import RowCaps, check_row_count, is_out_of_memory
 from .metrics import EngineMetrics
+from .ownership import current_owner, set_owner
 from .request import Request, RequestStatus
 from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, StepScheduler
 
@@ -36,6 +38,7 @@ class EngineCore:
         self.config = config
         self.scheduler = StepScheduler(config)
         self.costs = BatchCostModel()
+        self.row_caps = RowCaps()
         self.metrics = EngineMetrics()
         self._name = name
         self._wakeup = threading.Condition()
@@ -63,6 +66,9 @@ class EngineCore:
             self._wakeup.notify()
 
     def in_engine_thread(self) -> bool:
+        """True in the engine thread and in helper threads it runs step programs in (generic program)."""
+        if current_owner() is self:
+            return True
         return self._thread is not None and threading.current_thread() is self._thread
 
     def close(self, cancel_pending: bool = False, timeout: float | None = None) -> None:
@@ -74,6 +80,8 @@ class EngineCore:
             self._wakeup.notify()
         if thread is not None and not self.in_engine_thread():
             thread.join(timeout)
+        if thread is None:  # never started: nothing runs, but queued requests still need an outcome
+            self._resolve_leftovers()
 
     @property
     def is_alive(self) -> bool:
@@ -81,6 +89,21 @@ class EngineCore:
 
     # ----------------------------------------------------------------------------------- engine side
     def _loop(self) -> None:
+        set_owner(self)
+        try:
+            self._serve()
+        finally:  # whatever ended the loop, every Future gets an outcome
+            self._resolve_leftovers()
+
+    def _resolve_leftovers(self) -> None:
+        with self._wakeup:
+            arrived, self._inbox = self._inbox, []
+        for request in arrived:
+            self.scheduler.add(request)
+        for request in self.scheduler.drain():
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _serve(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is per thread; diffusers runs pipelines under no_grad
         while True:
             with self._wakeup:
@@ -94,7 +117,7 @@ class EngineCore:
                 break
             try:
                 self.step()
-            except Exception as exc:  # an engine bug must not strand anyone: fail the running requests
+            except BaseException as exc:  # an engine bug must not strand anyone: fail the running requests
                 logger.exception("StepBatched engine step failed")
                 for request in list(self.scheduler.running):
                     self._finish(request, RequestStatus.FINISHED_ERROR, exc)
@@ -132,10 +155,15 @@ class EngineCore:
 
     def _chunk(self, group_key: Any, members: list[Request]) -> list[list[Request]]:
         """One forward for the group, or several when the cost model measured that to be faster."""
-        if not self.config.cost_aware or len(members) == 1:
+        if len(members) == 1:
             return [members]
-        indices = self.costs.chunk(group_key, [request.pending.rows for request in members])
-        return [[members[i] for i in chunk] for chunk in indices]
+        chunks = [members]
+        if self.config.cost_aware:
+            indices = self.costs.chunk(group_key, [request.pending.rows for request in members])
+            chunks = [[members[i] for i in chunk] for chunk in indices]
+        # NOTE: after an out-of-memory error, forwards of this key stay below the row count that failed.
+        return [[chunk[i] for i in part] for chunk in chunks
+                for part in self.row_caps.split(group_key, [request.pending.rows for request in chunk])]
 
     def _update_step_estimates(self, seconds: float, group_key: Any) -> None:
         previous = self.scheduler.step_seconds
@@ -152,7 +180,10 @@ class EngineCore:
         self.metrics.record_overhead(started - assembling)
         try:
             output = run_batch(batch)
-        except Exception as exc:
+            check_row_count(output, batch.num_rows, kind)
+        except BaseException as exc:  # a BaseException from a model or hook fails its request, not the engine
+            if is_out_of_memory(exc):
+                self.row_caps.record_oom((kind, batch.key), batch.num_rows)
             if len(members) == 1:
                 self._finish(members[0], RequestStatus.FINISHED_ERROR, exc)
                 return
@@ -161,6 +192,7 @@ class EngineCore:
             for request in members:
                 self._execute([request])
             return
+        self.row_caps.record_success((kind, batch.key), batch.num_rows)
         elapsed = time.perf_counter() - started
         self.metrics.record_call(kind, batch.num_rows, elapsed)
         self.costs.observe((kind, batch.key), batch.num_rows, elapsed)
@@ -180,7 +212,7 @@ class EngineCore:
             request.pending = request.program.send(value)
         except StopIteration as stop:
             self._finish(request, RequestStatus.FINISHED_OK, stop.value)
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt/SystemExit from a callback: that request's outcome
             self._finish(request, RequestStatus.FINISHED_ERROR, exc)
 
     def _finish(self, request: Request, status: RequestStatus, value: Any = None) -> None:
@@ -189,11 +221,11 @@ class EngineCore:
         request.stats.finished_time = time.time()
         try:
             request.program.close()
-        except Exception:  # the program's own cleanup failed; the outcome below still stands
+        except BaseException:  # the program's own cleanup failed; the outcome below still stands
             logger.exception("closing the step program of request %d failed", request.request_id)
         handle = request.handle
         if status == RequestStatus.FINISHED_ABORTED:
-            handle.cancel()
+            notify_cancelled(handle)
             self.metrics.record_request(request, status)
             return
         if not handle.set_running_or_notify_cancel():  # aborted by the caller while it finished
@@ -206,3 +238,13 @@ class EngineCore:
             handle.set_exception(value)
         self.metrics.record_request(request, status)
 
+
+
+def notify_cancelled(handle: Any) -> None:
+    """Cancel a Future and tell its waiters (`concurrent.futures.wait`, `as_completed`): `cancel()` alone leaves
+    it CANCELLED, which waiters never see; `set_running_or_notify_cancel()` moves it to CANCELLED_AND_NOTIFIED."""
+    if handle.done() and not handle.cancelled():
+        return
+    handle.cancel()
+    if handle._state == "CANCELLED":  # NOTE: not yet notified (a second call would raise RuntimeError)
+        handle.set_running_or_notify_cancel()
