@@ -27,6 +27,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.utils import BaseOutput
 
 from ..engine.batch import WorkItem
+from ..engine.ownership import current_owner, run_for
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
 
@@ -199,7 +200,9 @@ def generic_program(pipe, view, positional: list, keywords: dict,
     handoff = _Handoff()
     for name in denoisers:
         view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff, view.scheduler)
-    helper = threading.Thread(target=_run_in_helper, args=(view, positional, keywords, handoff), daemon=True,
+    # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.
+    helper = threading.Thread(target=run_for(current_owner(), _run_in_helper), args=(view, positional, keywords,
+                                                                                      handoff), daemon=True,
                               name=f"StepBatched-{type(pipe).__name__}-request")
     helper.start()
     kind = None

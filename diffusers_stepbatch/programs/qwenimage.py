@@ -23,6 +23,8 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
+from .cache_hooks import hooked_denoiser
+from .callbacks import run_step_callback
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -129,7 +131,12 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     key = ("qwenimage", grid, tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
            freeze(view._attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
 
-    # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images].
+    # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images]. With diffusers'
+    # cache hooks on the transformer, this request's forwards run alone, one per branch, in its own contexts.
+    hooked = hooked_denoiser(pipe.transformer, view)
+    if hooked is not None:
+        key = key + (hooked.key,)
+        denoise = hooked.run(denoise, ["cond", "uncond"][:len(branches)])
     view.scheduler.set_begin_index(0)
     callback = args["callback_on_step_end"]
     with view.progress_bar(total=num_inference_steps) as progress_bar:
@@ -146,6 +153,8 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                 "text": [embeds[j] for embeds, _ in branches for j in range(images)],
                 "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
             }
+            if hooked is not None:
+                yield from hooked.take_turn()
             noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i)
             if call.do_true_cfg:
                 noise_pred, negative_pred = noise_pred.chunk(2)
@@ -157,11 +166,13 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = callback(view, i, t, callback_kwargs)
+                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
                 latents = outputs.pop("latents", latents)
                 branches[0] = (outputs.pop("prompt_embeds", branches[0][0]), branches[0][1])
             progress_bar.update()
     view._current_timestep = None
+    if hooked is not None:
+        hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
     if args["output_type"] == "latent":

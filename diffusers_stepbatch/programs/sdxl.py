@@ -22,6 +22,7 @@ from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import
 
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
+from .callbacks import run_step_callback
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -191,7 +192,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
         image = yield WorkItem("decode", key, {"latents": latents}, functools.partial(_decode_upcast, view),
                                rows=latents.shape[0])
     else:
-        image = yield decode_item(vae, latents, args["generator"])
+        image = yield decode_item(vae, latents, None)  # NOTE: StableDiffusionXLPipeline decodes without generator
     if view.watermark is not None:
         image = view.watermark.apply_watermark(image)
     image = view.image_processor.postprocess(image, output_type=args["output_type"])
@@ -227,7 +228,10 @@ def _decode_upcast(view, latents):
 
 
 def decode_item(vae, latents: torch.Tensor, generator) -> WorkItem:
-    """A batched AutoencoderKL decode; other VAEs (which may sample with `generator`) decode per request."""
+    """A batched AutoencoderKL decode; other VAEs (which may sample with `generator`) decode per request.
+
+    `generator`: what the pipeline passes to `vae.decode` (SD passes the call's; SDXL passes none).
+    """
     if isinstance(vae, AutoencoderKL):
         return vae_decode_item(vae, latents)
     key = ("vae.decode.own", id(latents))
@@ -236,6 +240,8 @@ def decode_item(vae, latents: torch.Tensor, generator) -> WorkItem:
 
 
 def _decode_with_generator(vae, generator, latents):
+    if generator is None:
+        return vae.decode(latents.to(vae.dtype), return_dict=False)[0]
     return vae.decode(latents.to(vae.dtype), return_dict=False, generator=generator)[0]
 
 
@@ -253,7 +259,6 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
         scale = torch.tensor(args["guidance_scale"] - 1).repeat(call.num_images)
         timestep_cond = view.get_guidance_scale_embedding(scale, embedding_dim=pipe.unet.config.time_cond_proj_dim)
         timestep_cond = timestep_cond.to(device=latents.device, dtype=latents.dtype)
-    branches = 2 if call.do_cfg else 1
     cross_attention_kwargs = args["cross_attention_kwargs"]
     run = functools.partial(_denoise, pipe.unet, cross_attention_kwargs)
     if hasattr(view.scheduler, "set_begin_index"):
@@ -263,6 +268,10 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
         for i, t in enumerate(timesteps):
             if view._interrupt:
                 continue
+            # NOTE: as the pipelines do, guidance is re-read every step: callbacks may change `_guidance_scale`
+            # (diffusers' CFG-cutoff callbacks set it to 0 and keep only the conditional rows).
+            do_cfg = view.do_classifier_free_guidance
+            branches = 2 if do_cfg else 1
             model_input = torch.cat([latents] * branches) if branches > 1 else latents
             if hasattr(view.scheduler, "scale_model_input"):
                 model_input = view.scheduler.scale_model_input(model_input, t)
@@ -279,16 +288,16 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             key = ("unet",) + tuple(None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values())
             key += (freeze(cross_attention_kwargs), str(model_input.device))
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
-            if call.do_cfg:
+            if do_cfg:
                 noise_uncond, noise_text = noise_pred.chunk(2)
-                noise_pred = noise_uncond + args["guidance_scale"] * (noise_text - noise_uncond)
-                if args["guidance_rescale"] > 0.0:
-                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=args["guidance_rescale"])
+                noise_pred = noise_uncond + view.guidance_scale * (noise_text - noise_uncond)
+                if view.guidance_rescale > 0.0:
+                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
             latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
             if callback is not None:
                 tensors = {"latents": latents, **conditioning}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = callback(view, i, t, callback_kwargs)
+                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
                 latents = outputs.pop("latents", latents)
                 conditioning.update({name: value for name, value in outputs.items() if name in conditioning})
             progress_bar.update()
