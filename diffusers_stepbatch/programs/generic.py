@@ -28,7 +28,7 @@ from diffusers.utils import BaseOutput
 
 from ..engine.batch import WorkItem
 from ..engine.ownership import current_owner, run_for
-from .registry import PlannedRequest, register_program, request_pipeline
+from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _num_steps(args: dict[str, Any]) -> int:
 def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
     """The bound call arguments (as the wrapper binds them) back into positional and keyword arguments."""
     positional, keywords = [], {}
-    parameters = list(inspect.signature(type(pipe).__call__).parameters.values())[1:]
+    parameters = list(inspect.signature(unhooked_class(pipe).__call__).parameters.values())[1:]
     for parameter in parameters:
         if parameter.name not in args:
             continue

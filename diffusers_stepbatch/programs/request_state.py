@@ -76,3 +76,11 @@ def is_call_state(pipe: Any, view: Any, name: str) -> bool:
         return name in own and (name not in shared or own[name] is not shared[name])
     attribute = inspect.getattr_static(type(view), name, None)
     return isinstance(attribute, property) and not hasattr(DiffusionPipeline, name)
+
+
+def copy_call_state(pipe: Any, view: Any) -> None:
+    """Leave a finished call's private state (`_guidance_scale`, `_num_timesteps`, ...) on `pipe`, as a plain call
+    does (hook mode: code that holds only the pipeline reads `pipe.num_timesteps` after its call)."""
+    for name in list(view.__dict__):
+        if name.startswith("_") and is_call_state(pipe, view, name):
+            pipe.__dict__[name] = view.__dict__[name]
