@@ -33,7 +33,8 @@ def images(output):
     return output[0] if isinstance(output, tuple) else output.images
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# NOTE: PixArtSigmaPipeline has no callback_on_step_end (the generic program's callbacks: the ControlNet test below)
+@pytest.mark.parametrize("name", [name for name in FAMILIES if not name.startswith("pixart")])
 def test_guidance_changed_by_a_callback_matches_the_plain_pipeline(name):
     pipe = pipe_for(name)
     changed = call_kwargs(name, guidance_scale=2.0, num_inference_steps=4, callback_on_step_end=raise_guidance)

@@ -117,10 +117,11 @@ class EngineCore:
                 break
             try:
                 self.step()
-            except BaseException as exc:  # an engine bug must not strand anyone: fail the running requests
+            except BaseException as exc:  # an engine bug must not strand anyone, nor spin: fail what it holds
                 logger.exception("StepBatched engine step failed")
-                for request in list(self.scheduler.running):
-                    self._finish(request, RequestStatus.FINISHED_ERROR, exc)
+                for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    if not request.status.is_finished:
+                        self._finish(request, RequestStatus.FINISHED_ERROR, exc)
         for request in self.scheduler.drain():
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 

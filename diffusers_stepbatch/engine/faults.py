@@ -2,14 +2,14 @@
 
 A batched call must return one row per input row (along dim 0 of every output tensor); a buggy custom
 model or hook that returns another count would otherwise hand innocent requests someone else's rows.
-After an out-of-memory error at some row count, forwards of that compatibility key are capped below it,
+After an out-of-memory error at some row count, forwards of that compatibility key are capped at half of it,
 and the cap is raised by one row only after a growing run of successful forwards (exponential back-off),
 so a size that doesn't fit fails once, not at every step. Pure Python apart from the OOM test.
 
 >>> caps = RowCaps()
->>> caps.record_oom(("denoise", key), rows=8)   # now at most 7 rows per forward of that key
+>>> caps.record_oom(("denoise", key), rows=8)   # now at most 4 rows per forward of that key
 >>> caps.limit(("denoise", key))
-7
+4
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class _Cap:
     rows: int
     successes: int = 0
     probe_after: int = 16
+    probing: bool = False  # `rows` was just raised by one and no forward of that size has succeeded yet
 
 
 class RowCaps:
@@ -82,24 +83,30 @@ class RowCaps:
 
     def record_oom(self, key: Hashable, rows: int) -> None:
         """A forward of `rows` rows ran out of memory: cap the key below it (at least one row)."""
+        rows = max(1, rows)
         self.ooms += 1
         cap = self._caps.get(key)
-        if cap is None:
-            self._caps[key] = _Cap(rows=max(1, rows - 1), probe_after=self.first_probe_after)
+        if cap is None:  # NOTE: halve: stepping down one row at a time would cost an OOM per step
+            self._caps[key] = _Cap(rows=max(1, rows // 2), probe_after=self.first_probe_after)
             return
-        if rows > cap.rows:  # a failed probe: back to below it, and wait twice as long before the next one
+        if cap.probing and rows >= cap.rows:  # a failed probe: back below it, and wait twice as long next time
             cap.probe_after = min(cap.probe_after * 2, self.max_probe_after)
-        cap.rows = max(1, min(cap.rows, rows - 1))
+            cap.rows = max(1, cap.rows - 1)
+        else:  # memory got tighter than when the cap was learnt
+            cap.rows = max(1, min(cap.rows, rows) // 2)
+        cap.probing = False
         cap.successes = 0
 
     def record_success(self, key: Hashable, rows: int) -> None:
         cap = self._caps.get(key)
         if cap is None or rows < cap.rows:
             return
+        cap.probing = False
         cap.successes += 1
         if cap.successes >= cap.probe_after:
             cap.rows += 1
             cap.successes = 0
+            cap.probing = True
 
     def split(self, key: Hashable, item_rows: Sequence[int]) -> list[list[int]]:
         """Consecutive items in chunks within the key's cap (an item larger than the cap runs alone)."""
