@@ -129,7 +129,11 @@ def _text_width(pipe: Any) -> tuple[int | None, int | None]:
         if config is None:
             continue
         width = config.get("joint_attention_dim") or config.get("cross_attention_dim")
-        return (width if isinstance(width, int) else None), config.get("pooled_projection_dim")
+        pooled = config.get("pooled_projection_dim")
+        encoder_2 = getattr(pipe, "text_encoder_2", None)
+        if pooled is None and name == "unet" and encoder_2 is not None:  # SDXL: the second encoder's projection
+            pooled = getattr(encoder_2.config, "projection_dim", None)
+        return (width if isinstance(width, int) else None), pooled
     return None, None
 
 
