@@ -41,7 +41,7 @@ def not_a_dict(view, i, t, callback_kwargs):
 BAD_INPUTS = [
     ("guidance_scale", "3.5", TypeError), ("guidance_scale", float("nan"), ValueError),
     ("guidance_scale", float("inf"), ValueError), ("generator", 5, TypeError), ("prompt", [], ValueError),
-    ("prompt", ["ok", 5], TypeError), ("callback_on_step_end", "not callable", TypeError),
+    ("prompt", ["ok", 5], ValueError), ("callback_on_step_end", "not callable", TypeError),
     ("sigmas", "abc", TypeError), ("height", "32", TypeError), ("height", 0, ValueError),
     ("height", -16, ValueError), ("width", 32.5, ValueError), ("num_inference_steps", 0, ValueError),
     ("latents", torch.empty(1, 4, 4, 4, device="meta"), ValueError),

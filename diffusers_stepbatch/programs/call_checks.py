@@ -75,15 +75,14 @@ def check_image_size(args: dict[str, Any], max_pixels: int | None) -> None:
 
 
 def check_prompt(name: str, value: Any, allow_empty: bool = False) -> None:
-    if value is None or isinstance(value, str):
+    """Lists of prompts: not empty, only str. (Other types: the pipeline's own check_inputs, in its words.)"""
+    if not isinstance(value, list):
         return
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__}")
     if not value and not allow_empty:
         raise ValueError(f"{name}=[] is empty; pass at least one prompt")
     wrong = [entry for entry in value if not isinstance(entry, str)]
     if wrong:
-        raise TypeError(f"{name} must be a str or a list of str, but holds {wrong[0]!r} ({type(wrong[0]).__name__})")
+        raise ValueError(f"{name} must be a str or a list of str, but holds {wrong[0]!r} ({type(wrong[0]).__name__})")
 
 
 def check_finite_number(name: str, value: Any) -> None:
