@@ -229,3 +229,36 @@ def test_mixed_resolution_false_runs_one_call_per_size():
         assert max_diff(image, pipe(**seeded(kwargs)).images) <= TOLERANCE
     with pytest.raises(ValueError, match="mixed_resolution"):
         StepBatched(pipe, mixed_resolution="yes")
+
+
+def test_pid_early_exit_requests_of_different_sizes_pack():
+    from diffusers_stepbatch import PiDDecoding
+
+    from .test_pid_pipeline import call, tiny_pid
+
+    pipe = flux_pipe("dev-tiny")
+    decoding = PiDDecoding(tiny_pid(), text_encoder="pipeline")
+    requests = [call("a red circle", seed=1, height=64, width=96, steps=5),
+                call("a blue square", seed=2, height=128, width=64, steps=4, guidance_scale=5.0),
+                call("a cat", seed=3, height=256, width=256, steps=6)]
+    seeds = [1, 2, 3]
+    fresh = lambda: [{**kwargs, "generator": torch.Generator().manual_seed(s)}  # noqa: E731
+                     for kwargs, s in zip(requests, seeds)]
+    with StepBatched(pipe, decoder=decoding, pid_exit_step=3) as sb:
+        alone = [sb(**kwargs).images for kwargs in fresh()]
+    calls = PackedCalls(pipe.transformer)
+    try:
+        sb = StepBatched(pipe, decoder=decoding, pid_exit_step=3, scheduler=PACK_ALWAYS)
+        requests_now = fresh()
+        handles = [sb._make_request((), kwargs, 0, None) for kwargs in requests_now]
+        for request in handles:
+            sb.engine.scheduler.add(request)
+        with torch.no_grad():
+            while sb.engine.scheduler.has_work():
+                sb.engine.step()
+        together = [request.handle.result().images for request in handles]
+    finally:
+        calls.remove()
+    assert len(calls.tokens) == 3  # the three main-model steps before the exit, each one packed call
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape and max_diff(a, b) <= TOLERANCE
