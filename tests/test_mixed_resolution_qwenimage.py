@@ -5,10 +5,15 @@ padding dropped instead of masked; through StepBatched, requests of different si
 and each still equals its solo unwrapped run.
 """
 
+import functools
+import time
+
 import pytest
 import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.packed.qwenimage import (
@@ -18,7 +23,12 @@ from diffusers_stepbatch.packed.qwenimage import (
 )
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, family_pipe, max_diff, seeded, single_thread, submit_all,
+    TOLERANCE,
+    family_pipe,
+    max_diff,
+    seeded,
+    single_thread,
+    submit_all,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -147,7 +157,7 @@ def record_calls(transformer):
 def mixed_requests():
     """7 requests over 4 sizes (16x16 next to 64x64: 16x the tokens; 16x48 and 40x24 non-square)."""
     return [
-        dict(prompt="x", height=16, width=16, num_inference_steps=2, seed=1),
+        dict(prompt="x", height=16, width=16, num_inference_steps=2, seed=1, true_cfg_scale=1.0),
         dict(prompt="a blue square at the top left of a gray field", negative_prompt="noise", true_cfg_scale=5.0,
              height=64, width=64, num_inference_steps=4, seed=2),
         dict(prompt=["a cat", "a cat sitting on a very long red sofa"], negative_prompt=["dog", "x"],
@@ -217,3 +227,35 @@ def test_mixed_resolution_false_runs_one_call_per_size():
         assert sb.stats()["mixed"]["calls"] == 0
     for got, want in zip(results, expected):
         assert max_diff(got.images, want) <= TOLERANCE
+
+
+SIZES = [(16, 16), (64, 64), (16, 48), (40, 24), (32, 32)]
+
+
+@functools.cache
+def solo_reference(size, steps, cfg, prompt, seed):
+    return family_pipe("qwen-tiny")(**seeded(random_kwargs(size, steps, cfg, prompt, seed))).images
+
+
+def random_kwargs(size, steps, cfg, prompt, seed):
+    return dict(prompt=prompt, negative_prompt="blur, noise" if cfg > 1 else None, true_cfg_scale=cfg,
+                height=size[0], width=size[1], num_inference_steps=steps, seed=seed, output_type="pt")
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.fixed_dictionaries({
+    "size": st.sampled_from(SIZES), "steps": st.integers(1, 4), "cfg": st.sampled_from([1.0, 2.5]),
+    "prompt": st.sampled_from(["a", "a red square", "a cat on a long sofa under a lamp"]), "seed": st.integers(0, 2),
+    "delay_ms": st.integers(0, 10),
+}), min_size=2, max_size=5))
+def test_random_size_mixes_and_arrivals_equal_solo(requests):
+    keys = [(r["size"], r["steps"], r["cfg"], r["prompt"], r["seed"]) for r in requests]
+    expected = [solo_reference(*key) for key in keys]
+    with StepBatched(family_pipe("qwen-tiny"), scheduler=SchedulerConfig(cost_aware=False)) as sb:
+        futures = []
+        for request, key in zip(requests, keys):
+            time.sleep(request["delay_ms"] / 1000)
+            futures.append(sb.submit(**seeded(random_kwargs(*key))))
+        results = [future.result(timeout=300).images for future in futures]
+    for got, want in zip(results, expected):
+        assert max_diff(got, want) <= TOLERANCE
