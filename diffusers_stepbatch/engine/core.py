@@ -8,6 +8,7 @@ and advances to its next work item. A request that finishes resolves its Future 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from .costs import BatchCostModel, PackingCostModel
 from .metrics import EngineMetrics
 from .request import Request, RequestStatus
 from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, StepScheduler
+from .timing import CallTimer
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,12 @@ class _PackedCall:
 class EngineCore:
     """Runs requests' step programs in one background thread, batching their compatible work items."""
 
-    def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine", mixed_shapes: bool = True):
+    def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine", mixed_shapes: bool = True,
+                 timer: CallTimer | None = None):
         self.config = config
         self.scheduler = StepScheduler(config)
         self.costs = BatchCostModel()
+        self.timer = timer or CallTimer()  # device-true call times for the cost models (engine/timing.py)
         self.packing = PackingCostModel(self.costs)
         self.mixed_shapes = mixed_shapes  # items of different shapes may share a packed call (`WorkItem.pack`)
         self.metrics = EngineMetrics()
@@ -114,6 +118,7 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step: drop aborted requests, schedule, run each group of work items once."""
+        self.timer.poll()  # device times of earlier calls that have finished since: to the cost models
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
             if request.handle.cancelled():
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -180,7 +185,8 @@ class EngineCore:
         assembling = time.perf_counter()
         batch = make_batch([request.pending for request in members])
         kind = members[0].pending.kind
-        started = time.perf_counter()
+        timing = self.timer.start()
+        started = timing.wall
         self.metrics.record_overhead(started - assembling)
         try:
             output = run_batch(batch)
@@ -193,9 +199,9 @@ class EngineCore:
             for request in members:
                 self._execute([request])
             return
-        elapsed = time.perf_counter() - started
+        elapsed = self.timer.stop(timing, output,
+                                  functools.partial(self.costs.observe, (kind, batch.key), batch.num_rows))
         self.metrics.record_call(kind, batch.num_rows, elapsed)
-        self.costs.observe((kind, batch.key), batch.num_rows, elapsed)
         self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
@@ -206,7 +212,9 @@ class EngineCore:
         first = shapes[0][0].pending
         pack_key = (first.kind, first.pack.key)
         contexts = [members[0].pending.pack.context for members in shapes]
-        started = time.perf_counter()
+        parts = [((first.kind, batch.key), batch.num_rows) for batch in batches]
+        timing = self.timer.start()
+        started = timing.wall
         self.metrics.record_overhead(started - assembling)
         try:
             outputs = run_packed(first.pack, contexts, batches)
@@ -217,12 +225,11 @@ class EngineCore:
             for members in shapes:
                 self._execute(members)
             return
-        elapsed = time.perf_counter() - started
+        elapsed = self.timer.stop(timing, outputs, functools.partial(self.packing.observe, pack_key, parts))
         rows = sum(batch.num_rows for batch in batches)
         tokens = sum(request.pending.rows * request.pending.pack.tokens for members in shapes for request in members)
         self.metrics.record_call(first.kind, rows, elapsed)
         self.metrics.record_packed(rows, tokens, len(shapes))
-        self.packing.observe(pack_key, [((first.kind, batch.key), batch.num_rows) for batch in batches], elapsed)
         for members, batch, output in zip(shapes, batches, outputs):
             self._deliver(members, batch, output, elapsed, call_rows=rows)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)

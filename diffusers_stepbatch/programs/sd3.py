@@ -141,6 +141,11 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
         view.scheduler, call.num_inference_steps, device, sigmas=args["sigmas"], **scheduler_kwargs
     )
     view._num_timesteps = len(timesteps)
+    # NOTE: the pipeline lets the scheduler find its first step index from the first timestep, a device read;
+    # index 0 is the same whenever the first sigma is not repeated (always, but for custom `sigmas` that say so).
+    custom = args["sigmas"]
+    if hasattr(view.scheduler, "set_begin_index") and (custom is None or list(custom).count(custom[0]) == 1):
+        view.scheduler.set_begin_index(0)
 
     jak = view._joint_attention_kwargs
     shared_key = (tuple(pooled_embeds.shape[1:]), freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
