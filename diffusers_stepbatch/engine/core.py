@@ -147,7 +147,7 @@ class EngineCore:
         if denoise_groups:
             largest = max(denoise_groups, key=lambda group_key: sum(r.num_rows for r in groups[group_key]))
             self._update_step_estimates(time.perf_counter() - step_started, largest)
-        self.metrics.record_engine_step()
+        self.metrics.record_engine_step(time.perf_counter() - step_started)
 
     def _plan_calls(self, groups: dict[Any, list[Request]]) -> list[list[Request] | _PackedCall]:
         """Per group one call (or the cost model's split); groups of several shapes that can pack may share one."""
