@@ -218,3 +218,10 @@ def test_consistency_decoder_vae_gets_the_generator_as_the_pipeline_passes_it(na
         got = sb(**kwargs, generator=generators[1]).images
     assert max_diff(got, expected) <= TOLERANCE
     assert torch.equal(generators[0].get_state(), generators[1].get_state())
+
+
+def test_meta_device_latents_of_the_right_shape():
+    pipe = pipe_for("flux")
+    latents = torch.empty(1, 64, pipe.transformer.config.in_channels, device="meta")  # 32x32: 8x8 packed tokens
+    with StepBatched(pipe) as sb, pytest.raises(ValueError, match="latents is on the meta device"):
+        sb.submit(**seeded(call_kwargs("flux", latents=latents)))
