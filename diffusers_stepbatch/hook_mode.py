@@ -53,7 +53,7 @@ def is_step_batching(pipe: Any) -> bool:
     return _ENGINE in getattr(pipe, "__dict__", {}) and hasattr(type(pipe), "_stepbatch_original_class")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hooked_class(pipeline_class: type) -> type:
     def __call__(self, *args, **kwargs):
         engine = self.__dict__[_ENGINE]

@@ -23,12 +23,12 @@ from .engine.request import Request, RequestHandle, next_request_id
 from .engine.scheduler import SchedulerConfig
 from .programs import program_for, registered_pipelines
 from .programs.call_checks import check_call_inputs
-from .programs.generic import plan_generic
-from .programs.registry import check_feature, unhooked_class
-from .programs.request_state import active_view_of, capturing_views, is_call_state
 from .programs.cfg import CFGPolicy
+from .programs.generic import plan_generic
 from .programs.options import ProgramOptions, planning_with
 from .programs.pid_exit import PiDExitOptions, check_pid_pipeline, planning_with_pid
+from .programs.registry import check_feature, unhooked_class
+from .programs.request_state import active_view_of, capturing_views, is_call_state
 from .signature import ENGINE_DEFAULT, signed, wrapper_signature
 from .streaming import stream_call
 
@@ -269,7 +269,7 @@ def _check_request_options(priority: Any, deadline: Any) -> None:
         raise ValueError(f"deadline={deadline} must be a positive, finite number of seconds from now (or None)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signed_class(pipeline_class: type) -> type:
     """A StepBatched subclass whose entry points carry `pipeline_class.__call__`'s signature (see signature.py)."""
     base = StepBatched

@@ -66,7 +66,7 @@ def test_close_resolves_every_future_after_base_exceptions():
                for i in range(6)]
     futures += [sb.submit(**seeded(call_kwargs("flux", seed=i))) for i in range(6)]
     sb.close(cancel_pending=True)
-    done, not_done = concurrent.futures.wait(futures, timeout=60)
+    _, not_done = concurrent.futures.wait(futures, timeout=60)
     assert not not_done and not sb.engine.is_alive
 
 
@@ -221,7 +221,7 @@ def test_aborted_futures_notify_waiters(name):
         futures = [sb.submit(**seeded(call_kwargs(name, seed=i, num_inference_steps=4))) for i in range(4)]
         futures[1].abort()
         futures[3].abort()
-        done, not_done = concurrent.futures.wait(futures, timeout=120)
+        _, not_done = concurrent.futures.wait(futures, timeout=120)
         assert not not_done
         finished = list(concurrent.futures.as_completed(futures, timeout=120))
         assert len(finished) == 4

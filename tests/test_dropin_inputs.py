@@ -79,7 +79,7 @@ def test_given_embeddings_of_the_wrong_width_dtype_or_rank(name):
     extra = {} if pooled is None else {"pooled_prompt_embeds": pooled}
     bad = {"width": embeds[..., :-1], "dtype": embeds.to(torch.int64), "rank": embeds[0]}
     with StepBatched(pipe) as sb:
-        for label, value in bad.items():
+        for value in bad.values():
             kwargs = call_kwargs(name, prompt=None, prompt_embeds=value, guidance_scale=1.0, **extra)
             with pytest.raises(ValueError, match="prompt_embeds"):
                 sb.submit(**seeded(kwargs))

@@ -95,7 +95,7 @@ class HookedDenoiser:
 
 
 class _BranchRun:
-    __slots__ = ("model", "view", "forward", "names")
+    __slots__ = ("forward", "model", "names", "view")
 
     def __init__(self, model, view, forward, names):
         self.model, self.view, self.forward, self.names = model, view, forward, names
