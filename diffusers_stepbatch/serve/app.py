@@ -22,6 +22,7 @@ from ..engine.core import EngineClosedError
 from ..engine.scheduler import DeadlineUnmeetable, QueueFull
 from ..preview import StreamPreview
 from .config import ServeConfig
+from .encoding import size_of
 from .generation import (
     ClientDisconnected,
     DisconnectWatch,
@@ -186,8 +187,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
                 return Response(status_code=499)  # nobody reads it; logged and counted as 499
             data = await run_in_threadpool(
                 lambda: [{"b64_json": b64} for b64 in _encode_all(images, generation)])
-            return {"created": int(time.time()), "data": data, "usage": usage(served, generation, len(images)),
-                    "size": generation.size, "output_format": generation.output_format,
+            return {"created": int(time.time()), "data": data, "usage": usage(served, generation, images),
+                    "size": size_of(images[0]), "output_format": generation.output_format,
                     "quality": "auto", "background": "opaque"}
         except (APIError, asyncio.CancelledError):  # NOTE: a cancelled task (Ray's disconnect) stays cancelled
             raise
@@ -220,13 +221,14 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
                 value = item[1]
                 if isinstance(value, StreamPreview):
                     if value.step in schedule:
-                        for event in await run_in_threadpool(partial_events, generation, value, sent):
+                        scale = getattr(served.sb.pipe, "vae_scale_factor", 8)
+                        for event in await run_in_threadpool(partial_events, generation, value, sent, scale):
                             yield _sse(event)
                         sent += 1
                 else:
                     images = value.images
                     events = await run_in_threadpool(completed_events, generation, images,
-                                                     usage(served, generation, len(images)))
+                                                     usage(served, generation, images))
                     for event in events:
                         yield _sse(event)
                 item = await watch.race(pump.next())

@@ -20,6 +20,11 @@ def encode_image(image: PIL.Image.Image, output_format: str = "png", compression
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def preview_image(thumbnail: PIL.Image.Image, width: int, height: int) -> PIL.Image.Image:
-    """A latent-resolution preview shown at the requested size (bilinear: a preview, not a decode)."""
-    return thumbnail.resize((width, height), PIL.Image.Resampling.BILINEAR)
+def preview_image(thumbnail: PIL.Image.Image, scale: int) -> PIL.Image.Image:
+    """A latent-resolution preview shown at image size (`scale`: the VAE's; bilinear: a preview, not a decode)."""
+    return thumbnail.resize((thumbnail.width * scale, thumbnail.height * scale), PIL.Image.Resampling.BILINEAR)
+
+
+def size_of(image: PIL.Image.Image) -> str:
+    """OpenAI's "WIDTHxHEIGHT" of an image (the pipeline may round the requested size, e.g. to 16)."""
+    return f"{image.width}x{image.height}"

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .encoding import encode_image, preview_image
+from .encoding import encode_image, preview_image, size_of
 from .model import ServingModel
 from .protocol import ImageGenerationRequest, bad_request, check_request, parse_size
 
@@ -48,10 +48,6 @@ class Generation:
     compression: int | None
     partial_images: int
     seed: int
-
-    @property
-    def size(self) -> str:
-        return f"{self.width}x{self.height}"
 
     def partial_steps(self) -> list[int]:
         """The steps after which a partial image is sent: `partial_images` evenly spread, none at the end."""
@@ -96,11 +92,11 @@ def _default_steps(model: ServingModel) -> int:
     return parameter.default if parameter is not None and isinstance(parameter.default, int) else 1
 
 
-def usage(model: ServingModel, generation: Generation, images: int) -> dict[str, Any]:
+def usage(model: ServingModel, generation: Generation, images: list[Any]) -> dict[str, Any]:
     """OpenAI's usage object: prompt tokens from the pipeline's tokenizer, output = 16x16-pixel patches."""
     tokenizer = getattr(model.sb.pipe, "tokenizer", None)
     text_tokens = len(tokenizer(generation.kwargs["prompt"]).input_ids) if tokenizer is not None else 0
-    output_tokens = images * (generation.width // 16) * (generation.height // 16)
+    output_tokens = sum((image.width // 16) * (image.height // 16) for image in images)
     return {"input_tokens": text_tokens, "input_tokens_details": {"text_tokens": text_tokens, "image_tokens": 0},
             "output_tokens": output_tokens, "total_tokens": text_tokens + output_tokens}
 
@@ -196,17 +192,18 @@ async def open_stream(model: ServingModel, generation: Generation) -> StreamPump
     return StreamPump(iterator, asyncio.get_running_loop())
 
 
-def partial_events(generation: Generation, preview: Any, index: int) -> list[dict[str, Any]]:
+def partial_events(generation: Generation, preview: Any, index: int, scale: int) -> list[dict[str, Any]]:
     """`image_generation.partial_image` events (one per image of the request) for one preview."""
     created = int(time.time())
-    return [
-        {"type": "image_generation.partial_image", "partial_image_index": index, "image_index": i,
-         "b64_json": encode_image(preview_image(thumbnail, generation.width, generation.height),
-                                  generation.output_format, generation.compression),
-         "created_at": created, "size": generation.size, "output_format": generation.output_format,
-         "quality": "auto", "background": "opaque"}
-        for i, thumbnail in enumerate(preview.images)
-    ]
+    events = []
+    for i, thumbnail in enumerate(preview.images):
+        image = preview_image(thumbnail, scale)
+        events.append({
+            "type": "image_generation.partial_image", "partial_image_index": index, "image_index": i,
+            "b64_json": encode_image(image, generation.output_format, generation.compression),
+            "created_at": created, "size": size_of(image), "output_format": generation.output_format,
+            "quality": "auto", "background": "opaque"})
+    return events
 
 
 def completed_events(generation: Generation, images: list[Any], usage_: dict[str, Any]) -> list[dict[str, Any]]:
@@ -215,7 +212,7 @@ def completed_events(generation: Generation, images: list[Any], usage_: dict[str
     return [
         {"type": "image_generation.completed", "image_index": i,
          "b64_json": encode_image(image, generation.output_format, generation.compression),
-         "created_at": created, "size": generation.size, "output_format": generation.output_format,
+         "created_at": created, "size": size_of(image), "output_format": generation.output_format,
          "quality": "auto", "background": "opaque", "usage": usage_}
         for i, image in enumerate(images)
     ]

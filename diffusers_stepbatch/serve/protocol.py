@@ -52,7 +52,7 @@ class ImageGenerationRequest(BaseModel):
     stream: bool = False
     partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES)
     negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(None, ge=1)
+    num_inference_steps: int | None = None  # NOTE: checked by the pipeline, as in the Python API
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
