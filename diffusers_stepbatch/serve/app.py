@@ -178,9 +178,13 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         served = ready_model(body.model)
         generation = plan_generation(served, body)
         watch = DisconnectWatch(request.receive)
+        http_metrics.generations.inc()
+        streaming = False
         try:
             if body.stream:
-                return await _stream_response(served, generation, watch)
+                response = await _stream_response(served, generation, watch)
+                streaming = isinstance(response, StreamingResponse)  # its events end the count and the watch
+                return response
             try:
                 images = await generate(served, generation, watch)
             except ClientDisconnected:
@@ -195,8 +199,9 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         except Exception as exc:
             raise _engine_error(exc, config) from exc
         finally:
-            if not body.stream:
+            if not streaming:
                 watch.close()
+                http_metrics.generations.dec()
 
     async def _stream_response(served: ServingModel, generation: Any, watch: DisconnectWatch) -> Any:
         pump = await open_stream(served, generation)
@@ -240,6 +245,7 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         finally:
             pump.stop()
             watch.close()
+            http_metrics.generations.dec()
 
     return app
 

@@ -26,6 +26,9 @@ class HTTPMetrics:
                                  ["method", "route"], buckets=_LATENCY_BUCKETS, registry=registry)
         self.in_flight = Gauge("stepbatch_http_requests_in_flight", "HTTP requests being answered",
                                registry=registry)
+        self.generations = Gauge("stepbatch_http_generations_in_flight",
+                                 "Image requests past validation and not yet answered (queued or running)",
+                                 registry=registry)
 
 
 class MetricsMiddleware:
