@@ -34,7 +34,7 @@ from .generation import (
     plan_generation,
     usage,
 )
-from .metrics import HTTPMetrics, MetricsMiddleware
+from .metrics import HTTPMetrics, MetricsMiddleware, ReplicaHeaderMiddleware
 from .model import ServingModel, load_model
 from .protocol import APIError, ImageGenerationRequest, param_of_error
 
@@ -55,9 +55,11 @@ class ServerState:
 
 
 def create_app(config: ServeConfig | None = None, *, model: ServingModel | None = None,
-               loader: Callable[[ServeConfig], ServingModel] = load_model) -> FastAPI:
-    """The server's FastAPI app. Without `model`, `loader(config)` runs in a thread at startup (503 until then)
-    and the engine is closed at shutdown; a given `model` is served as it is and left open.
+               loader: Callable[[ServeConfig], ServingModel] = load_model, close_model: bool | None = None,
+               replica: str | None = None) -> FastAPI:
+    """The server's FastAPI app. Without `model`, `loader(config)` runs in a thread at startup (503 until then).
+    `close_model`: close the engine at shutdown (default: only one the app loaded itself). `replica` names
+    this copy of the server in an `X-StepBatch-Replica` response header (Ray Serve sets it).
 
     >>> app = create_app(ServeConfig(max_batch_size=8))
     >>> uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -93,13 +95,15 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         state.begin_shutdown()
         if loading is not None:
             await loading  # NOTE: a load can't be interrupted; close what it made
-            if state.model is not None:
-                await asyncio.to_thread(state.model.close)  # in-flight requests finish first
+        if state.model is not None and (loading is not None if close_model is None else close_model):
+            await asyncio.to_thread(state.model.close)  # in-flight requests finish first
 
     app = FastAPI(title="diffusers-stepbatch", lifespan=lifespan)
     app.state.server_state = state
     app.state.config = config
     app.add_middleware(MetricsMiddleware, metrics=http_metrics)
+    if replica is not None:
+        app.add_middleware(ReplicaHeaderMiddleware, replica=replica)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -55,3 +55,18 @@ class MetricsMiddleware:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(method, route, str(status["code"])).inc()
             self.metrics.latency.labels(method, route).observe(time.perf_counter() - started)
+
+
+class ReplicaHeaderMiddleware:
+    """Names the replica that answered in an `X-StepBatch-Replica` header (load spreading is then visible)."""
+
+    def __init__(self, app: Any, replica: str):
+        self.app, self.header = app, (b"x-stepbatch-replica", replica.encode("latin-1", "replace"))
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header if scope["type"] == "http" else send)
