@@ -11,8 +11,10 @@ once, the same for every side). Sides, interleaved round by round so that the ma
 - lock: a plain FastAPI app in its own process that runs the pipeline under a `threading.Lock` (what users
   write today), the same clients over HTTP.
 Bounded: every side runs exactly `--requests` requests, then the script stops. Every answer is checked (0
-lost, 0 5xx); the server processes' memory is sampled (flat after warm-up?). Every model call runs off the
-main thread with 1 intra-op thread (the fastest for this tiny model, measured in benchmarks/throughput.py).
+lost, 0 5xx); the server processes' memory is sampled (flat after warm-up?). Besides wall-clock throughput it
+reports CPU milliseconds per request (server process + clients), which other load on a shared machine disturbs
+far less. Every model call runs off the main thread with 1 intra-op thread (the fastest for this tiny model,
+measured in benchmarks/throughput.py).
 """
 
 from __future__ import annotations
@@ -159,6 +161,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=500, help="requests per side")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the requests are split into")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds the requests are split into")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=16, help="requests per side before measuring")
     parser.add_argument("--sides", nargs="+", default=["server", "in-process", "lock"],
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
             pids["in-process"] = os.getpid()
 
         sides = [s for s in args.sides if s in runners]
-        totals = {s: {"wall_s": 0.0, "latencies": [], "ok": 0, "lost": 0, "status_5xx": 0, "status_other": 0,
+        totals = {s: {"wall_s": 0.0, "cpu_s": 0.0, "latencies": [], "ok": 0, "lost": 0, "status_5xx": 0, "status_other": 0,
                       "rss_mib": []} for s in sides}
         for side in sides:
             runners[side](warmup)
@@ -251,14 +259,20 @@ def main(argv: list[str] | None = None) -> dict:
         for index, batch in enumerate(rounds):
             order = sides[index % len(sides):] + sides[:index % len(sides)]  # rotate who goes first
             for side in order:
+                # NOTE: CPU seconds per request are robust to other load on a shared machine; wall time is not.
+                # A side's cost is its server process plus this process (the clients, or the in-process engine).
+                cpu_before = cpu_seconds(os.getpid()) + (cpu_seconds(pids[side]) if pids[side] != os.getpid() else 0)
                 wall, latencies, outcome = runners[side](batch)
+                cpu_after = cpu_seconds(os.getpid()) + (cpu_seconds(pids[side]) if pids[side] != os.getpid() else 0)
                 total = totals[side]
+                total["cpu_s"] += cpu_after - cpu_before
                 total["wall_s"] += wall
                 total["latencies"] += latencies
                 for key, value in outcome.items():
                     total[key] += value
                 total["rss_mib"].append(rss_mib(pids[side]))
-                print(f"round {index + 1}/{len(rounds)} {side:>10}: {len(batch) / wall:6.2f} req/s", flush=True)
+                print(f"round {index + 1}/{len(rounds)} {side:>10}: {len(batch) / wall:6.2f} req/s, "
+                      f"{1000 * (cpu_after - cpu_before) / len(batch):6.1f} CPU ms/req", flush=True)
         if sb is not None:
             sb.close()
     finally:
@@ -280,11 +294,15 @@ def main(argv: list[str] | None = None) -> dict:
             "latency_p95_s": percentile(latencies, 0.95),
             "latency_mean_s": statistics.fmean(latencies) if latencies else float("nan"),
             "rss_growth_after_warmup_mib": max(total["rss_mib"], default=0) - total["rss_after_warmup_mib"],
+            "cpu_ms_per_request": 1000 * total["cpu_s"] / max(len(latencies), 1),
         }
     ratios = {}
     if "server" in results and "in-process" in results:
         ratios["server_vs_in_process"] = (results["server"]["throughput_requests_per_s"]
                                           / results["in-process"]["throughput_requests_per_s"])
+    if "server" in results and "in-process" in results:
+        ratios["server_cpu_per_request_vs_in_process"] = (results["server"]["cpu_ms_per_request"]
+                                                          / results["in-process"]["cpu_ms_per_request"])
     if "server" in results and "lock" in results:
         ratios["server_vs_lock"] = (results["server"]["throughput_requests_per_s"]
                                     / results["lock"]["throughput_requests_per_s"])
@@ -294,9 +312,10 @@ def main(argv: list[str] | None = None) -> dict:
         "workload": {"sizes": ["%dx%d" % s for s in SIZES], "steps": list(steps), "prompts": len(PROMPTS)},
         "torch_threads": 1, "cpu_count": os.cpu_count(), "results": results, "ratios": ratios,
     }
-    print(f"\n{'side':>10} | req/s | p50 s | p95 s | ok | lost | 5xx | RSS after warm-up -> max (MiB)")
+    print(f"\n{'side':>10} | req/s | CPU ms/req | p50 s | p95 s | ok | lost | 5xx | RSS after warm-up -> max (MiB)")
     for side, r in results.items():
-        print(f"{side:>10} | {r['throughput_requests_per_s']:5.2f} | {r['latency_p50_s']:5.2f} | "
+        print(f"{side:>10} | {r['throughput_requests_per_s']:5.2f} | {r['cpu_ms_per_request']:10.1f} | "
+              f"{r['latency_p50_s']:5.2f} | "
               f"{r['latency_p95_s']:5.2f} | {r['ok']} | {r['lost']} | {r['status_5xx']} | "
               f"{r['rss_after_warmup_mib']:.0f} -> {max(r['rss_mib'], default=0):.0f}")
     for name, value in ratios.items():
