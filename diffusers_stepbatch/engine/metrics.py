@@ -33,8 +33,11 @@ class EngineMetrics:
         self.busy_seconds = 0.0
         self.overhead_seconds = 0.0  # scheduling, make_batch and split: the engine's own cost
         self.engine_steps = 0
+        self.step_seconds = 0.0  # wall time of engine steps: model calls + everything the engine does around them
         self.started = time.time()
         self._recent_requests: deque[dict] = deque(maxlen=1000)
+        self.packed_calls: deque[tuple[int, int, int]] = deque(maxlen=history)  # (rows, tokens, shapes)
+        self.packed_total = 0
 
     def record_call(self, kind: str, rows: int, seconds: float) -> None:
         with self._lock:
@@ -42,13 +45,21 @@ class EngineMetrics:
             self.rows_histogram.setdefault(kind, Counter())[rows] += 1
             self.busy_seconds += seconds
 
+    def record_packed(self, rows: int, tokens: int, shapes: int) -> None:
+        """A call that packed rows of `shapes` different sizes (also counted by `record_call`)."""
+        with self._lock:
+            self.packed_calls.append((rows, tokens, shapes))
+            self.packed_total += 1
+
     def record_overhead(self, seconds: float) -> None:
         with self._lock:
             self.overhead_seconds += seconds
 
-    def record_engine_step(self) -> None:
+    def record_engine_step(self, seconds: float = 0.0) -> None:
+        """One engine step of `seconds` wall time (model calls included)."""
         with self._lock:
             self.engine_steps += 1
+            self.step_seconds += seconds
 
     def record_request(self, request: Request, status: RequestStatus) -> None:
         stats = request.stats
@@ -90,5 +101,21 @@ class EngineMetrics:
                 "busy_fraction": min(self.busy_seconds / elapsed, 1.0),
                 "engine_steps": self.engine_steps,
                 "overhead_ms_per_step": 1000 * self.overhead_seconds / max(self.engine_steps, 1),
+                # programs' own work between forwards (scheduler steps, CFG, callbacks) plus the engine's
+                "outside_model_ms_per_step": 1000 * max(self.step_seconds - self.busy_seconds, 0.0)
+                / max(self.engine_steps, 1),
                 "requests": list(self._recent_requests),
+                "mixed": self._mixed(calls),
             }
+
+    def _mixed(self, denoise_calls: int) -> dict:
+        """Calls that mixed sizes: how many, and their rows, tokens and sizes per call (recent history)."""
+        recent = list(self.packed_calls)
+        mean = (lambda i: sum(c[i] for c in recent) / len(recent)) if recent else (lambda i: 0.0)
+        return {
+            "calls": self.packed_total,
+            "fraction_of_denoise_calls": self.packed_total / denoise_calls if denoise_calls else 0.0,
+            "rows_per_call": mean(0),
+            "tokens_per_call": mean(1),
+            "sizes_per_call": mean(2),
+        }
