@@ -37,6 +37,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads: sleeping, not spinning, OpenMP
 
 ROOT = Path(__file__).resolve().parents[1]
+# NOTE: the in-process side and the server processes must run the same checkout (not an installed copy)
+sys.path.insert(0, str(ROOT))
 SIZES = ((64, 64), (48, 48), (32, 32))
 STEPS = (10, 20, 30)
 PROMPTS = ("a red circle at the top left on a white background", "a blue square at the bottom right on a black "
