@@ -135,12 +135,17 @@ def test_stream_sends_partial_images_then_the_completed_one(client, plain_pipe):
     assert distances[1] < distances[0], distances
 
 
-@pytest.mark.parametrize("partial_images", [0, 3])
-def test_stream_partial_image_counts(client, partial_images):
+@pytest.mark.parametrize(("partial_images", "n"), [(0, 1), (3, 1), (2, 2)])
+def test_stream_partial_image_counts(client, partial_images, n):
     events = list(client.images.generate(model=MODEL, prompt="a red circle at the top left on a white background",
-                                         stream=True, partial_images=partial_images))
-    assert [e.type for e in events].count("image_generation.partial_image") == partial_images
-    assert events[-1].type == "image_generation.completed" and len(events) == partial_images + 1
+                                         stream=True, partial_images=partial_images, n=n))
+    types = [e.type for e in events]
+    assert types == ["image_generation.partial_image"] * (partial_images * n) + ["image_generation.completed"] * n
+    # each image of the request has its own partial images (our `image_index`), in step order
+    for index in range(n):
+        mine = [e for e in events[:-n] if e.image_index == index]
+        assert [e.partial_image_index for e in mine] == list(range(partial_images))
+    assert sorted(e.image_index for e in events[-n:]) == list(range(n))
 
 
 def test_concurrent_http_requests_share_batches(client, served):
