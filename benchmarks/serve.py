@@ -41,8 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SIZES = ((64, 64), (48, 48), (32, 32))
 STEPS = (10, 20, 30)
-PROMPTS = ("a red circle at the top left on a white background", "a blue square at the bottom right on a black "
-           "background", "a yellow triangle in the center on a gray background")
+PROMPTS = (
+    "a red circle at the top left on a white background",
+    "a blue square at the bottom right on a black background",
+    "a yellow triangle in the center on a gray background",
+)
 TOY_CALL = {"guidance_scale": 3.5, "max_sequence_length": 16}  # NOTE: the toy was trained on 16 text tokens
 
 
@@ -90,7 +93,7 @@ def run_lock_server(port: int) -> None:
 # ------------------------------------------------------------------------------------------------- clients
 def make_workload(count: int, seed: int, steps: tuple[int, ...]) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt": rng.choice(PROMPTS), "size": "%dx%d" % rng.choice(SIZES), "num_inference_steps": rng.choice(steps),
+    return [{"prompt": rng.choice(PROMPTS), "size": "{}x{}".format(*rng.choice(SIZES)), "num_inference_steps": rng.choice(steps),
              "seed": rng.randrange(2**31)} for _ in range(count)]
 
 
@@ -197,7 +200,7 @@ def start(command: list[str], port: int) -> subprocess.Popen:
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(int(round(q * (len(ordered) - 1))), len(ordered) - 1)] if ordered else float("nan")
+    return ordered[min(round(q * (len(ordered) - 1)), len(ordered) - 1)] if ordered else float("nan")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     workload = make_workload(args.requests, args.seed, steps)
     warmup = make_workload(args.warmup, args.seed + 1, steps)
-    per_round = -(-len(workload) // args.rounds)
+    per_round = -(-len(workload) // args.rounds)  # ceil
     rounds = [workload[i:i + per_round] for i in range(0, len(workload), per_round)]
 
     processes, runners, pids = {}, {}, {}
@@ -311,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "benchmark": "serve", "smoke": args.smoke, "requests_per_side": args.requests,
         "concurrency": args.concurrency, "rounds": len(rounds), "max_batch_size": args.max_batch_size,
-        "workload": {"sizes": ["%dx%d" % s for s in SIZES], "steps": list(steps), "prompts": len(PROMPTS)},
+        "workload": {"sizes": [f"{w}x{h}" for w, h in SIZES], "steps": list(steps), "prompts": len(PROMPTS)},
         "torch_threads": 1, "cpu_count": os.cpu_count(), "results": results, "ratios": ratios,
     }
     print(f"\n{'side':>10} | req/s | CPU ms/req | p50 s | p95 s | ok | lost | 5xx | RSS after warm-up -> max (MiB)")

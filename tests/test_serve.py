@@ -17,14 +17,14 @@ import torch
 openai = pytest.importorskip("openai", reason="the server tests need `pip install -e .[serve,test]`")
 pytest.importorskip("fastapi", reason="the server tests need `pip install -e .[serve,test]`")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from diffusers_stepbatch.serve import ServeConfig, create_app, load_model  # noqa: E402
-from diffusers_stepbatch.toy import load_pipeline  # noqa: E402
-from diffusers_stepbatch.toy.judge import score_images  # noqa: E402
-from diffusers_stepbatch.toy.scenes import heldout_captions  # noqa: E402
+from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
+from diffusers_stepbatch.toy import load_pipeline
+from diffusers_stepbatch.toy.judge import score_images
+from diffusers_stepbatch.toy.scenes import heldout_captions
 
-from .serve_helpers import TOY_CALL, ServerThread, decode_b64, pixels, wait_for  # noqa: E402
+from .serve_helpers import TOY_CALL, ServerThread, decode_b64, pixels, wait_for
 
 MODEL = "toy-shapes"
 
@@ -186,7 +186,7 @@ def test_bad_input_is_a_400_naming_the_field(client, served, body, param):
 
 def test_pipeline_validation_message_is_the_python_apis(client, served):
     with pytest.raises(ValueError) as python_error:
-        served.sb.submit("a red circle", num_inference_steps=0, **{"max_sequence_length": 16})
+        served.sb.submit("a red circle", num_inference_steps=0, max_sequence_length=16)
     with pytest.raises(openai.BadRequestError) as http_error:
         client.images.generate(model=MODEL, prompt="a red circle", extra_body={"num_inference_steps": 0})
     assert http_error.value.body["message"] == str(python_error.value)

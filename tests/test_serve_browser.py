@@ -17,10 +17,10 @@ from PIL import Image
 pytest.importorskip("fastapi", reason="the server tests need `pip install -e .[serve,test]`")
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs `pip install playwright`")
 
-from diffusers_stepbatch.serve import ServeConfig, create_app, load_model  # noqa: E402
-from diffusers_stepbatch.toy.judge import score_images  # noqa: E402
+from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
+from diffusers_stepbatch.toy.judge import score_images
 
-from .serve_helpers import ServerThread  # noqa: E402
+from .serve_helpers import ServerThread
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # NOTE: nothing may reach outside this machine: no background services, updates, sync or first-run pages

@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("fastapi", reason="the server tests need `pip install -e .[serve,test]`")
 httpx = pytest.importorskip("httpx")
 
-from diffusers_stepbatch.serve.cli import add_serve_arguments, config_from_args, main  # noqa: E402
+from diffusers_stepbatch.serve.cli import add_serve_arguments, config_from_args, main
 
-from .serve_helpers import decode_b64, wait_for  # noqa: E402
+from .serve_helpers import decode_b64, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 yaml = pytest.importorskip("yaml")
 
-from .serve_helpers import decode_b64, wait_for  # noqa: E402
+from .serve_helpers import decode_b64, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "ray_serve.yaml"
@@ -91,7 +91,7 @@ def test_requests_spread_over_both_replicas_and_a_killed_replica_fails_only_its_
     same_seed = {r.json()["data"][0]["b64_json"] for r in responses[:1]}
     assert _generate(ray_app, 0).json()["data"][0]["b64_json"] in same_seed  # either replica: the same image
 
-    victim = sorted(replicas)[0]
+    victim = min(replicas)
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
         load = [pool.submit(_generate, ray_app, 100 + i, 200) for i in range(24)]
         time.sleep(2.0)  # both replicas are denoising their share (each request needs > 2 s here)

@@ -80,7 +80,7 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     async def load_in_background() -> None:
         try:
             attach(await asyncio.to_thread(loader, config))
-        except Exception as exc:  # noqa: BLE001 - /health reports it; the process stays up to say why
+        except Exception as exc:
             logger.exception("loading %s failed", config.model)
             state.phase, state.error = "failed", f"{type(exc).__name__}: {exc}"
 

@@ -89,5 +89,5 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="diffusers-stepbatch")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("serve", help="run the OpenAI-compatible image server", add_help=False)
-    args, rest = parser.parse_known_args(argv[:1])
+    parser.parse_args(argv[:1])  # the command; its flags are serve_main's
     serve_main(argv[1:], prog="diffusers-stepbatch serve")

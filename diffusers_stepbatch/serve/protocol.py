@@ -4,7 +4,7 @@ no model. Field names and event types are OpenAI's; `negative_prompt` ... `deadl
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
