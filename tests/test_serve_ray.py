@@ -65,6 +65,23 @@ def ray_app():
         ray.shutdown()
 
 
+def test_example_config_and_build_app_options():
+    from ray.serve.schema import ServeDeploySchema
+
+    from diffusers_stepbatch.serve.ray import build_app
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+    assert config.applications[0].import_path == "diffusers_stepbatch.serve.ray:build_app"
+    autoscaled = build_app({"model": "toy", "max_batch_size": 4,
+                            "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    deployment = autoscaled._bound_deployment  # noqa: SLF001 - what Ray will run
+    assert deployment._deployment_config.autoscaling_config.max_replicas == 3  # noqa: SLF001
+    with pytest.raises(ValueError, match="unknown ServeConfig fields \\['max_batch'\\]"):
+        build_app({"model": "toy", "max_batch": 4})
+    with pytest.raises(ValueError, match="max_batch_size=0"):
+        build_app({"model": "toy", "max_batch_size": 0})  # checked in the driver, before any replica starts
+
+
 def _status(url: str) -> int:
     try:
         return httpx.get(url, timeout=5).status_code
