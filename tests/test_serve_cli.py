@@ -115,3 +115,26 @@ def test_sigterm_finishes_in_flight_requests_then_exits():
     # longer than --shutdown-timeout: cut off (its request aborted in the engine), and the process still exits
     assert not (isinstance(results["endless"], httpx.Response) and results["endless"].status_code == 200)
     assert 10 <= took < 40, (took, results["endless"], log[-3000:])
+
+
+def test_load_model_builds_the_engine_the_flags_describe():
+    import numpy as np
+    import torch
+
+    from diffusers_stepbatch.serve import ServeConfig, load_model
+
+    config = ServeConfig(max_batch_size=3, policy="sjf", max_queue=5, teacache=0.4)
+    model = load_model(config)
+    exact = load_model(ServeConfig())
+    try:
+        assert model.sb.engine.config == config.scheduler_config()
+        assert model.name == "toy-shapes" and model.call_defaults["max_sequence_length"] == 16
+        call = {"prompt": "a red circle at the top left on a white background", "num_inference_steps": 20}
+        cached, plain = (
+            np.asarray(m.sb(**call, **{k: v for k, v in m.call_defaults.items() if k not in call},
+                            generator=torch.Generator().manual_seed(0)).images[0], dtype=np.int16)
+            for m in (model, exact))
+        assert 0 < np.abs(cached - plain).mean() < 10  # TeaCache skipped steps: close to, not equal to, exact
+    finally:
+        model.close()
+        exact.close()
