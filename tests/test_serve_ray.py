@@ -74,8 +74,8 @@ def test_example_config_and_build_app_options():
     assert config.applications[0].import_path == "diffusers_stepbatch.serve.ray:build_app"
     autoscaled = build_app({"model": "toy", "max_batch_size": 4,
                             "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
-    deployment = autoscaled._bound_deployment  # noqa: SLF001 - what Ray will run
-    assert deployment._deployment_config.autoscaling_config.max_replicas == 3  # noqa: SLF001
+    deployment = autoscaled._bound_deployment  # NOTE: Ray-private attributes: what Ray will run
+    assert deployment._deployment_config.autoscaling_config.max_replicas == 3
     with pytest.raises(ValueError, match="unknown ServeConfig fields \\['max_batch'\\]"):
         build_app({"model": "toy", "max_batch": 4})
     with pytest.raises(ValueError, match="max_batch_size=0"):
