@@ -138,3 +138,19 @@ def test_load_model_builds_the_engine_the_flags_describe():
     finally:
         model.close()
         exact.close()
+
+
+def test_load_model_from_a_local_folder(tmp_path):
+    """`--model PATH`: any saved diffusers pipeline through DiffusionPipeline.from_pretrained, offline."""
+    from diffusers_stepbatch.serve import ServeConfig, load_model
+    from diffusers_stepbatch.testing import tiny_flux_pipeline
+
+    tiny_flux_pipeline().save_pretrained(tmp_path)
+    model = load_model(ServeConfig(model=str(tmp_path)))
+    try:
+        assert model.name == str(tmp_path) and model.call_defaults == {}
+        assert type(model.sb.pipe).__name__ == "FluxPipeline"
+        image = model.sb("a cat", height=32, width=32, num_inference_steps=2, max_sequence_length=16).images[0]
+        assert image.size == (32, 32)
+    finally:
+        model.close()
