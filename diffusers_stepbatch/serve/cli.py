@@ -1,0 +1,93 @@
+"""`diffusers-stepbatch serve` and `python -m diffusers_stepbatch.serve`: run the server under uvicorn.
+
+On SIGTERM / SIGINT the server stops accepting, answers new generation requests with 503, lets in-flight
+requests finish for up to `--shutdown-timeout` seconds, closes the engine and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from .config import API_KEY_ENV, DTYPES, ServeConfig
+
+
+def _number(text: str) -> int | float:
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    defaults = ServeConfig(api_key="")
+    add = parser.add_argument
+    add("--model", default=defaults.model, help="'toy' (the shipped toy-shapes model) or a Hub id / local folder")
+    add("--dtype", default=defaults.dtype, choices=DTYPES)
+    add("--device", default=defaults.device, help="cpu, cuda, cuda:1, ...")
+    add("--host", default=defaults.host)
+    add("--port", type=int, default=defaults.port)
+    add("--api-key", default=None, help=f"Bearer key for /v1/* (default: ${API_KEY_ENV}; none if unset)")
+    add("--served-model-name", default=None, help="the `model` name clients use (default: toy-shapes / the model id)")
+    add("--max-batch-size", type=int, default=defaults.max_batch_size, help="rows in one denoising forward")
+    add("--policy", default=defaults.policy, choices=("fcfs", "sjf", "priority"))
+    add("--max-wait-s", type=float, default=defaults.max_wait_s)
+    add("--max-queue", type=int, default=defaults.max_queue, help="waiting requests before 429 (0: unbounded)")
+    add("--on-unmeetable-deadline", default=defaults.on_unmeetable_deadline, choices=("reject", "queue"))
+    add("--step-time-target-s", type=float, default=None)
+    add("--cost-aware", action=argparse.BooleanOptionalAction, default=defaults.cost_aware)
+    add("--teacache", type=float, default=None, metavar="THRESHOLD", help="TeaCache threshold (e.g. 0.4)")
+    add("--decoder", default=None, help="'pid' or another registered decoder name")
+    add("--pid-exit-step", type=_number, default=None, help="step index K or a fraction of the steps")
+    add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
+    add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add("--access-log", action=argparse.BooleanOptionalAction, default=True)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    names = {field.name for field in dataclasses.fields(ServeConfig)}
+    values = {name: value for name, value in vars(args).items() if name in names}
+    if values.get("max_queue") == 0:
+        values["max_queue"] = None
+    return ServeConfig(**values)
+
+
+def run(config: ServeConfig, *, log_level: str = "info", access_log: bool = True, sockets: list | None = None) -> None:
+    """Serve `config` until SIGTERM / SIGINT (blocking)."""
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(config)
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.server_state.begin_shutdown()  # NOTE: before uvicorn stops reading: late requests get 503
+            super().handle_exit(sig, frame)
+
+    server = GracefulServer(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=log_level, access_log=access_log,
+        timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on"))
+    server.run(sockets=sockets)
+
+
+def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_stepbatch.serve") -> None:
+    parser = add_serve_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run(config, log_level=args.log_level, access_log=args.access_log)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `diffusers-stepbatch` console script; `serve` is its one command."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="diffusers-stepbatch")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("serve", help="run the OpenAI-compatible image server", add_help=False)
+    parser.parse_args(argv[:1])  # the command; its flags are serve_main's
+    serve_main(argv[1:], prog="diffusers-stepbatch serve")

@@ -1,0 +1,79 @@
+"""`ServeConfig`: what the server loads and how its engine admits requests (the CLI's flags, one field each)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+API_KEY_ENV = "DIFFUSERS_STEPBATCH_API_KEY"
+TOY_MODEL = "toy"
+TOY_SERVED_NAME = "toy-shapes"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class ServeConfig:
+    """Settings of one server (one engine); every field is a `diffusers-stepbatch serve` flag.
+
+    Args:
+        model: "toy" (the shipped toy-shapes FLUX model, offline) or a Hub id / local folder for
+            `DiffusionPipeline.from_pretrained`.
+        dtype, device: where the pipeline runs ("float32" / "float16" / "bfloat16"; "cpu", "cuda", "cuda:1").
+        host, port: where uvicorn listens (127.0.0.1 by default: nothing outside this machine).
+        api_key: Bearer key required on `/v1/*`; None reads `DIFFUSERS_STEPBATCH_API_KEY`, "" disables it.
+        served_model_name: the `model` clients name (default: "toy-shapes" or the model id).
+        max_batch_size, policy, max_wait_s, max_queue, on_unmeetable_deadline, step_time_target_s,
+            cost_aware: the engine's `SchedulerConfig`.
+        teacache: a TeaCache threshold (None: exact steps).
+        decoder, pid_exit_step: decode with PiD (`StepBatched(decoder=..., pid_exit_step=...)`).
+        shutdown_timeout_s: on SIGTERM/SIGINT, how long in-flight requests may take to finish.
+        retry_after_s: the `Retry-After` a 429 (queue full) carries.
+    """
+
+    model: str = TOY_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_batch_size: int = 8
+    policy: str = "fcfs"
+    max_wait_s: float = 30.0
+    max_queue: int | None = 256
+    on_unmeetable_deadline: str = "reject"
+    step_time_target_s: float | None = None
+    cost_aware: bool = True
+    teacache: float | None = None
+    decoder: str | None = None
+    pid_exit_step: float | None = None
+    shutdown_timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} must be in 0..65535")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s} must be >= 0")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 0")
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        elif self.api_key == "":
+            self.api_key = None
+        self.scheduler_config()  # validates the scheduler fields now, with SchedulerConfig's own messages
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return TOY_SERVED_NAME if self.model == TOY_MODEL else self.model
+
+    def scheduler_config(self):
+        from ..engine.scheduler import SchedulerConfig
+
+        fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        return SchedulerConfig(**{name: getattr(self, name) for name in fields if hasattr(self, name)})

@@ -1,0 +1,61 @@
+"""The same server as a Ray Serve deployment: one `StepBatched` engine per replica (one replica per GPU).
+
+>>> from ray import serve
+>>> from diffusers_stepbatch.serve.ray import build_app
+>>> serve.run(build_app({"model": "toy", "num_replicas": 2}), route_prefix="/")
+
+or from a config file (examples/ray_serve.yaml): `serve run examples/ray_serve.yaml`. Ray's proxy spreads
+requests over the replicas; each replica batches what it gets. Requests in flight on a replica that dies
+fail with a 5xx from Ray's proxy (they are not retried: a generation is not idempotent in time); the other
+replicas keep serving and Ray Serve starts a replacement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ray import serve
+
+from .app import create_app
+from .config import ServeConfig
+from .model import load_model
+
+DEPLOYMENT_NAME = "StepBatchedImages"
+_DEPLOYMENT_OPTIONS = ("num_replicas", "max_ongoing_requests", "ray_actor_options", "autoscaling_config")
+
+
+@serve.deployment(name=DEPLOYMENT_NAME, max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
+@serve.ingress()
+class ImageServer:
+    """One replica: loads the model named by its `ServeConfig` fields and serves the OpenAI-compatible app."""
+
+    def __init__(self, **config: Any):
+        import ray
+
+        self.config = ServeConfig(**config)
+        self.model = load_model(self.config)
+        context = ray.get_runtime_context()
+        # NOTE: the actor name is what `ray.get_actor(name, namespace="serve")` takes (tests kill replicas by it)
+        self.replica = context.get_actor_name() or context.get_actor_id()
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.config, model=self.model, close_model=True, replica=self.replica)
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """Ray Serve application builder (`import_path: diffusers_stepbatch.serve.ray:build_app`).
+
+    `args` holds `ServeConfig` fields (model, dtype, device, max_batch_size, ...) and, optionally, the
+    deployment's own options (num_replicas, autoscaling_config, ray_actor_options, max_ongoing_requests);
+    the config file's `deployments:` section may set those too.
+    """
+    args = dict(args)
+    options = {name: args.pop(name) for name in _DEPLOYMENT_OPTIONS if name in args}
+    known = {field.name for field in dataclasses.fields(ServeConfig)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown ServeConfig fields {unknown}; known: {sorted(known)}")
+    ServeConfig(**args)  # validate in the driver, before any replica starts
+    deployment = ImageServer.options(**options) if options else ImageServer
+    return deployment.bind(**args)

@@ -1,0 +1,66 @@
+"""Helpers for the server tests: a uvicorn server in a thread on a free loopback port, image decoding."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+
+import numpy as np
+from PIL import Image
+
+TOY_CALL = {"num_inference_steps": 20, "guidance_scale": 3.5, "max_sequence_length": 16}
+
+
+class ServerThread:
+    """`with ServerThread(app) as base_url:` serves `app` on 127.0.0.1 at a free port until the block ends."""
+
+    def __init__(self, app, startup_timeout: float = 30.0):
+        import uvicorn
+
+        self.app = app
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("127.0.0.1", 0))  # NOTE: bound here, so no other process can take the port meanwhile
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self.startup_timeout = startup_timeout
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self.base_url
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def decode_b64(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def wait_for(condition, timeout: float = 10.0, interval: float = 0.02):
+    """Poll `condition()` until it returns something truthy; return it (None on timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    return None
+
+
+def pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"), dtype=np.int16)

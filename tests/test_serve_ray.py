@@ -1,0 +1,128 @@
+"""`diffusers_stepbatch.serve.ray` on a local Ray instance: examples/ray_serve.yaml with 2 toy replicas.
+
+Requests spread over both replicas and all are answered; a replica killed under load fails its in-flight
+requests with a 502 OpenAI error object (`serve.ray_proxy`; nothing hangs, nothing is lost silently) while the
+other replica keeps serving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray Serve test needs `pip install -e .[ray]`")
+pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+yaml = pytest.importorskip("yaml")
+
+from .serve_helpers import decode_b64, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "ray_serve.yaml"
+REPLICA_HEADER = "x-stepbatch-replica"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_app():
+    from ray import serve
+
+    from diffusers_stepbatch.serve.ray import DEPLOYMENT_NAME, build_app
+    from diffusers_stepbatch.serve.ray_proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    config = yaml.safe_load(CONFIG.read_text())
+    application = config["applications"][0]
+    deployment = next(d for d in application["deployments"] if d["name"] == DEPLOYMENT_NAME)
+    options = {k: v for k, v in deployment.items() if k != "name"}
+    assert options["num_replicas"] == 2
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "TOKENIZERS_PARALLELISM": "false"}
+    # NOTE: a private local instance: 127.0.0.1 only, no dashboard, no usage stats
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # before the local instance starts: its proxy reads it
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+             _node_ip_address="127.0.0.1")
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({**application["args"], **options}), name=application["name"],
+                  route_prefix=application["route_prefix"])
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: _status(f"{url}/health") == 200, timeout=120, interval=0.5)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_example_config_and_build_app_options():
+    from ray.serve.schema import ServeDeploySchema
+
+    from diffusers_stepbatch.serve.ray import build_app
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+    assert config.applications[0].import_path == "diffusers_stepbatch.serve.ray:build_app"
+    autoscaled = build_app({"model": "toy", "max_batch_size": 4,
+                            "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    deployment = autoscaled._bound_deployment  # NOTE: Ray-private attributes: what Ray will run
+    assert deployment._deployment_config.autoscaling_config.max_replicas == 3
+    with pytest.raises(ValueError, match="unknown ServeConfig fields \\['max_batch'\\]"):
+        build_app({"model": "toy", "max_batch": 4})
+    with pytest.raises(ValueError, match="max_batch_size=0"):
+        build_app({"model": "toy", "max_batch_size": 0})  # checked in the driver, before any replica starts
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _generate(url: str, seed: int, steps: int = 20) -> httpx.Response | Exception:
+    body = {"model": "toy-shapes", "prompt": "a red circle at the top left on a white background", "seed": seed,
+            "num_inference_steps": steps}
+    try:
+        return httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+    except httpx.HTTPError as exc:
+        return exc
+
+
+def test_requests_spread_over_both_replicas_and_a_killed_replica_fails_only_its_own(ray_app):
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda s: _generate(ray_app, s), range(16)))
+    assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in responses), responses
+    replicas = {r.headers[REPLICA_HEADER] for r in responses}
+    assert len(replicas) == 2, replicas
+    assert all(decode_b64(r.json()["data"][0]["b64_json"]).size == (64, 64) for r in responses)
+    same_seed = {r.json()["data"][0]["b64_json"] for r in responses[:1]}
+    assert _generate(ray_app, 0).json()["data"][0]["b64_json"] in same_seed  # either replica: the same image
+
+    victim = min(replicas)
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        load = [pool.submit(_generate, ray_app, 100 + i, 200) for i in range(24)]
+        time.sleep(2.0)  # both replicas are denoising their share (each request needs > 2 s here)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        killed_at = time.monotonic()
+        results = [future.result(timeout=180) for future in load]
+    ok = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
+    failed = [r for r in results if r not in ok]
+    assert len(ok) + len(failed) == 24  # every request got an answer
+    assert any(r.headers[REPLICA_HEADER] != victim for r in ok)  # the other replica kept serving
+    assert failed, "the killed replica had requests in flight; they must fail, not vanish"
+    for r in failed:  # a clear OpenAI error object from the proxy (ray_proxy), which clients retry
+        assert isinstance(r, httpx.Response) and r.status_code == 502, r
+        assert r.json()["error"]["code"] == "replica_failed" and r.headers["retry-after"] == "1"
+    survivors = [_generate(ray_app, 500 + i) for i in range(4)]
+    assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in survivors)
+    assert time.monotonic() - killed_at < 120
