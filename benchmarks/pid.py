@@ -67,7 +67,7 @@ def worker(side: str, concurrency: int, args: argparse.Namespace) -> dict:
     base_kib, base_file_kib = _status_kib("VmRSS"), _status_kib("RssFile")
     steps_kwargs = dict(guidance_scale=3.5, max_sequence_length=16)
     if args.scaled:
-        pipe, pid_decoder = pid_scaled.build_scaled_pair(seed=0)
+        pipe, pid_decoder = pid_scaled.build_scaled_pair(seed=0, vae_width_divisor=args.vae_width_divisor)
         decoder = PiDDecoding(pid_decoder, "pipeline") if side == "pid" else None
         steps_kwargs["max_sequence_length"] = pid_scaled.MAX_SEQUENCE_LENGTH
     elif args.smoke:
@@ -112,7 +112,11 @@ def worker(side: str, concurrency: int, args: argparse.Namespace) -> dict:
 
     round_(1000, 1 if args.scaled else concurrency)  # warm-up
     tokens.clear()
+    first_call = len(sb.engine.metrics.calls)
     times = [round_(r * concurrency) for r in range(args.repeats)]
+    by_kind: dict[str, float] = {}
+    for record in list(sb.engine.metrics.calls)[first_call:]:
+        by_kind[record.kind] = by_kind.get(record.kind, 0.0) + record.seconds / args.repeats
     sb.close()
     peak_kib, file_kib = _status_kib("VmHWM"), _status_kib("RssFile")
     return {
@@ -132,6 +136,7 @@ def worker(side: str, concurrency: int, args: argparse.Namespace) -> dict:
         "weights_mib": weights_mib,
         "threads": args.threads,
         "engine_calls": sb.stats()["rows_histogram"],
+        "engine_seconds_per_round": by_kind,
     }
 
 
@@ -139,7 +144,8 @@ def run_side(side: str, concurrency: int, args: argparse.Namespace) -> dict:
     threads = {"full": args.threads_full, "pid": args.threads_pid}[side] or args.threads
     command = [sys.executable, __file__, "--worker", side, "--worker-concurrency", str(concurrency),
                "--steps", str(args.steps), "--repeats", str(args.repeats), "--threads", str(threads),
-               "--scale", str(args.scale)] + (["--smoke"] if args.smoke else []) + (["--scaled"] if args.scaled else [])  # fmt: skip
+               "--scale", str(args.scale), "--vae-width-divisor", str(args.vae_width_divisor)]
+    command += (["--smoke"] if args.smoke else []) + (["--scaled"] if args.scaled else [])
     if args.exit_step is not None:
         command += ["--exit-step", str(args.exit_step)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="untrained toy architecture, random PiD, 3 steps")
     parser.add_argument("--scaled", action="store_true", help="FLUX.1-dev / flux PiD ratios, random weights, 512 px")
     parser.add_argument("--passes", type=int, default=1, help="alternations of the two sides' processes")
+    parser.add_argument("--vae-width-divisor", type=int, default=16, help="--scaled: FLUX VAE widths / this")
     parser.add_argument("--threads-full", type=int, default=None, help="threads of side (a) (default --threads)")
     parser.add_argument("--threads-pid", type=int, default=None, help="threads of side (b) (default --threads)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="requests per round (default 1 8)")
@@ -226,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         "memory_measure": "peak RSS (VmHWM) minus RSS after imports, per side in a fresh process; also without the "
                           "growth of file-backed pages (RssFile)",
         "steps": args.steps, "exit_step": args.exit_step, "repeats": args.repeats,
+        "vae_width_divisor": args.vae_width_divisor if args.scaled else None,
         "threads": {side: {"full": args.threads_full, "pid": args.threads_pid}[side] or args.threads for side in SIDES},
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
         "load_average": os.getloadavg(), "pair": pair, "passes": args.passes, "results": rows,

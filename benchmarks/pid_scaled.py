@@ -11,7 +11,7 @@ Here every linear size is 1/4 (output 512 px, main model 128 px), so every token
 widths and depths are cut until the parameter ratio is the real one (main 5.63M, PiD 0.644M: 8.74x). What is
 kept: both architectures, FLUX's 1:2 double:single block ratio (5 + 10 blocks, 2 heads x 64), PiD's patch size
 16, sr 4, 16-channel latent at 1/8 and its adapter layout (3 patch blocks, 1 pixel block, hidden 40), FLUX's VAE
-layout (4 levels, 2 layers per block, 16 latent channels, mid attention) at 1/16 of its widths, and FLUX's
+layout (4 levels, 2 layers per block, 16 latent channels, mid attention) at 1/16 of its widths (or 1/4), and FLUX's
 dynamic-shift schedule with its sequence lengths scaled by 1/16. What shifts: PiD's pixel stream cannot be
 narrower than 4 (its sin/cos embedding), so its pixel block holds 50% of the small PiD's parameters
 against 7.7% in the real one; FLOPs still follow parameters x tokens. PiD reads the pipeline's T5 embeddings
@@ -49,7 +49,14 @@ REAL_FLUX_VAE = dict(
     latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
     scaling_factor=0.3611, shift_factor=0.1159,
 )  # fmt: skip
-SCALED_FLUX_VAE = dict(REAL_FLUX_VAE, block_out_channels=(8, 16, 32, 32), norm_num_groups=8)
+VAE_WIDTH_DIVISOR = 16  # default: the VAE decode costs ~10% of side (a) here (real: a few %)
+
+
+def scaled_vae_config(width_divisor: int = VAE_WIDTH_DIVISOR) -> dict[str, Any]:
+    """FLUX's VAE with every width divided by `width_divisor` (4 keeps the real VAE : PiD per-pixel width ratio,
+    128 : 16, as 32 : 4; 16 keeps its share of side (a)'s time closer to the real one)."""
+    widths = tuple(c // width_divisor for c in REAL_FLUX_VAE["block_out_channels"])
+    return dict(REAL_FLUX_VAE, block_out_channels=widths, norm_num_groups=min(widths[0], 32))
 # FLUX.1-dev's scheduler, its sequence lengths at 1/16 so each size gets the real size's shift.
 SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256 // 16,
@@ -91,7 +98,7 @@ def token_counts(output_size: int = OUTPUT_SIZE, text_tokens: int = MAX_SEQUENCE
             "pid": (output_size // 16) ** 2 + pid_text_tokens}  # fmt: skip
 
 
-def build_scaled_pair(seed: int = 0):
+def build_scaled_pair(seed: int = 0, vae_width_divisor: int = VAE_WIDTH_DIVISOR):
     """(FluxPipeline with random weights, PiDDecoder with random weights), both float32 in eval mode."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -114,7 +121,7 @@ def build_scaled_pair(seed: int = 0):
         num_layers=2, num_heads=4, pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
         decoder_start_token_id=0,
     )).eval()  # fmt: skip
-    vae = AutoencoderKL(**SCALED_FLUX_VAE).eval()
+    vae = AutoencoderKL(**scaled_vae_config(vae_width_divisor)).eval()
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae, text_encoder=text_encoder,
         tokenizer=clip_tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=t5_tokenizer, transformer=transformer,
