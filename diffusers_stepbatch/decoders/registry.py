@@ -25,7 +25,15 @@ __all__ = ["PIPELINE_TEXT", "PiDDecoding", "register_decoder", "registered_decod
 PIPELINE_TEXT = "pipeline"
 
 TOY_ADAPTER_DIR = Path(__file__).resolve().parents[1] / "toy" / "pid_adapter"
-_OFFICIAL_FOR = {"FluxPipeline": "PiD_res2k_sr4x_official_flux_distill_4step"}
+# The released nvidia/PiD checkpoint `decoder="pid"` loads per pipeline class (the reference's default for the
+# backbone: "2k" where one exists, else the only release). Released, but without a StepBatched early-exit
+# program: Flux.2 (and klein), Z-Image, and the DINOv2 / SigLIP RAE decoders.
+_OFFICIAL_FOR = {
+    "FluxPipeline": "PiD_res2k_sr4x_official_flux_distill_4step",
+    "StableDiffusion3Pipeline": "PiD_res2k_sr4x_official_sd3_distill_4step",
+    "StableDiffusionXLPipeline": "PiD_res2kto4k_sr4x_official_sdxl_distill_4step",
+    "QwenImagePipeline": "PiD_v1pt5_res2kto4k_sr4x_official_qwenimage_distill_4step",
+}
 
 
 @dataclass(frozen=True)
@@ -110,12 +118,21 @@ def resolve_decoder(decoder: Any, pipe: Any) -> PiDDecoding:
     return decoder
 
 
+def official_checkpoint_for(pipe: Any) -> str | None:
+    """The released checkpoint name `decoder="pid"` picks for the pipeline's class; None where there is none."""
+    return next((_OFFICIAL_FOR[c.__name__] for c in type(pipe).__mro__ if c.__name__ in _OFFICIAL_FOR), None)
+
+
 @register_decoder("pid")
 def _official_pid(pipe: Any) -> PiDDecoding:
     """The released nvidia/PiD checkpoint for the pipeline's family, with its Gemma-2 text encoder."""
-    checkpoint = next((_OFFICIAL_FOR[c.__name__] for c in type(pipe).__mro__ if c.__name__ in _OFFICIAL_FOR), None)
+    checkpoint = official_checkpoint_for(pipe)
     if checkpoint is None:
-        raise ValueError(f"no released PiD checkpoint is registered for {type(pipe).__name__}; pass decoder=PiDDecoder(...)")
+        raise ValueError(
+            f"nvidia/PiD has no released checkpoint for {type(pipe).__name__} (released for: "
+            f"{', '.join(_OFFICIAL_FOR)}; and Flux.2, Z-Image, DINOv2 / SigLIP RAEs, which StepBatched has no "
+            "early-exit program for); pass decoder=PiDDecoder(...) trained on its latents"
+        )
     return PiDDecoding(PiDDecoder.from_pretrained("nvidia/PiD", checkpoint=checkpoint).eval())
 
 

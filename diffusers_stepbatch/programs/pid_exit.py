@@ -2,13 +2,13 @@
 
 With `StepBatched(pipe, decoder=..., pid_exit_step=K)` a call for `height` x `width` runs the main model at
 `height / sr_scale` x `width / sr_scale` for K of its N steps (default N - 2, source document 000), then PiD
-turns the early-exited latent x_t (the packed latent unpacked to the VAE layout, still scaled as the transformer
-sees it) and its noise level `scheduler.sigmas[K]` into the image at the requested size. A program calls
-`plan_pid_exit` while planning (in the caller's thread, so bad input raises there) and `pid_exit_decode` in
-place of its VAE decode:
+turns the early-exited latent x_t (in the VAE layout, as the denoiser sees it; each family's conventions are in
+`pid_families.py`) and its noise level `scheduler.sigmas[K]` into the image at the requested size. A program
+calls `plan_pid_exit` while planning (in the caller's thread, so bad input raises there), stops its loop at
+`pid.exit_step` and calls `pid_exit_decode` in place of its VAE decode:
 
 >>> pid = plan_pid_exit(pipe, args)                       # None when the engine has no PiD decoder
->>> image = yield from pid_exit_decode(view, pid, args, latents, prompt_embeds, cache)
+>>> image = yield from pid_exit_decode(view, pid, args, latents, prompt_embeds)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import math
 import numbers
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +27,9 @@ from ..cache.prompt import PromptCache, cached_encode
 from ..decoders.pid.work import pid_decode_item, pid_text_item, pid_text_namespace
 from ..decoders.registry import PiDDecoding
 from ..engine.batch import WorkItem
+from .options import current_options
+from .pid_families import PiDFamily, pid_family, pid_pipelines
 from .validation import as_list, check_num_images_per_prompt, check_num_inference_steps
-
-# Pipeline classes whose step program implements the early exit (by class name, to keep diffusers imports lazy).
-PID_PIPELINES = ("FluxPipeline",)
 
 
 @dataclass(frozen=True)
@@ -94,10 +93,13 @@ def planning_with_pid(options: PiDExitOptions | None) -> Iterator[None]:
 
 def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
     """At engine construction: the pipeline has an early-exit program and the decoder fits its latent space."""
-    if not any(cls.__name__ in PID_PIPELINES for cls in type(pipe).__mro__):
-        raise ValueError(f"PiD decoding is implemented for {list(PID_PIPELINES)}, not {type(pipe).__name__}")
+    family = pid_family(pipe)
+    if family is None:
+        raise ValueError(f"PiD decoding is implemented for {pid_pipelines()}, not {type(pipe).__name__}")
+    if family.check_scheduler is not None:
+        family.check_scheduler(pipe)
     decoder = decoding.decoder
-    channels = pipe.vae.config.latent_channels
+    channels = family.latent_channels(pipe)
     if decoder.lq_latent_channels != channels:
         raise ValueError(
             f"the PiD decoder reads {decoder.lq_latent_channels}-channel latents, {type(pipe).__name__}'s VAE has "
@@ -109,7 +111,7 @@ def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
             f"pipeline's vae_scale_factor={pipe.vae_scale_factor}; use a PiD checkpoint trained for this pipeline"
         )
     if decoding.uses_pipeline_text:
-        dim = pipe.transformer.config.joint_attention_dim
+        dim = family.text_dim(pipe)
         if decoding.txt_embed_dim != dim:
             raise ValueError(
                 f"text_encoder='pipeline' gives {dim}-dim prompt embeddings but the PiD decoder expects "
@@ -119,7 +121,7 @@ def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
 
 @dataclass(frozen=True)
 class PiDExit:
-    """One request's early exit: K, the output size, and the size the main model runs at."""
+    """One request's early exit: K, the output size, the size the main model runs at, its family's conventions."""
 
     decoding: PiDDecoding
     exit_step: int
@@ -127,6 +129,8 @@ class PiDExit:
     width: int
     main_height: int
     main_width: int
+    family: PiDFamily
+    prompt_cache: PromptCache | None = None
 
 
 def plan_pid_exit(pipe: Any, args: dict[str, Any]) -> PiDExit | None:
@@ -134,9 +138,13 @@ def plan_pid_exit(pipe: Any, args: dict[str, Any]) -> PiDExit | None:
     options = _current.get()
     if options is None:
         return None
+    family = pid_family(pipe)
+    if family.check_scheduler is not None:
+        family.check_scheduler(pipe)  # NOTE: again at submit: pipe.scheduler may have been swapped since
     decoder = options.decoding.decoder
     sr_scale = decoder.sr_scale
-    multiple = math.lcm(sr_scale * pipe.vae_scale_factor * 2, decoder.patch_size)
+    main_multiple = family.size_multiple(pipe)
+    multiple = math.lcm(sr_scale * main_multiple, decoder.patch_size)
     size = {}
     for name in ("height", "width"):
         value = args[name] or pipe.default_sample_size * pipe.vae_scale_factor
@@ -145,18 +153,19 @@ def plan_pid_exit(pipe: Any, args: dict[str, Any]) -> PiDExit | None:
         if value % multiple:
             raise ValueError(
                 f"{name}={value} must be divisible by {multiple} for PiD decoding: the main model runs at 1/"
-                f"sr_scale={sr_scale} of it, in multiples of vae_scale_factor * 2 = {pipe.vae_scale_factor * 2}, "
+                f"sr_scale={sr_scale} of it, in multiples of {main_multiple}, "
                 f"and PiD's output is in {decoder.patch_size}-pixel patches"
             )
         size[name] = int(value)
     if args["output_type"] == "latent":
         raise ValueError("output_type='latent' skips decoding, but this engine decodes with PiD; use 'pil', 'np' or 'pt'")
-    steps = check_num_inference_steps(args["num_inference_steps"], args["sigmas"])
+    schedule = next((args[name] for name in ("timesteps", "sigmas") if args.get(name) is not None), None)
+    steps = check_num_inference_steps(args["num_inference_steps"], schedule)
     exit_step = options.step_for(steps)
     if not options.decoding.uses_pipeline_text and args["prompt"] is None:
         raise ValueError("PiD's text encoder needs the caption: pass prompt=..., not only prompt_embeds")
     return PiDExit(options.decoding, exit_step, size["height"], size["width"],
-                   size["height"] // sr_scale, size["width"] // sr_scale)
+                   size["height"] // sr_scale, size["width"] // sr_scale, family, current_options().prompt_cache)
 
 
 def pid_exit_decode(
@@ -165,16 +174,20 @@ def pid_exit_decode(
     args: dict[str, Any],
     latents: torch.Tensor,
     prompt_embeds: torch.Tensor,
-    cache: PromptCache | None,
+    cache: PromptCache | None = None,
+    *,
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Generator[WorkItem, Any, Any]:
-    """Decode the packed x_t after `pid.exit_step` steps with PiD; returns the postprocessed images.
+    """Decode the denoiser's latents after `pid.exit_step` steps with PiD; returns the postprocessed images.
 
-    `view` is the request's pipeline view (its scheduler has run exactly K steps), `prompt_embeds` the positive
-    prompt embeddings, one row per image (used when the decoder reads the pipeline's text).
+    `view` is the request's pipeline view (its scheduler has run exactly K steps), `latents` the denoiser's own
+    (packed for Flux and Qwen-Image), `prompt_embeds` the positive prompt embeddings, one row per image (used when
+    the decoder reads the pipeline's text). `cache` defaults to the prompt cache the call was planned with;
+    `finish` runs on the [-1, 1] images before postprocessing (SDXL's watermark).
     """
-    unpacked = view._unpack_latents(latents, pid.main_height, pid.main_width, view.vae_scale_factor)
-    images = unpacked.shape[0]
-    sigma = torch.full((images,), float(view.scheduler.sigmas[pid.exit_step]), dtype=torch.float32)
+    lq_latent, sigma = pid.family.to_pid(view, latents, pid.exit_step, pid.main_height, pid.main_width)
+    images = lq_latent.shape[0]
+    cache = cache if cache is not None else pid.prompt_cache
     decoding = pid.decoding
     if decoding.uses_pipeline_text:
         text = prompt_embeds
@@ -190,5 +203,7 @@ def pid_exit_decode(
     # latents came from, so the decode of a request does not depend on who shares the batch.
     generator = args["generator"]
     generators = list(generator) if isinstance(generator, list) else [generator] * images
-    image = yield pid_decode_item(decoding, unpacked, sigma, text, generators, height=pid.height, width=pid.width)
+    image = yield pid_decode_item(decoding, lq_latent, sigma, text, generators, height=pid.height, width=pid.width)
+    if finish is not None:
+        image = finish(image)
     return view.image_processor.postprocess(image, output_type=args["output_type"])

@@ -28,6 +28,7 @@ from ..packed.qwenimage import QwenImagePart, qwenimage_packed_forward, qwenimag
 from ..packed.support import log_unpackable_once
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
+from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -48,6 +49,7 @@ class QwenImageCall:
     num_inference_steps: int
     num_images: int  # prompts x num_images_per_prompt
     do_true_cfg: bool
+    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
 
 
 @register_program(QwenImagePipeline)
@@ -55,6 +57,9 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
+    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    if pid is not None:
+        args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
     pipe.check_inputs(
@@ -79,7 +84,7 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     latent_w = 2 * (int(width) // (pipe.vae_scale_factor * 2))
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
-    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg)
+    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid)
     rows = num_images * (2 if do_true_cfg else 1)
     program = qwenimage_program(pipe, request_pipeline(pipe), call)
     tokens = (latent_h // 2) * (latent_w // 2)
@@ -147,6 +152,8 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     callback = args["callback_on_step_end"]
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
+            if call.pid is not None and i == call.pid.exit_step:
+                break  # PiD early exit: PiD decodes this x_t (step 4)
             if view._interrupt:
                 continue
             view._current_timestep = t
@@ -182,6 +189,9 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
         hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
+    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+        image = yield from pid_exit_decode(view, call.pid, args, latents, branches[0][0])
+        return QwenImagePipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":
         image = latents
     else:

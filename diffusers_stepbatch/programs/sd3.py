@@ -28,6 +28,7 @@ from ..engine.batch import Packable, WorkItem
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import log_unpackable_once
 from .callbacks import run_step_callback
+from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     check_call_size,
@@ -52,6 +53,7 @@ class SD3Call:
     num_prompts: int
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
+    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
 
 
 @register_program(StableDiffusion3Pipeline)
@@ -60,6 +62,9 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     check_unsupported(args, _UNSUPPORTED, "SD3")
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
+    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    if pid is not None:
+        args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
     pipe.check_inputs(
@@ -88,7 +93,7 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg)
+    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
@@ -162,6 +167,8 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     callback = args["callback_on_step_end"]
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
+            if call.pid is not None and i == call.pid.exit_step:
+                break  # PiD early exit: PiD decodes this x_t (step 4)
             if view._interrupt:
                 continue
             images = latents.shape[0]
@@ -201,6 +208,9 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
             progress_bar.update()
 
     # 4. Decode (batched with other requests' decodes of the same size).
+    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+        image = yield from pid_exit_decode(view, call.pid, args, latents, embeds[0])
+        return StableDiffusion3PipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":
         image = latents
     else:

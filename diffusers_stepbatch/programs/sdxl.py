@@ -23,6 +23,7 @@ from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from .callbacks import run_step_callback
+from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -46,6 +47,7 @@ class UNetCall:
     num_prompts: int
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
+    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py, SDXL only); None: VAE decode
 
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
@@ -63,6 +65,12 @@ def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, in
 @register_program(StableDiffusionXLPipeline)
 def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusionXLPipeline call in the caller's thread and return its step program."""
+    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    if pid is not None:
+        if args["denoising_end"] is not None:
+            raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
+                             "decoder use pid_exit_step to choose where the main model stops")
+        args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
     pipe.check_inputs(
@@ -90,7 +98,7 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
                                    text_encoder_projection_dim=projection_dim)
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
+    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, pid)
     rows = num_images * (2 if do_cfg else 1)
     program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
@@ -175,9 +183,16 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
 
     conditioning = {"prompt_embeds": embeds.to(device), "add_text_embeds": pooled.to(device),
                     "add_time_ids": add_time_ids}
+    if call.pid is not None:  # PiD early exit: the loop runs the first K timesteps only
+        timesteps = timesteps[:call.pid.exit_step]
     latents = yield from unet_denoise(view, pipe, call, latents, timesteps, conditioning)
 
     # 3. Decode (batched with other requests' decodes of the same size).
+    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+        positive = conditioning["prompt_embeds"][-call.num_images:]  # rows are [negative, positive] under CFG
+        watermark = None if view.watermark is None else view.watermark.apply_watermark
+        image = yield from pid_exit_decode(view, call.pid, args, latents, positive, finish=watermark)
+        return StableDiffusionXLPipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":
         return StableDiffusionXLPipelineOutput(images=latents) if args["return_dict"] else (latents,)
     vae = pipe.vae

@@ -1,0 +1,156 @@
+"""How each family's step program hands its early-exited x_t to PiD: the latent layout, its noise level, sizes.
+
+PiD reads the latent as the family's denoiser sees it, in the VAE's [B, C, h, w] layout, never de-normalised
+(facts from the reference nv-tlabs/PiD, `pid/_src/inference/pipeline_registry.py` and `step_capture.py`):
+
+- Flux: the packed tokens unpacked (`_unpack_latents`); still scaled and shifted (no `/ scaling_factor +
+  shift_factor`, which only the VAE decode needs).
+- SD3: already [B, 16, h, w]; still scaled and shifted likewise.
+- SDXL: [B, 4, h, w] (scaled by `scaling_factor` only). Euler-type schedulers keep it in the variance-exploding
+  frame `x0 + s eps`, while the released SDXL PiD was trained on the variance-preserving one, so latent and sigma
+  are divided by sqrt(s^2 + 1); DPM-Solver already holds VP-frame latents, so only its sigma is converted.
+  The conversion runs in float32 (the pipeline upcasts fp16 latents for its VAE decode for the same reason).
+- Qwen-Image: the packed tokens unpacked to [B, C, 1, h, w], the frame axis dropped; still normalised by the
+  VAE's `latents_mean` / `latents_std` (no de-normalisation).
+
+The noise level is the scheduler's `sigmas[K]` after K steps (0 for K = N on the flow schedulers).
+
+>>> family = pid_family(pipe)                # None: no early-exit program for this pipeline
+>>> lq_latent, sigma = family.to_pid(view, latents, exit_step, main_height, main_width)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline
+
+# (view, latents after K steps, K, main height, main width) -> (latent [B, C, h, w], sigma [B] float32)
+ToPiD = Callable[[Any, torch.Tensor, int, int, int], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class PiDFamily:
+    """One family's early exit into PiD.
+
+    Args:
+        name: the reference's backbone tag ("flux", "sd3", "sdxl", "qwenimage").
+        size_multiple: pipe -> the multiple (pixels) the main model's height and width must have.
+        latent_channels: pipe -> channels of the VAE latent PiD reads.
+        text_dim: pipe -> width of the pipeline's own prompt embeddings (for `text_encoder="pipeline"`).
+        to_pid: the latent and noise level PiD reads, from the denoiser's latents after K steps.
+        check_scheduler: raises ValueError when the pipeline's scheduler keeps latents PiD can't read; None: any.
+    """
+
+    name: str
+    size_multiple: Callable[[Any], int]
+    latent_channels: Callable[[Any], int]
+    text_dim: Callable[[Any], int]
+    to_pid: ToPiD
+    check_scheduler: Callable[[Any], None] | None = None
+
+
+_FAMILIES: dict[type, PiDFamily] = {}
+
+
+def register_pid_family(pipeline_class: type, family: PiDFamily) -> None:
+    """Declare that `pipeline_class`'s step program implements the PiD early exit with `family`'s conventions."""
+    _FAMILIES[pipeline_class] = family
+
+
+def pid_family(pipe: Any) -> PiDFamily | None:
+    """The family of the pipeline's class (or of the nearest registered base whose `__call__` it keeps)."""
+    call = _own_call(type(pipe))
+    for cls in type(pipe).__mro__:
+        if cls in _FAMILIES and _own_call(cls) is call:
+            return _FAMILIES[cls]
+    return None
+
+
+def pid_pipelines() -> list[str]:
+    return [cls.__name__ for cls in _FAMILIES]
+
+
+def _own_call(cls: type) -> Any:
+    return next((vars(base)["__call__"] for base in cls.__mro__ if "__call__" in vars(base)), None)
+
+
+def _sigma_rows(view: Any, exit_step: int, rows: int) -> torch.Tensor:
+    return torch.full((rows,), float(view.scheduler.sigmas[exit_step]), dtype=torch.float32)
+
+
+def _unpacked(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
+    """Flux: packed [B, tokens, 4C] -> [B, C, h, w]."""
+    lq = view._unpack_latents(latents, height, width, view.vae_scale_factor)
+    return lq, _sigma_rows(view, exit_step, lq.shape[0])
+
+
+def _as_is(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
+    """SD3: the denoiser's latent already is [B, C, h, w]."""
+    return latents, _sigma_rows(view, exit_step, latents.shape[0])
+
+
+def _unpacked_one_frame(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
+    """Qwen-Image: packed [B, tokens, 4C] -> [B, C, 1, h, w] -> [B, C, h, w] (its single frame)."""
+    lq = view._unpack_latents(latents, height, width, view.vae_scale_factor)
+    return lq[:, :, 0], _sigma_rows(view, exit_step, lq.shape[0])
+
+
+# SDXL schedulers whose `sigmas[K]` is the (variance-exploding) noise level after K steps, by the frame their
+# latents are kept in: "ve" x0 + s eps (Euler), "vp" (x0 + s eps) / sqrt(s^2 + 1) (DPM-Solver).
+_SDXL_FRAMES = {
+    "EulerDiscreteScheduler": "ve",
+    "EulerAncestralDiscreteScheduler": "ve",
+    "DPMSolverMultistepScheduler": "vp",
+}
+
+
+def _sdxl_frame(scheduler: Any) -> str:
+    name = type(scheduler).__name__
+    frame = _SDXL_FRAMES.get(name)
+    if frame is None or getattr(scheduler.config, "use_flow_sigmas", False):
+        raise ValueError(
+            f"PiD early exit on SDXL reads the latent's noise level from the scheduler, and knows "
+            f"{sorted(_SDXL_FRAMES)} (without use_flow_sigmas); got {name}. Set pipe.scheduler to one of them "
+            "(the released SDXL PiD was trained with EulerDiscreteScheduler)"
+        )
+    return frame
+
+
+def _sdxl_check_scheduler(pipe: Any) -> None:
+    _sdxl_frame(pipe.scheduler)
+
+
+def _vp_frame(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
+    """SDXL: to the variance-preserving frame the SDXL PiD was trained in, in float32."""
+    sigma = float(view.scheduler.sigmas[exit_step])
+    scale = (sigma**2 + 1.0) ** 0.5
+    lq = latents.float()
+    if _sdxl_frame(view.scheduler) == "ve":
+        lq = lq / scale
+    return lq, torch.full((lq.shape[0],), sigma / scale, dtype=torch.float32)
+
+
+def _transformer_text_dim(pipe: Any) -> int:
+    return pipe.transformer.config.joint_attention_dim
+
+
+register_pid_family(FluxPipeline, PiDFamily(
+    "flux", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.latent_channels,
+    _transformer_text_dim, _unpacked,
+))  # fmt: skip
+register_pid_family(StableDiffusion3Pipeline, PiDFamily(
+    "sd3", lambda pipe: pipe.vae_scale_factor * pipe.transformer.config.patch_size,
+    lambda pipe: pipe.vae.config.latent_channels, _transformer_text_dim, _as_is,
+))  # fmt: skip
+register_pid_family(StableDiffusionXLPipeline, PiDFamily(
+    "sdxl", lambda pipe: pipe.vae_scale_factor, lambda pipe: pipe.vae.config.latent_channels,
+    lambda pipe: pipe.unet.config.cross_attention_dim, _vp_frame, _sdxl_check_scheduler,
+))  # fmt: skip
+register_pid_family(QwenImagePipeline, PiDFamily(
+    "qwenimage", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.z_dim,
+    _transformer_text_dim, _unpacked_one_frame,
+))  # fmt: skip
