@@ -164,7 +164,7 @@ class EngineCore:
         self.metrics.record_overhead((scheduled - step_started) + (time.perf_counter() - grouping))
         for call in calls:
             if isinstance(call, _PackedCall):
-                self._execute_packed(call.shapes)
+                self._execute_packed(call)
             else:
                 self._execute(call)
         denoise_groups = [group_key for group_key in groups if group_key[0] == "denoise"]
@@ -238,12 +238,12 @@ class EngineCore:
         self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
-    def _execute_packed(self, shapes: list[list[Request]]) -> None:
+    def _execute_packed(self, call: _PackedCall) -> None:
         """One packed call for groups of several shapes; if it fails, each shape runs as its own call."""
         assembling = time.perf_counter()
+        shapes = call.shapes
         batches = [make_batch([request.pending for request in members]) for members in shapes]
         first = shapes[0][0].pending
-        pack_key = (first.kind, first.pack.key)
         contexts = [members[0].pending.pack.context for members in shapes]
         parts = [((first.kind, batch.key), batch.num_rows) for batch in batches]
         timing = self.timer.start()
@@ -260,7 +260,7 @@ class EngineCore:
             for members in shapes:
                 self._execute(members)
             return
-        elapsed = self.timer.stop(timing, outputs, functools.partial(self.packing.observe, pack_key, parts))
+        elapsed = self.timer.stop(timing, outputs, functools.partial(self.packing.observe, call.pack_key, parts))
         rows = sum(batch.num_rows for batch in batches)
         tokens = sum(request.pending.rows * request.pending.pack.tokens for members in shapes for request in members)
         self.metrics.record_call(first.kind, rows, elapsed)
