@@ -408,3 +408,37 @@ def tiny_pixart_or_sana_pipeline(num_layers: int = 1, attention_head_dim: int = 
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# NOTE: one group of target modules per adapter (names missing from a model are dropped), so adapters touch
+# different layers, Linear and Conv alike, including per-row [B, D] inputs (time embeddings).
+_LORA_TARGET_GROUPS = (
+    ("to_q", "to_k", "to_v", "to_out.0"),
+    ("proj_mlp", "proj_out", "ff.net.2", "linear_1", "conv1", "conv2", "time_emb_proj"),
+    ("add_q_proj", "add_k_proj", "to_add_out", "norm1.linear", "x_embedder", "context_embedder", "proj_in",
+     "conv_in", "ff.net.0.proj", "to_q"),
+)
+
+
+def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("a", "b", "c"), rank: int = 4,
+                             seed: int = 0) -> tuple[str, ...]:
+    """Add non-zero random peft LoRA adapters (`init_lora_weights=False`) to a diffusers model, as diffusers does.
+
+    Adapter i targets its own group of modules, has lora_alpha = rank * (i + 1) / 2 and every third one uses
+    rsLoRA, so the per-layer scales differ. Leaves the last one active (as `add_adapter` does).
+
+    >>> add_random_lora_adapters(pipe.transformer)
+    ('a', 'b', 'c')
+    """
+    from peft import LoraConfig
+
+    module_names = [name for name, _ in model.named_modules()]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i, name in enumerate(names):
+            group = _LORA_TARGET_GROUPS[i % len(_LORA_TARGET_GROUPS)]
+            targets = [t for t in group if any(m == t or m.endswith("." + t) for m in module_names)]
+            config = LoraConfig(r=rank, lora_alpha=rank * (i + 1) / 2, target_modules=targets,
+                                init_lora_weights=False, use_rslora=i % 3 == 2)
+            model.add_adapter(config, adapter_name=name)
+    return names

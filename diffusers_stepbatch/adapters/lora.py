@@ -1,0 +1,144 @@
+"""Per-row LoRA: one denoiser forward whose rows each use their own adapters and weights.
+
+diffusers keeps the active adapters and their weights on the model's peft layers (`pipe.set_adapters`), global
+state that concurrent requests would overwrite. `per_row_lora` instead swaps, for one forward, every peft
+`LoraLayer`'s forward for one that adds each row's own weighted sum of deltas:
+
+    out[row] = base(x[row]) + sum_a  w[row, a] * unit_a * B_a(A_a(dropout(x[row])))
+
+with `unit_a` peft's scale for weight 1 (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA). That is what
+`set_adapters(names, weights)` and a plain forward compute for that row (peft's `scaling = weight * unit`, then
+diffusers' `scale` from `joint_attention_kwargs`/`cross_attention_kwargs` multiplies it): pass `w = weight *
+scale`. A row with no adapters gets the base layer exactly, and a layer whose adapters are fused (`fuse_lora`,
+peft's `merged`) runs its (fused) base layer for every row, as peft does.
+
+Rows are dim 0 of a layer input. For packed inputs (several requests' tokens concatenated into one sequence,
+shape [1, T, ...]), pass `token_rows` ([T]: each token's row); an input whose dims 0 and 1 are 1 and T is then
+weighted per token, any other input (per-request embeddings such as the timestep's) per row.
+
+>>> rows = [{"pixel": 1.0}, {}, {"ink": 0.7, "pixel": 0.3}]
+>>> with per_row_lora(pipe.transformer, rows):
+...     out = pipe.transformer(hidden_states=x, ...)          # x has 3 rows
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (adapter signature, layers)
+
+
+def lora_layers(model: torch.nn.Module) -> list[Any]:
+    """The peft LoRA layers of `model` (cached per model and loaded-adapter set)."""
+    signature = tuple(getattr(model, "peft_config", None) or ())
+    cached = _LAYERS.get(model)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft, no LoRA layers
+        layers = []
+    else:
+        layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    _LAYERS[model] = (signature, layers)
+    return layers
+
+
+def unit_scale(layer: Any, adapter: str) -> float:
+    """peft's scaling of `adapter` in `layer` at weight 1 (what `set_scale(adapter, 1.0)` sets)."""
+    if layer.use_rslora.get(adapter, False):
+        return layer.lora_alpha[adapter] / math.sqrt(layer.r[adapter])
+    return layer.lora_alpha[adapter] / layer.r[adapter]
+
+
+class RowPlan:
+    """Which rows (or tokens) use which adapter with which coefficient, for one forward."""
+
+    def __init__(self, rows: Sequence[Mapping[str, float]], token_rows: torch.Tensor | None = None):
+        self.num_rows = len(rows)
+        self.token_rows = token_rows
+        self.adapters: dict[str, list[tuple[int, float]]] = {}
+        for row, weights in enumerate(rows):
+            for name, weight in weights.items():
+                if weight != 0:
+                    self.adapters.setdefault(name, []).append((row, float(weight)))
+        self._selections: dict[tuple, list[tuple[str, torch.Tensor | None, torch.Tensor]]] = {}
+
+    def selections(self, x: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor | None, torch.Tensor]]]:
+        """(dim, [(adapter, element index or None for all, per-element weight)]) for a layer input `x`."""
+        tokens = self.token_rows
+        if tokens is not None and x.dim() >= 3 and x.shape[0] == 1 and x.shape[1] == tokens.shape[0]:
+            dim = 1
+        elif x.shape[0] == self.num_rows:
+            dim = 0
+        else:
+            shape = tuple(x.shape)
+            expected = f"{self.num_rows} rows" + ("" if tokens is None else f" or [1, {tokens.shape[0]}, ...] tokens")
+            raise RuntimeError(f"a LoRA layer input of shape {shape} matches neither {expected}")
+        key = (dim, x.device)
+        if key not in self._selections:
+            self._selections[key] = [self._select(name, uses, dim, x.device) for name, uses in self.adapters.items()]
+        return dim, self._selections[key]
+
+    def _select(self, name: str, uses: list[tuple[int, float]], dim: int, device: Any):
+        weight_of_row = torch.zeros(self.num_rows, dtype=torch.float64)
+        for row, weight in uses:
+            weight_of_row[row] = weight
+        if dim == 1:  # per token: each token takes its row's weight
+            weights = weight_of_row[self.token_rows.cpu()]
+        else:
+            weights = weight_of_row
+        used = torch.nonzero(weights, as_tuple=True)[0]
+        if used.numel() == weights.numel():
+            return name, None, weights.to(device)
+        return name, used.to(device), weights[used].to(device)
+
+
+def _row_forward(layer: Any, plan: RowPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    result = layer.base_layer(x, *args, **kwargs)
+    if layer.merged:  # NOTE: as peft: a fused layer is the (fused) base model for every row
+        return result
+    dim, selections = plan.selections(x)
+    for name, index, weights in selections:
+        if name not in layer.lora_A:
+            continue
+        lora_A, lora_B, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+        part = x if index is None else x.index_select(dim, index)
+        delta = lora_B(lora_A(dropout(part.to(lora_A.weight.dtype))))
+        coef = (weights * unit_scale(layer, name)).to(delta.dtype)
+        coef = coef.view(*([1] * dim), -1, *([1] * (delta.dim() - dim - 1)))
+        delta = (delta * coef).to(result.dtype)
+        result = result + delta if index is None else result.index_add(dim, index, delta)
+    return result
+
+
+@contextlib.contextmanager
+def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
+                 token_rows: torch.Tensor | None = None) -> Iterator[None]:
+    """Inside, every LoRA layer of `model` applies row r's adapters `rows[r]` ({name: weight x scale}).
+
+    The swap is per forward and undone on exit; the layers' own active adapters and scalings are not read.
+    Not thread-safe: the model must not run elsewhere meanwhile (the engine thread owns it).
+    """
+    layers = lora_layers(model)
+    if not layers:
+        yield
+        return
+    plan = RowPlan(rows, token_rows)
+    for layer in layers:
+        if "forward" in vars(layer):
+            raise RuntimeError(f"{type(layer).__name__} already has an instance forward (a hook?); per-row "
+                               "LoRA would bypass it")
+        layer.forward = functools.partial(_row_forward, layer, plan)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
