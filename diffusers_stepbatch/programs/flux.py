@@ -18,6 +18,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import FluxPipelineOutput, calculate_shift, retrieve_timesteps
 
+from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..buffers import stack_rows
 from ..cache.prompt import cached_encode, encoder_namespace
 from ..cache.teacache import TeaCacheState, flux_teacache_forward
@@ -54,9 +55,10 @@ class FluxCall:
     options: ProgramOptions
     teacache: list[TeaCacheState] | None  # one per CFG branch; None: every step runs the blocks
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
 
 
-@register_program(FluxPipeline, features=("teacache",))
+@register_program(FluxPipeline, features=("teacache", "adapters"))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
     check_unsupported(args, _UNSUPPORTED, "Flux")
@@ -102,7 +104,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
             "pipe.transformer; call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None"
         )
-    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid)
+    adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
+    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid, adapters)
     rows = num_images * branches
     tokens = (latent_h // 2) * (latent_w // 2)
     program = flux_program(pipe, request_pipeline(pipe), call)
@@ -169,13 +172,14 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
 
     text_dtype = pipe.text_encoder.dtype if pipe.text_encoder is not None else pipe.transformer.dtype
     text_ids = torch.zeros(embeds[0].shape[1], 3, device=device, dtype=text_dtype)
-    denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, view._joint_attention_kwargs,
-                                options.buffers)
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    attention_kwargs = without_lora_scale(view._joint_attention_kwargs)
+    denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, attention_kwargs, options.buffers)
     # NOTE: txt_ids/img_ids have no batch dim, so rows of one forward share image grid and text length.
     grid = (call.height // (pipe.vae_scale_factor * 2), call.width // (pipe.vae_scale_factor * 2))
     key = (
         "flux", grid, tuple(embeds[0].shape[1:]), tuple(pooled[0].shape[1:]), guidance is not None,
-        freeze(view._joint_attention_kwargs), latents.dtype, embeds[0].dtype, str(latents.device),
+        freeze(attention_kwargs), latents.dtype, embeds[0].dtype, str(latents.device),
     )
 
     # 3. Denoising loop: one work item per step (two when the CFG policy splits the branches); the engine
@@ -213,6 +217,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                     "pooled_projections": [text_pooled[b * images + j] for b, j in rows],
                     "encoder_hidden_states": [text[b * images + j] for b, j in rows],
                     "teacache": [teacache[b] for b, _ in rows],
+                    "lora": [call.adapters] * len(rows),
                 }
                 outputs.append((yield WorkItem("denoise", key, inputs, denoise, rows=len(rows), step=i)))
             noise_pred = outputs[0]
@@ -271,8 +276,9 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
     encoded_embeds = encoded_pooled = None
     if texts:
         max_sequence_length = args["max_sequence_length"]
+        lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2], lora_scale)
         run = functools.partial(_encode_text, pipe, device, max_sequence_length, lora_scale)
-        key = ("flux.encode", max_sequence_length, lora_scale, str(device))
+        key = ("flux.encode", max_sequence_length, lora_scale, text_adapters, str(device))
 
         def make_item(pairs):
             inputs = {"prompt": [p for p, _ in pairs], "prompt_2": [p2 for _, p2 in pairs]}
@@ -283,6 +289,7 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
             namespace = encoder_namespace(
                 pipe, [pipe.text_encoder, pipe.text_encoder_2], "flux", [pipe.tokenizer, pipe.tokenizer_2],
                 execution_device=device, max_sequence_length=max_sequence_length, lora_scale=lora_scale,
+                text_adapters=text_adapters,
             )
         encoded_embeds, encoded_pooled = yield from cached_encode(cache, namespace, texts, make_item)
     embeds, pooled, start = [], [], 0
@@ -313,7 +320,7 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
-             pooled_projections, encoder_hidden_states, teacache):
+             pooled_projections, encoder_hidden_states, teacache, lora):
     inputs = {
         "hidden_states": stack_rows(buffers, "hidden_states", hidden_states),
         "timestep": stack_rows(buffers, "timestep", timestep),
@@ -321,8 +328,9 @@ def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hid
         "pooled_projections": stack_rows(buffers, "pooled_projections", pooled_projections),
         "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", encoder_hidden_states),
     }
-    if any(state is not None for state in teacache):
-        return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
-                                     joint_attention_kwargs=joint_attention_kwargs)
-    return transformer(**inputs, txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=joint_attention_kwargs,
-                       return_dict=False)[0]
+    with lora_rows(transformer, lora):
+        if any(state is not None for state in teacache):
+            return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
+                                         joint_attention_kwargs=joint_attention_kwargs)
+        return transformer(**inputs, txt_ids=txt_ids, img_ids=img_ids,
+                           joint_attention_kwargs=joint_attention_kwargs, return_dict=False)[0]

@@ -1,0 +1,150 @@
+"""Per-request LoRA through StepBatched: 8 concurrent requests over 3 adapters share forwards, and each equals
+the plain pipeline configured with `set_adapters` for that request and run alone."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.adapters import state as adapter_state
+from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_pipeline
+
+from .references import TOLERANCE, max_diff, seeded, submit_all
+
+# family: (builder, denoiser attribute, attention-kwargs name, request kwargs)
+FAMILIES = {
+    "flux": (functools.partial(tiny_flux_pipeline, guidance_embeds=True), "transformer", "joint_attention_kwargs",
+             dict(height=32, width=32, max_sequence_length=16)),
+}
+ACTIVE = (["c"], [0.6])  # the pipeline's own set_adapters state when requests without adapters= are submitted
+
+# (adapters= or None for "the pipeline's active adapters", LoRA scale or None, prompt, seed)
+REQUESTS = [
+    ({"a": 1.0}, None, "a red circle", 0),
+    ({"b": 1.0}, None, "a red circle", 0),
+    ({"a": 0.7, "c": 0.3}, None, "a blue square", 1),
+    ({}, None, "a red circle", 0),
+    ({"b": 0.8}, 0.5, "a green cross", 2),
+    (None, None, "a red circle", 3),
+    (["a", "b", "c"], None, "a blue square", 4),
+    ({"a": 1.0}, 1.5, "a red circle", 5),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def lora_pipe(family):
+    builder = FAMILIES[family][0]
+    pipe = builder()
+    add_random_lora_adapters(getattr(pipe, FAMILIES[family][1]))
+    return pipe
+
+
+def call_kwargs(family, adapters, scale, prompt, seed, steps=3):
+    _, _, kwargs_name, extra = FAMILIES[family]
+    kwargs = dict(prompt=prompt, num_inference_steps=steps, seed=seed, output_type="pt", **extra)
+    if scale is not None:
+        kwargs[kwargs_name] = {"scale": scale}
+    if adapters is not None:
+        kwargs["adapters"] = adapters
+    return kwargs
+
+
+def plain_run(pipe, kwargs):
+    """The unwrapped pipeline after `set_adapters` for this request, run alone."""
+    kwargs = dict(kwargs)
+    adapters = kwargs.pop("adapters", None)
+    if adapters is None:
+        adapters = dict(zip(*ACTIVE))
+    elif isinstance(adapters, list):
+        adapters = dict.fromkeys(adapters, 1.0)
+    if adapters:
+        pipe.enable_lora()
+        pipe.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        pipe.disable_lora()
+    try:
+        return pipe(**seeded(kwargs)).images
+    finally:
+        pipe.enable_lora()
+        pipe.set_adapters(*ACTIVE)
+
+
+@pytest.fixture
+def recorded_rows(monkeypatch):
+    """The per-row adapter weights of every per-row LoRA forward."""
+    rows = []
+    real = adapter_state.per_row_lora
+
+    def record(model, row_weights, token_rows=None):
+        rows.append([dict(w) for w in row_weights])
+        return real(model, row_weights, token_rows)
+
+    monkeypatch.setattr(adapter_state, "per_row_lora", record)
+    return rows
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_concurrent_requests_with_their_own_adapters_equal_plain_runs(family, recorded_rows):
+    pipe = lora_pipe(family)
+    pipe.set_adapters(*ACTIVE)
+    requests = [call_kwargs(family, *request) for request in REQUESTS]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        results = submit_all(sb, requests)
+    for request, got, want in zip(REQUESTS, results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE, request
+    # the adapters matter, and forwards really mixed rows with different adapters
+    assert max_diff(expected[0], expected[3]) > 1e-3 and max_diff(expected[0], expected[1]) > 1e-3
+    mixed = max(len({tuple(sorted(r.items())) for r in rows}) for rows in recorded_rows)
+    assert mixed >= 4, recorded_rows
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_submit_keeps_the_adapters_active_at_submit(family):
+    pipe = lora_pipe(family)
+    first, second = call_kwargs(family, None, None, "a red circle", 0), call_kwargs(family, None, None, "a cat", 1)
+    pipe.set_adapters(["a"], [1.0])
+    want_first = pipe(**seeded(first)).images
+    pipe.set_adapters(["b", "c"], [0.5, 1.0])
+    want_second = pipe(**seeded(second)).images
+    try:
+        with StepBatched(pipe) as sb:
+            pipe.set_adapters(["a"], [1.0])
+            future_first = sb.submit(**seeded(first))
+            pipe.set_adapters(["b", "c"], [0.5, 1.0])
+            future_second = sb.submit(**seeded(second))
+            pipe.disable_lora()  # later changes don't reach submitted requests
+            got_first, got_second = future_first.result(300).images, future_second.result(300).images
+    finally:
+        pipe.enable_lora()
+        pipe.set_adapters(*ACTIVE)
+    assert max_diff(got_first, want_first) <= TOLERANCE
+    assert max_diff(got_second, want_second) <= TOLERANCE
+
+
+@pytest.mark.parametrize("adapters, scale, message", [
+    ({"nope": 1.0}, None, "unknown adapter 'nope'"),
+    ({"a": -0.5}, None, r"adapters\['a'\]=-0.5 must be a finite number >= 0"),
+    ({"a": math.nan}, None, "must be a finite number"),
+    ({"a": math.inf}, None, "must be a finite number"),
+    ({"a": {"transformer_blocks.0": 1.0}}, None, "per-block weights"),
+    (3, None, "must be a dict of adapter name -> weight"),
+    ({"a": 1.0}, math.nan, "LoRA scale nan"),
+])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bad_adapters_raise_value_error_in_caller(family, adapters, scale, message):
+    pipe = lora_pipe(family)
+    with StepBatched(pipe) as sb:
+        with pytest.raises(ValueError, match=message):
+            sb.submit(**seeded(call_kwargs(family, adapters, scale, "a cat", 0)))
+        assert sb.stats()["waiting"] == 0 and sb.stats()["running"] == 0
+
+
+def test_adapters_on_a_family_without_per_request_lora_is_an_error():
+    from .references import family_pipe
+
+    with StepBatched(family_pipe("pixart-tiny")) as sb:
+        with pytest.raises(ValueError, match="adapters= is not supported for PixArtSigmaPipeline"):
+            sb.submit(prompt="a cat", adapters={"a": 1.0})
