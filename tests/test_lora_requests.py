@@ -9,7 +9,7 @@ import torch
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.adapters import state as adapter_state
-from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_pipeline
+from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
 
 from .references import TOLERANCE, max_diff, seeded, submit_all
 
@@ -17,6 +17,8 @@ from .references import TOLERANCE, max_diff, seeded, submit_all
 FAMILIES = {
     "flux": (functools.partial(tiny_flux_pipeline, guidance_embeds=True), "transformer", "joint_attention_kwargs",
              dict(height=32, width=32, max_sequence_length=16)),
+    "sdxl": (tiny_sdxl_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=32)),
+    "sd": (tiny_sd_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=40, guidance_scale=1.0)),
 }
 ACTIVE = (["c"], [0.6])  # the pipeline's own set_adapters state when requests without adapters= are submitted
 
@@ -91,7 +93,7 @@ def test_concurrent_requests_with_their_own_adapters_equal_plain_runs(family, re
     pipe.set_adapters(*ACTIVE)
     requests = [call_kwargs(family, *request) for request in REQUESTS]
     expected = [plain_run(pipe, kwargs) for kwargs in requests]
-    with StepBatched(pipe, max_batch_size=8) as sb:
+    with StepBatched(pipe, max_batch_size=16) as sb:
         results = submit_all(sb, requests)
     for request, got, want in zip(REQUESTS, results, expected):
         assert max_diff(got.images, want) <= TOLERANCE, request

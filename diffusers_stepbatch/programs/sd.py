@@ -17,11 +17,12 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 
 from ..engine.batch import WorkItem
 from .registry import PlannedRequest, register_program, request_pipeline
-from .sdxl import UNetCall, check_unet_call, decode_item, unet_denoise
+from ..adapters.state import text_lora_scale
+from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
 from .validation import as_list, check_latents
 
 
-@register_program(StableDiffusionPipeline)
+@register_program(StableDiffusionPipeline, features=("adapters",))
 def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusionPipeline call in the caller's thread and return its step program."""
     height, width = args["height"], args["width"]
@@ -44,7 +45,7 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedReque
             raise ValueError(f"negative_prompt has {len(as_list(negative))} entries for {num_prompts} prompts")
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
+    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, unet_adapters(pipe, args))
     rows = num_images * (2 if do_cfg else 1)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
     return PlannedRequest(program=sd_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,
@@ -60,19 +61,19 @@ def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
     view._cross_attention_kwargs = args["cross_attention_kwargs"]
     view._interrupt = False
     device = pipe._execution_device
-    lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
+    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder], (args["cross_attention_kwargs"] or {}).get("scale"))
 
     # 1. Text: the encoder runs in batched work items; the pipeline's own encode_prompt then repeats and
     # casts exactly as it does (it encodes nothing more).
     embeds, negative = args["prompt_embeds"], args["negative_prompt_embeds"]
     if embeds is None:
         texts = as_list(args["prompt"])
-        key = ("sd.encode", args["clip_skip"], lora_scale, str(device))
+        key = ("sd.encode", args["clip_skip"], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
         embeds = yield WorkItem("encode", key, {"prompt": texts}, run, rows=len(texts))
     if call.do_cfg and negative is None:
         texts = as_list(args["negative_prompt"]) or [""] * call.num_prompts
-        key = ("sd.encode.negative", embeds.shape[1], lora_scale, str(device))
+        key = ("sd.encode.negative", embeds.shape[1], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_negative, pipe, device, embeds.shape[1], lora_scale)
         negative = yield WorkItem("encode", key, {"negative_prompt": texts}, run, rows=len(texts))
     embeds, negative = view.encode_prompt(None, device, call.num_images // call.num_prompts, call.do_cfg,

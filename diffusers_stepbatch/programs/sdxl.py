@@ -22,6 +22,7 @@ from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import
 
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
+from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -45,6 +46,7 @@ class UNetCall:
     num_prompts: int
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
+    adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the UNet has none
 
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
@@ -59,7 +61,7 @@ def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, in
     return size.steps, size.num_prompts, size.num_images, size.per_prompt
 
 
-@register_program(StableDiffusionXLPipeline)
+@register_program(StableDiffusionXLPipeline, features=("adapters",))
 def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusionXLPipeline call in the caller's thread and return its step program."""
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
@@ -89,11 +91,16 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
                                    text_encoder_projection_dim=projection_dim)
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
+    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, unet_adapters(pipe, args))
     rows = num_images * (2 if do_cfg else 1)
     program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
     return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
+
+
+def unet_adapters(pipe, args: dict[str, Any]) -> AdapterState | None:
+    """The request's UNet LoRA: `adapters=` or the pipeline's active adapters, times its LoRA scale."""
+    return request_adapters(pipe.unet, lora_scale=(args["cross_attention_kwargs"] or {}).get("scale"))
 
 
 def _negatives_to_encode(pipe, args) -> bool:
@@ -117,7 +124,8 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
     view._denoising_end = args["denoising_end"]
     view._interrupt = False
     device = pipe._execution_device
-    lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
+    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2],
+                                                (args["cross_attention_kwargs"] or {}).get("scale"))
 
     # 1. Text: the encoders run in batched work items; the pipeline's own encode_prompt then repeats, zeroes
     # and casts exactly as it does (it encodes nothing more: every text already has its embeddings).
@@ -127,7 +135,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
         texts = as_list(args["prompt"])
         run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
         inputs = {"prompt": texts, "prompt_2": as_list(args["prompt_2"] or args["prompt"])}
-        key = ("sdxl.encode", args["clip_skip"], lora_scale, str(device))
+        key = ("sdxl.encode", args["clip_skip"], lora_scale, text_adapters, str(device))
         given["prompt_embeds"], given["pooled_prompt_embeds"] = yield WorkItem("encode", key, inputs, run,
                                                                               rows=len(texts))
     if call.do_cfg and _negatives_to_encode(pipe, args):
@@ -135,7 +143,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
         run = functools.partial(_encode_negative, pipe, device, length, lora_scale)
         inputs = {name: _negative_texts(args, name, call.num_prompts) for name in ("negative_prompt",
                                                                                    "negative_prompt_2")}
-        key = ("sdxl.encode.negative", length, lora_scale, str(device))
+        key = ("sdxl.encode.negative", length, lora_scale, text_adapters, str(device))
         negative = yield WorkItem("encode", key, inputs, run, rows=call.num_prompts)
         given["negative_prompt_embeds"], given["negative_pooled_prompt_embeds"] = negative
     embeds, negative_embeds, pooled, negative_pooled = view.encode_prompt(
@@ -254,7 +262,8 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
         timestep_cond = view.get_guidance_scale_embedding(scale, embedding_dim=pipe.unet.config.time_cond_proj_dim)
         timestep_cond = timestep_cond.to(device=latents.device, dtype=latents.dtype)
     branches = 2 if call.do_cfg else 1
-    cross_attention_kwargs = args["cross_attention_kwargs"]
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    cross_attention_kwargs = without_lora_scale(args["cross_attention_kwargs"]) or None
     run = functools.partial(_denoise, pipe.unet, cross_attention_kwargs)
     if hasattr(view.scheduler, "set_begin_index"):
         view.scheduler.set_begin_index(0)
@@ -278,6 +287,7 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             }
             key = ("unet",) + tuple(None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values())
             key += (freeze(cross_attention_kwargs), str(model_input.device))
+            inputs["lora"] = [call.adapters] * model_input.shape[0]
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
             if call.do_cfg:
                 noise_uncond, noise_text = noise_pred.chunk(2)
@@ -296,7 +306,8 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
 
 
 def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_states, text_embeds, time_ids,
-             timestep_cond):
+             timestep_cond, lora):
     added = None if text_embeds is None else {"text_embeds": text_embeds, "time_ids": time_ids}
-    return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
-                cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
+    with lora_rows(unet, lora):
+        return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
+                    cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
