@@ -5,11 +5,17 @@ import functools
 import math
 
 import pytest
-import torch
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.adapters import state as adapter_state
-from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
+from diffusers_stepbatch.testing import (
+    add_random_lora_adapters,
+    tiny_flux_pipeline,
+    tiny_qwenimage_pipeline,
+    tiny_sd3_pipeline,
+    tiny_sd_pipeline,
+    tiny_sdxl_pipeline,
+)
 
 from .references import TOLERANCE, max_diff, seeded, submit_all
 
@@ -17,6 +23,10 @@ from .references import TOLERANCE, max_diff, seeded, submit_all
 FAMILIES = {
     "flux": (functools.partial(tiny_flux_pipeline, guidance_embeds=True), "transformer", "joint_attention_kwargs",
              dict(height=32, width=32, max_sequence_length=16)),
+    "sd3": (tiny_sd3_pipeline, "transformer", "joint_attention_kwargs",
+            dict(height=32, width=32, max_sequence_length=16)),
+    "qwenimage": (tiny_qwenimage_pipeline, "transformer", "attention_kwargs",
+                  dict(height=32, width=32, negative_prompt="blurry", true_cfg_scale=3.0)),
     "sdxl": (tiny_sdxl_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=32)),
     "sd": (tiny_sd_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=40, guidance_scale=1.0)),
 }
@@ -35,7 +45,7 @@ REQUESTS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lora_pipe(family):
     builder = FAMILIES[family][0]
     pipe = builder()
@@ -132,7 +142,6 @@ def test_submit_keeps_the_adapters_active_at_submit(family):
     ({"a": math.nan}, None, "must be a finite number"),
     ({"a": math.inf}, None, "must be a finite number"),
     ({"a": {"transformer_blocks.0": 1.0}}, None, "per-block weights"),
-    (3, None, "must be a dict of adapter name -> weight"),
     ({"a": 1.0}, math.nan, "LoRA scale nan"),
 ])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -142,6 +151,12 @@ def test_bad_adapters_raise_value_error_in_caller(family, adapters, scale, messa
         with pytest.raises(ValueError, match=message):
             sb.submit(**seeded(call_kwargs(family, adapters, scale, "a cat", 0)))
         assert sb.stats()["waiting"] == 0 and sb.stats()["running"] == 0
+
+
+def test_adapters_of_the_wrong_type_is_a_type_error():
+    with StepBatched(lora_pipe("flux")) as sb:
+        with pytest.raises(TypeError, match="adapters=3 must be a dict of adapter name -> weight"):
+            sb.submit(**seeded(call_kwargs("flux", 3, None, "a cat", 0)))
 
 
 def test_adapters_on_a_family_without_per_request_lora_is_an_error():

@@ -95,7 +95,7 @@ def check_adapters(model: torch.nn.Module, adapters: Any) -> dict[str, float]:
     elif isinstance(adapters, (list, tuple)) and all(isinstance(name, str) for name in adapters):
         adapters = dict.fromkeys(adapters, 1.0)
     if not isinstance(adapters, Mapping):
-        raise ValueError(f"adapters={adapters!r} must be a dict of adapter name -> weight, e.g. {{'pixel': 1.0}}")
+        raise TypeError(f"adapters={adapters!r} must be a dict of adapter name -> weight, e.g. {{'pixel': 1.0}}")
     loaded = sorted(getattr(model, "peft_config", None) or ())
     weights = {}
     for name, weight in adapters.items():

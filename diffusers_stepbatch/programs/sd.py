@@ -15,9 +15,9 @@ from diffusers import StableDiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_output import StableDiffusionPipelineOutput
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
+from ..adapters.state import text_lora_scale
 from ..engine.batch import WorkItem
 from .registry import PlannedRequest, register_program, request_pipeline
-from ..adapters.state import text_lora_scale
 from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
 from .validation import as_list, check_latents
 
@@ -61,7 +61,8 @@ def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
     view._cross_attention_kwargs = args["cross_attention_kwargs"]
     view._interrupt = False
     device = pipe._execution_device
-    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder], (args["cross_attention_kwargs"] or {}).get("scale"))
+    lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
+    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder], lora_scale)
 
     # 1. Text: the encoder runs in batched work items; the pipeline's own encode_prompt then repeats and
     # casts exactly as it does (it encodes nothing more).

@@ -23,6 +23,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
 
+from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -49,9 +50,10 @@ class SD3Call:
     num_prompts: int
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
+    adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
 
 
-@register_program(StableDiffusion3Pipeline)
+@register_program(StableDiffusion3Pipeline, features=("adapters",))
 def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
     check_unsupported(args, _UNSUPPORTED, "SD3")
@@ -85,7 +87,8 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg)
+    adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
+    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, adapters)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
@@ -140,7 +143,8 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     )
     view._num_timesteps = len(timesteps)
 
-    jak = view._joint_attention_kwargs
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    jak = without_lora_scale(view._joint_attention_kwargs) or None
     key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), tuple(pooled_embeds.shape[1:]),
            freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
     skip_layers = args["skip_guidance_layers"]
@@ -168,6 +172,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 "encoder_hidden_states": torch.cat(text),
                 "pooled_projections": torch.cat(text_pooled),
                 "skip_layers": skips,
+                "lora": [call.adapters] * len(skips),
             }
             output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i)
             noise_pred = output
@@ -214,6 +219,8 @@ def _encode(pipe, call: SD3Call, per_prompt: int, device, lora_scale):
     clip_skip, so with clip_skip set the two branches are two encode items (each batches with other requests).
     """
     args, n = call.args, call.num_prompts
+    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3],
+                                                lora_scale)
     if args["prompt_embeds"] is not None:
         branches = [_Branch(embeds=args["prompt_embeds"], pooled=args["pooled_prompt_embeds"])]
     else:
@@ -233,7 +240,7 @@ def _encode(pipe, call: SD3Call, per_prompt: int, device, lora_scale):
         inputs = {name: sum((branch.texts[j] for branch in group), []) for j, name in
                   enumerate(("prompt", "prompt_2", "prompt_3"))}
         run = functools.partial(_encode_text, pipe, device, args["max_sequence_length"], clip_skip, lora_scale)
-        key = ("sd3.encode", args["max_sequence_length"], clip_skip, lora_scale, str(device))
+        key = ("sd3.encode", args["max_sequence_length"], clip_skip, lora_scale, text_adapters, str(device))
         out_embeds, out_pooled = yield WorkItem("encode", key, inputs, run, rows=len(inputs["prompt"]))
         start = 0
         for branch in group:
@@ -254,7 +261,7 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
 
 
 def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encoder_hidden_states, pooled_projections,
-             skip_layers):
+             skip_layers, lora):
     """One forward per distinct skip set among the rows (`skip_layers` holds each row's set, None: no skipping)."""
     outputs = None
     for skip in dict.fromkeys(skip_layers):
@@ -262,12 +269,13 @@ def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encod
         whole = len(rows) == len(skip_layers)
         index = None if whole else torch.tensor(rows, device=hidden_states.device)
         pick = (lambda x: x) if whole else (lambda x: x.index_select(0, index))  # noqa: E731
-        output = transformer(
-            hidden_states=pick(hidden_states), timestep=pick(timestep),
-            encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
-            joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
-            skip_layers=None if skip is None else list(skip),
-        )[0]
+        with lora_rows(transformer, [lora[r] for r in rows]):
+            output = transformer(
+                hidden_states=pick(hidden_states), timestep=pick(timestep),
+                encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
+                joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
+                skip_layers=None if skip is None else list(skip),
+            )[0]
         if whole:
             return output
         if outputs is None:

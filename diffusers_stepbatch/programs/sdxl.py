@@ -20,9 +20,9 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_xl.pipeline_output import StableDiffusionXLPipelineOutput
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg, retrieve_timesteps
 
+from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
-from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
