@@ -28,7 +28,7 @@ import functools
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,8 +58,17 @@ def unit_scale(layer: Any, adapter: str) -> float:
     return layer.lora_alpha[adapter] / layer.r[adapter]
 
 
+class _Use(NamedTuple):
+    """Where one adapter applies in a layer input: all elements, a contiguous run or an index, and its weights."""
+
+    adapter: str
+    span: tuple[int, int] | None  # (start, length) along the row dim; None: every element (or see `index`)
+    index: torch.Tensor | None  # element indices when they are not contiguous
+    weight: float | torch.Tensor  # one weight for all of them, or one per element (float64)
+
+
 class RowPlan:
-    """Which rows (or tokens) use which adapter with which coefficient, for one forward."""
+    """Which rows (or tokens) use which adapter with which weight, for one forward."""
 
     def __init__(self, rows: Sequence[Mapping[str, float]], token_rows: torch.Tensor | None = None):
         self.num_rows = len(rows)
@@ -69,10 +78,10 @@ class RowPlan:
             for name, weight in weights.items():
                 if weight != 0:
                     self.adapters.setdefault(name, []).append((row, float(weight)))
-        self._selections: dict[tuple, list[tuple[str, torch.Tensor | None, torch.Tensor]]] = {}
+        self._uses: dict[tuple, list[_Use]] = {}
 
-    def selections(self, x: torch.Tensor) -> tuple[int, list[tuple[str, torch.Tensor | None, torch.Tensor]]]:
-        """(dim, [(adapter, element index or None for all, per-element weight)]) for a layer input `x`."""
+    def uses(self, x: torch.Tensor) -> tuple[int, list[_Use]]:
+        """(the row dim of layer input `x`, where each adapter applies in it)."""
         tokens = self.token_rows
         if tokens is not None and x.dim() >= 3 and x.shape[0] == 1 and x.shape[1] == tokens.shape[0]:
             dim = 1
@@ -83,39 +92,58 @@ class RowPlan:
             expected = f"{self.num_rows} rows" + ("" if tokens is None else f" or [1, {tokens.shape[0]}, ...] tokens")
             raise RuntimeError(f"a LoRA layer input of shape {shape} matches neither {expected}")
         key = (dim, x.device)
-        if key not in self._selections:
-            self._selections[key] = [self._select(name, uses, dim, x.device) for name, uses in self.adapters.items()]
-        return dim, self._selections[key]
+        if key not in self._uses:
+            self._uses[key] = [self._use(name, uses, dim, x.device) for name, uses in self.adapters.items()]
+        return dim, self._uses[key]
 
-    def _select(self, name: str, uses: list[tuple[int, float]], dim: int, device: Any):
+    def _use(self, name: str, uses: list[tuple[int, float]], dim: int, device: Any) -> _Use:
         weight_of_row = torch.zeros(self.num_rows, dtype=torch.float64)
         for row, weight in uses:
             weight_of_row[row] = weight
-        if dim == 1:  # per token: each token takes its row's weight
-            weights = weight_of_row[self.token_rows.cpu()]
-        else:
-            weights = weight_of_row
-        used = torch.nonzero(weights, as_tuple=True)[0]
-        if used.numel() == weights.numel():
-            return name, None, weights.to(device)
-        return name, used.to(device), weights[used].to(device)
+        every = weight_of_row[self.token_rows.cpu()] if dim == 1 else weight_of_row  # per token: its row's
+        used = torch.nonzero(every, as_tuple=True)[0]
+        weights = every[used]
+        weight = float(weights[0]) if bool((weights == weights[0]).all()) else weights.to(device)
+        first, count = int(used[0]), used.numel()
+        if count == every.numel():
+            return _Use(name, None, None, weight)
+        if int(used[-1]) - first + 1 == count:  # NOTE: contiguous (a request's rows): slice, don't gather
+            return _Use(name, (first, count), None, weight)
+        return _Use(name, None, used.to(device), weight)
+
+
+def _base_forward(layer: Any, plan: RowPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return layer.base_layer(x, *args, **kwargs)
 
 
 def _row_forward(layer: Any, plan: RowPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     result = layer.base_layer(x, *args, **kwargs)
     if layer.merged:  # NOTE: as peft: a fused layer is the (fused) base model for every row
         return result
-    dim, selections = plan.selections(x)
-    for name, index, weights in selections:
+    dim, uses = plan.uses(x)
+    for use in uses:
+        name = use.adapter
         if name not in layer.lora_A:
             continue
         lora_A, lora_B, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
-        part = x if index is None else x.index_select(dim, index)
+        if use.span is not None:
+            part = x.narrow(dim, *use.span)
+        else:
+            part = x if use.index is None else x.index_select(dim, use.index)
         delta = lora_B(lora_A(dropout(part.to(lora_A.weight.dtype))))
-        coef = (weights * unit_scale(layer, name)).to(delta.dtype)
-        coef = coef.view(*([1] * dim), -1, *([1] * (delta.dim() - dim - 1)))
-        delta = (delta * coef).to(result.dtype)
-        result = result + delta if index is None else result.index_add(dim, index, delta)
+        if isinstance(use.weight, float):
+            delta = delta * (use.weight * unit_scale(layer, name))
+        else:
+            coef = (use.weight * unit_scale(layer, name)).to(delta.dtype)
+            delta = delta * coef.view(*([1] * dim), -1, *([1] * (delta.dim() - dim - 1)))
+        delta = delta.to(result.dtype)
+        # NOTE: in place: `result` is the base layer's fresh output, and its backward needs only x and weights
+        if use.span is not None:
+            result.narrow(dim, *use.span).add_(delta)
+        elif use.index is not None:
+            result.index_add_(dim, use.index, delta)
+        else:
+            result.add_(delta)
     return result
 
 
@@ -136,7 +164,8 @@ def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
         if "forward" in vars(layer):
             raise RuntimeError(f"{type(layer).__name__} already has an instance forward (a hook?); per-row "
                                "LoRA would bypass it")
-        layer.forward = functools.partial(_row_forward, layer, plan)
+        # NOTE: no row uses an adapter: the base layer (fused adapters included, as peft runs a merged layer)
+        layer.forward = functools.partial(_row_forward if plan.adapters else _base_forward, layer, plan)
     try:
         yield
     finally:
