@@ -5,6 +5,7 @@ import functools
 import math
 
 import pytest
+import torch
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.adapters import state as adapter_state
@@ -165,3 +166,56 @@ def test_adapters_on_a_family_without_per_request_lora_is_an_error():
     with StepBatched(family_pipe("pixart-tiny")) as sb:
         with pytest.raises(ValueError, match="adapters= is not supported for PixArtSigmaPipeline"):
             sb.submit(prompt="a cat", adapters={"a": 1.0})
+
+
+def test_fused_lora_is_the_base_model_for_everyone():
+    pipe = tiny_flux_pipeline(guidance_embeds=True)
+    add_random_lora_adapters(pipe.transformer)
+    pipe.set_adapters(["a"])
+    pipe.fuse_lora(components=["transformer"], adapter_names=["a"])
+    requests = [call_kwargs("flux", adapters, None, "a red circle", seed) for adapters, seed in
+                [(None, 0), ({}, 1), ({"b": 1.0}, 2)]]
+    expected = []
+    for kwargs, active in zip(requests, (["a"], ["a"], ["b"])):  # {}: the fused model, "a" stays fused
+        pipe.set_adapters(active)
+        expected.append(pipe(**seeded({k: v for k, v in kwargs.items() if k != "adapters"})).images)
+    pipe.set_adapters(["a"])
+    with StepBatched(pipe) as sb:
+        results = submit_all(sb, requests)
+    for got, want in zip(results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE
+    assert max_diff(expected[0], expected[2]) > 1e-3
+
+
+def test_prompt_cache_is_keyed_on_the_text_encoder_lora_state():
+    """Text-encoder LoRA through peft's own injection: transformers 5.24's `add_adapter` (what diffusers'
+    `load_lora_weights` uses for text encoders) wants peft >= 0.22, which the registry doesn't have."""
+    from diffusers.utils.peft_utils import set_weights_and_activate_adapters
+    from peft import LoraConfig, inject_adapter_in_model
+
+    pipe = tiny_flux_pipeline(guidance_embeds=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                                pipe.text_encoder, adapter_name="t")
+    kwargs = call_kwargs("flux", None, None, "a red circle", 0)
+    with StepBatched(pipe) as sb:
+        outputs = []
+        for weight in (1.0, 0.25, 1.0):
+            set_weights_and_activate_adapters(pipe.text_encoder, ["t"], [weight])
+            expected = pipe(**seeded(kwargs)).images
+            got = sb(**seeded(kwargs)).images
+            assert max_diff(got, expected) <= TOLERANCE, weight
+            outputs.append(got)
+        stats = sb.stats()["prompt_cache"]
+    assert max_diff(outputs[0], outputs[1]) > 1e-3  # the text-encoder LoRA changes the embeddings
+    assert stats["hits"] == 1  # only the third request, under the first one's state
+
+
+def test_requests_that_differ_only_in_lora_scale_share_prompt_cache_entries():
+    pipe = lora_pipe("flux")
+    with StepBatched(pipe) as sb:
+        for scale in (1.0, 0.5):
+            sb(**seeded(call_kwargs("flux", {"a": 1.0}, scale, "a lone prompt", 0)))
+        stats = sb.stats()["prompt_cache"]
+    assert (stats["hits"], stats["misses"]) == (1, 1)  # no text-encoder LoRA: the scale can't change embeddings

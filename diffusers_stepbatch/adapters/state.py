@@ -142,9 +142,9 @@ def lora_rows(model: torch.nn.Module, states: list[AdapterState | None]) -> cont
 def text_encoder_state(encoders: list[Any]) -> tuple | None:
     """A hashable summary of the text encoders' LoRA state (active adapters, scalings); None without LoRA.
 
-    NOTE: text encoders run with their own global adapter state at encode time (per-request text-encoder LoRA
-    is not implemented); keying encodes and the prompt cache on this state keeps embeddings made under one
-    state from being served under another.
+    NOTE: text encoders run with their global adapter state at encode time (per-request text-encoder LoRA is
+    not implemented); keying encode items on this state keeps texts planned under different states out of one
+    encode call (the prompt cache keys on it already: `cache.prompt.weights_fingerprint`).
     """
     summary = []
     for encoder in encoders:

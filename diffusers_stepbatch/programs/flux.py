@@ -289,7 +289,6 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
             namespace = encoder_namespace(
                 pipe, [pipe.text_encoder, pipe.text_encoder_2], "flux", [pipe.tokenizer, pipe.tokenizer_2],
                 execution_device=device, max_sequence_length=max_sequence_length, lora_scale=lora_scale,
-                text_adapters=text_adapters,
             )
         encoded_embeds, encoded_pooled = yield from cached_encode(cache, namespace, texts, make_item)
     embeds, pooled, start = [], [], 0
