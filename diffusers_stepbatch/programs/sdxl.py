@@ -20,6 +20,13 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_xl.pipeline_output import StableDiffusionXLPipelineOutput
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg, retrieve_timesteps
 
+from ..adapters.ip_adapter import (
+    IPAdapterState,
+    bind_scale_setter,
+    ip_image_embeds,
+    per_row_ip_scales,
+    plan_ip_adapter,
+)
 from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
@@ -32,7 +39,7 @@ from .validation import (
     freeze,
 )
 
-UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds")
+UNSUPPORTED = ()
 
 
 @dataclass
@@ -47,6 +54,7 @@ class UNetCall:
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the UNet has none
+    ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
@@ -69,7 +77,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
     pipe.check_inputs(
         args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
         args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
-        args["negative_pooled_prompt_embeds"], None, None, args["callback_on_step_end_tensor_inputs"],
+        args["negative_pooled_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
+        args["callback_on_step_end_tensor_inputs"],
     )
     steps, num_prompts, num_images, _ = check_unet_call(pipe, args, "SDXL")
     if args["prompt_embeds"] is None and args["prompt_2"] is not None:
@@ -91,7 +100,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
                                    text_encoder_projection_dim=projection_dim)
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, unet_adapters(pipe, args))
+    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, unet_adapters(pipe, args),
+                    plan_ip_adapter(pipe, args, do_cfg))
     rows = num_images * (2 if do_cfg else 1)
     program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
@@ -182,6 +192,10 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
 
     conditioning = {"prompt_embeds": embeds.to(device), "add_text_embeds": pooled.to(device),
                     "add_time_ids": add_time_ids}
+    if call.ip is not None:
+        bind_scale_setter(view, pipe, call.ip)
+        conditioning["ip_image_embeds"] = yield from ip_image_embeds(pipe, view, call.ip, args, device,
+                                                                     call.num_images, call.do_cfg)
     latents = yield from unet_denoise(view, pipe, call, latents, timesteps, conditioning)
 
     # 3. Decode (batched with other requests' decodes of the same size).
@@ -288,6 +302,12 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             key = ("unet",) + tuple(None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values())
             key += (freeze(cross_attention_kwargs), str(model_input.device))
             inputs["lora"] = [call.adapters] * model_input.shape[0]
+            image_embeds = conditioning.get("ip_image_embeds")
+            if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
+                key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in image_embeds))
+            inputs["image_embeds"] = (None if image_embeds is None else
+                                      [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
+            inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
             if call.do_cfg:
                 noise_uncond, noise_text = noise_pred.chunk(2)
@@ -306,8 +326,10 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
 
 
 def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_states, text_embeds, time_ids,
-             timestep_cond, lora):
+             timestep_cond, lora, image_embeds, ip_scales):
     added = None if text_embeds is None else {"text_embeds": text_embeds, "time_ids": time_ids}
-    with lora_rows(unet, lora):
+    if image_embeds is not None:
+        added = dict(added or {}, image_embeds=[torch.stack(rows) for rows in zip(*image_embeds)])
+    with lora_rows(unet, lora), per_row_ip_scales(ip_scales):
         return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
                     cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
