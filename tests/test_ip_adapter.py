@@ -2,6 +2,7 @@
 share UNet forwards with each other and with text-only requests; each equals the plain pipeline run alone."""
 
 import functools
+import threading
 
 import numpy as np
 import PIL.Image
@@ -29,7 +30,8 @@ def image(seed):
 
 
 def kwargs_for(prompt="a red circle", seed=0, **extra):
-    return dict(prompt=prompt, height=32, width=32, num_inference_steps=4, seed=seed, output_type="pt", **extra)
+    return {"prompt": prompt, "height": 32, "width": 32, "num_inference_steps": 4, "seed": seed, "output_type": "pt",
+            **extra}
 
 
 def given_embeds(pipe, seed):
@@ -71,12 +73,23 @@ def test_image_prompt_requests_share_forwards_and_equal_plain_runs(family):
     image_hook = pipe.image_encoder.register_forward_pre_hook(lambda m, args: image_sizes.append(args[0].shape[0]))
     try:
         with StepBatched(pipe, max_batch_size=16) as sb:
+            entered, released = threading.Event(), threading.Event()
+
+            def hold_engine_once(step_pipe, i, t, tensors):
+                entered.set()
+                released.wait(60)  # the engine waits on this: the requests below start together, in lockstep
+                return {}
+
+            blocker = sb.submit(**seeded(kwargs_for(num_inference_steps=1, callback_on_step_end=hold_engine_once)))
+            assert entered.wait(60)
             futures = []
             for kwargs, scale in cases:
                 pipe.set_ip_adapter_scale(1.0 if scale is None else scale)
                 futures.append(sb.submit(**seeded(kwargs)))
             pipe.set_ip_adapter_scale(1.0)
+            released.set()
             results = [future.result(300).images for future in futures]
+            blocker.result(300)
     finally:
         unet_hook.remove()
         image_hook.remove()
