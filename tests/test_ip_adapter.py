@@ -2,7 +2,6 @@
 share UNet forwards with each other and with text-only requests; each equals the plain pipeline run alone."""
 
 import functools
-import threading
 
 import numpy as np
 import PIL.Image
@@ -13,7 +12,7 @@ from diffusers.callbacks import IPAdapterScaleCutoffCallback
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing import add_random_ip_adapter, tiny_sd_pipeline, tiny_sdxl_pipeline
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded
+from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
 
 BUILDERS = {"sd": tiny_sd_pipeline, "sdxl": tiny_sdxl_pipeline}
 
@@ -73,23 +72,13 @@ def test_image_prompt_requests_share_forwards_and_equal_plain_runs(family):
     image_hook = pipe.image_encoder.register_forward_pre_hook(lambda m, args: image_sizes.append(args[0].shape[0]))
     try:
         with StepBatched(pipe, max_batch_size=16) as sb:
-            entered, released = threading.Event(), threading.Event()
-
-            def hold_engine_once(step_pipe, i, t, tensors):
-                entered.set()
-                released.wait(60)  # the engine waits on this: the requests below start together, in lockstep
-                return {}
-
-            blocker = sb.submit(**seeded(kwargs_for(num_inference_steps=1, callback_on_step_end=hold_engine_once)))
-            assert entered.wait(60)
             futures = []
-            for kwargs, scale in cases:
-                pipe.set_ip_adapter_scale(1.0 if scale is None else scale)
-                futures.append(sb.submit(**seeded(kwargs)))
-            pipe.set_ip_adapter_scale(1.0)
-            released.set()
+            with engine_held(sb, kwargs_for(num_inference_steps=1)):  # every request starts in lockstep
+                for kwargs, scale in cases:
+                    pipe.set_ip_adapter_scale(1.0 if scale is None else scale)
+                    futures.append(sb.submit(**seeded(kwargs)))
+                pipe.set_ip_adapter_scale(1.0)
             results = [future.result(300).images for future in futures]
-            blocker.result(300)
     finally:
         unet_hook.remove()
         image_hook.remove()
