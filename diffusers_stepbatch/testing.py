@@ -446,29 +446,39 @@ def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("
 
 
 def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4, seed: int = 0) -> None:
-    """Load a random IP-Adapter (as `load_ip_adapter` would) and a tiny CLIP image encoder into an SD/SDXL pipeline.
+    """Load a random IP-Adapter (as `load_ip_adapter` would) and a tiny CLIP image encoder into an SD, SDXL or
+    Flux pipeline.
 
-    The adapter's key/value projections match each cross-attention layer; its `ImageProjection` maps the image
-    encoder's `image_embed_dim`-wide embedding to `tokens` tokens. Scale 1.0, as after `load_ip_adapter`.
+    The adapter's key/value projections match each cross-attention layer (Flux: each double-stream block); its
+    `ImageProjection` maps the image encoder's `image_embed_dim`-wide embedding to `tokens` tokens. Scale 1.0, as
+    after `load_ip_adapter`.
 
     >>> add_random_ip_adapter(pipe); pipe(prompt, ip_adapter_image=image)
     """
     from diffusers.models.embeddings import ImageProjection
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    unet = pipe.unet
-    cross_dim = unet.config.cross_attention_dim
-    modules = dict(unet.named_modules())
+    flux = hasattr(pipe, "transformer")  # else a UNet pipeline
+    model = pipe.transformer if flux else pipe.unet
+    cross_dim = model.config.joint_attention_dim if flux else model.config.cross_attention_dim
+    modules = dict(model.named_modules())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        attention, key_id = {}, 1
-        for name in unet.attn_processors:
-            if name.endswith("attn1.processor"):
-                continue
-            to_k = modules[name[: -len(".processor")]].to_k
-            for projection in ("to_k_ip", "to_v_ip"):
-                attention[f"{key_id}.{projection}.weight"] = torch.randn(to_k.out_features, to_k.in_features) * 0.3
-            key_id += 2
+        attention = {}
+        if flux:  # one IP projection pair (with biases) per double-stream block, numbered from 0
+            for key_id in range(len(model.transformer_blocks)):
+                for projection in ("to_k_ip", "to_v_ip"):
+                    attention[f"{key_id}.{projection}.weight"] = torch.randn(model.inner_dim, cross_dim) * 0.3
+                    attention[f"{key_id}.{projection}.bias"] = torch.randn(model.inner_dim) * 0.1
+        else:  # one pair per cross-attention layer, numbered 1, 3, 5, ...
+            key_id = 1
+            for name in model.attn_processors:
+                if name.endswith("attn1.processor"):
+                    continue
+                to_k = modules[name[: -len(".processor")]].to_k
+                for projection in ("to_k_ip", "to_v_ip"):
+                    attention[f"{key_id}.{projection}.weight"] = torch.randn(to_k.out_features, to_k.in_features) * 0.3
+                key_id += 2
         sd = ImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
                              num_image_text_embeds=tokens).state_dict()
         projection = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
@@ -477,6 +487,6 @@ def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4,
             hidden_size=32, projection_dim=image_embed_dim, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=37, image_size=32, patch_size=8,
         )).eval()
-    unet._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": attention}])
+    model._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": attention}])
     processor = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
     pipe.register_modules(image_encoder=encoder, feature_extractor=processor)

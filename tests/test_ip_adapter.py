@@ -1,4 +1,4 @@
-"""IP-Adapter through StepBatched (SD, SDXL): image-prompt requests with their own images, embeddings and scales
+"""IP-Adapter through StepBatched (SD, SDXL, Flux): image-prompt requests with their own images, embeddings and scales
 share UNet forwards with each other and with text-only requests; each equals the plain pipeline run alone."""
 
 import functools
@@ -10,11 +10,14 @@ import torch
 from diffusers.callbacks import IPAdapterScaleCutoffCallback
 
 from diffusers_stepbatch import StepBatched
-from diffusers_stepbatch.testing import add_random_ip_adapter, tiny_sd_pipeline, tiny_sdxl_pipeline
+from diffusers_stepbatch.programs.cfg import CFGPolicy
+from diffusers_stepbatch.testing import add_random_ip_adapter, tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
 
 from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
 
-BUILDERS = {"sd": tiny_sd_pipeline, "sdxl": tiny_sdxl_pipeline}
+BUILDERS = {"sd": tiny_sd_pipeline, "sdxl": tiny_sdxl_pipeline,
+            "flux": functools.partial(tiny_flux_pipeline, guidance_embeds=True)}
+FLUX_CFG = {"negative_prompt": "blurry", "true_cfg_scale": 2.0}
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,14 +36,30 @@ def kwargs_for(prompt="a red circle", seed=0, **extra):
             **extra}
 
 
-def given_embeds(pipe, seed):
+def denoiser(pipe):
+    return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
+
+
+def given_embeds(pipe, seed, rows=2):
     g = torch.Generator().manual_seed(seed)
-    width = pipe.unet.encoder_hid_proj.image_projection_layers[0].image_embeds.in_features
-    return [torch.randn(2, 1, width, generator=g)]  # [negative, positive] under CFG
+    width = denoiser(pipe).encoder_hid_proj.image_projection_layers[0].image_embeds.in_features
+    return [torch.randn(rows, 1, width, generator=g)]  # UNets under CFG: [negative, positive]
 
 
 # (call kwargs, pipeline IP scale at submit); text-only requests run as the plain pipeline at IP scale 0
 def requests(pipe):
+    if hasattr(pipe, "transformer"):  # Flux: negative image prompts go with true CFG
+        flux = {"max_sequence_length": 16}
+        return [
+            (kwargs_for(ip_adapter_image=image(0), **flux), 1.0),
+            (kwargs_for("a blue square", 1, ip_adapter_image=image(1), negative_ip_adapter_image=image(6),
+                        **FLUX_CFG, **flux), 0.5),
+            (kwargs_for(seed=2, ip_adapter_image_embeds=given_embeds(pipe, 2, 1),
+                        negative_ip_adapter_image_embeds=given_embeds(pipe, 7, 1), **FLUX_CFG, **flux), 0.7),
+            (kwargs_for("a green cross", 3, **FLUX_CFG, **flux), None),
+            (kwargs_for(seed=4, ip_adapter_image=image(4), **FLUX_CFG, **flux,
+                        callback_on_step_end=IPAdapterScaleCutoffCallback(cutoff_step_ratio=0.5)), 1.0),
+        ]
     return [
         (kwargs_for(ip_adapter_image=image(0)), 1.0),
         (kwargs_for("a blue square", 1, ip_adapter_image=image(1)), 0.5),
@@ -54,7 +73,10 @@ def requests(pipe):
 def plain_run(pipe, kwargs, scale):
     kwargs = dict(kwargs)
     if scale is None:  # the model without its image branch: scale 0 and zero image embeddings
-        scale, kwargs["ip_adapter_image_embeds"] = 0.0, [torch.zeros_like(given_embeds(pipe, 0)[0])]
+        flux = hasattr(pipe, "transformer")
+        scale, kwargs["ip_adapter_image_embeds"] = 0.0, [torch.zeros_like(given_embeds(pipe, 0, 1 if flux else 2)[0])]
+        if flux:
+            kwargs["negative_ip_adapter_image_embeds"] = kwargs["ip_adapter_image_embeds"]
     pipe.set_ip_adapter_scale(scale)
     try:
         return pipe(**seeded(kwargs)).images
@@ -67,11 +89,11 @@ def test_image_prompt_requests_share_forwards_and_equal_plain_runs(family):
     pipe = ip_pipe(family)
     cases = requests(pipe)
     expected = [plain_run(pipe, kwargs, scale) for kwargs, scale in cases]
-    unet_sizes, unet_hook = count_forwards(pipe.unet)
+    unet_sizes, unet_hook = count_forwards(denoiser(pipe))
     image_sizes = []
     image_hook = pipe.image_encoder.register_forward_pre_hook(lambda m, args: image_sizes.append(args[0].shape[0]))
     try:
-        with StepBatched(pipe, max_batch_size=16) as sb:
+        with StepBatched(pipe, max_batch_size=16, cfg_policy=CFGPolicy(mode="batched")) as sb:
             futures = []
             with engine_held(sb, kwargs_for(num_inference_steps=1)):  # every request starts in lockstep
                 for kwargs, scale in cases:
@@ -85,7 +107,8 @@ def test_image_prompt_requests_share_forwards_and_equal_plain_runs(family):
         pipe.set_ip_adapter_scale(1.0)
     for (kwargs, scale), got, want in zip(cases, results, expected):
         assert max_diff(got, want) <= TOLERANCE, (sorted(kwargs), scale)
-    assert max(unet_sizes) == 2 * len(cases)  # every request, text-only included, in one forward
+    rows = sum(2 if kwargs.get("negative_prompt") or not hasattr(pipe, "transformer") else 1 for kwargs, _ in cases)
+    assert max(unet_sizes) == rows  # every request, text-only included, in one forward
     assert max(image_sizes) >= 2  # the requests' images were encoded together
     assert max_diff(expected[0], plain_run(pipe, kwargs_for(ip_adapter_image=image(0)), 0.0)) > 1e-3
 
@@ -94,6 +117,8 @@ def test_image_prompt_requests_share_forwards_and_equal_plain_runs(family):
 def test_a_request_alone_with_an_image_equals_diffusers(family):
     pipe = ip_pipe(family)
     kwargs = kwargs_for(ip_adapter_image=[image(5)], guidance_scale=1.0)
+    if family == "flux":
+        kwargs.update(max_sequence_length=16, guidance_scale=3.5, **FLUX_CFG)
     expected = plain_run(pipe, kwargs, 0.8)
     pipe.set_ip_adapter_scale(0.8)
     try:

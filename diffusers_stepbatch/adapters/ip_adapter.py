@@ -1,4 +1,4 @@
-"""IP-Adapter (image prompts) for the SD and SDXL programs: image embeddings and scales are per-row inputs.
+"""IP-Adapter (image prompts) for the SD, SDXL and Flux programs: image embeddings and scales are per-row inputs.
 
 diffusers keeps IP-Adapter scales on the UNet's attention processors (`pipe.set_ip_adapter_scale`), global
 state like LoRA weights. A request reads them at submit and keeps its own copy; `set_ip_adapter_scale` called on
@@ -21,6 +21,7 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..engine.batch import WorkItem
@@ -28,15 +29,25 @@ from ..engine.batch import WorkItem
 _SCALES_LOCK = threading.Lock()  # submit-time reads vs a request's set_ip_adapter_scale (see bind_scale_setter)
 
 
-def ip_processors(unet: torch.nn.Module) -> tuple:
+def ip_processors(model: torch.nn.Module) -> tuple:
+    """The IP-Adapter attention processors of a UNet or Flux transformer, in `attn_processors` order."""
     from diffusers.models.attention_processor import (
         IPAdapterAttnProcessor,
         IPAdapterAttnProcessor2_0,
         IPAdapterXFormersAttnProcessor,
     )
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-    kinds = (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0, IPAdapterXFormersAttnProcessor)
-    return tuple(p for p in unet.attn_processors.values() if isinstance(p, kinds))
+    kinds = (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0, IPAdapterXFormersAttnProcessor,
+             FluxIPAdapterAttnProcessor)
+    return tuple(p for p in model.attn_processors.values() if isinstance(p, kinds))
+
+
+def _snapshot_scales(processors: tuple, has_image: bool) -> list:
+    if not has_image:  # NOTE: a request without an image prompt runs at scale 0 (zero embeddings)
+        return [[0.0] * len(p.scale) for p in processors]
+    with _SCALES_LOCK:
+        return [copy.deepcopy(list(p.scale)) for p in processors]
 
 
 @dataclass
@@ -85,11 +96,7 @@ def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool) -> IPAdapterS
         if not all(isinstance(layer, ImageProjection) for layer in layers):
             raise ValueError("this UNet's IP-Adapter needs an image prompt (diffusers raises without one): pass "
                              "ip_adapter_image or ip_adapter_image_embeds (with set_ip_adapter_scale(0.0))")
-        scales = [[0.0] * len(p.scale) for p in processors]
-    else:
-        with _SCALES_LOCK:
-            scales = [copy.deepcopy(list(p.scale)) for p in processors]
-    return IPAdapterState(processors, scales, has_image)
+    return IPAdapterState(processors, _snapshot_scales(processors, has_image), has_image)
 
 
 def bind_scale_setter(view: Any, pipe: Any, state: IPAdapterState) -> None:
@@ -142,6 +149,70 @@ def ip_image_embeds(pipe: Any, view: Any, state: IPAdapterState, args: dict[str,
 
 def _encode_images(pipe: Any, device: Any, output_hidden_states: bool, image: Any) -> tuple:
     return pipe.encode_image(image, device, 1, output_hidden_states)
+
+
+_FLUX_INPUTS = ("ip_adapter_image", "ip_adapter_image_embeds", "negative_ip_adapter_image",
+                "negative_ip_adapter_image_embeds")
+
+
+def plan_flux_ip_adapter(pipe: Any, args: dict[str, Any]) -> IPAdapterState | None:
+    """Validate a FluxPipeline call's IP-Adapter inputs; None when the transformer has no IP-Adapter."""
+    has_image = any(args.get(name) is not None for name in _FLUX_INPUTS)
+    processors = ip_processors(pipe.transformer)
+    if not processors:
+        if has_image:
+            raise ValueError("ip_adapter_image(_embeds) / negative_ip_adapter_image(_embeds) need an IP-Adapter on "
+                             "the transformer: pipe.load_ip_adapter(...) first")
+        return None
+    count = pipe.transformer.encoder_hid_proj.num_ip_adapters
+    for name in _FLUX_INPUTS:
+        value = args.get(name)
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        if len(values) != count:
+            raise ValueError(f"{name} has {len(values)} entries for {count} IP-Adapters; pass one per IP-Adapter")
+        if name.endswith("_embeds"):
+            for i, tensor in enumerate(values):
+                if tensor.ndim != 3 or tensor.shape[0] != 1:
+                    raise ValueError(f"{name}[{i}] has shape {tuple(tensor.shape)}; pass [1, images, embed dim]")
+        elif getattr(pipe, "image_encoder", None) is None:
+            raise ValueError(f"{name} needs pipe.image_encoder; or pass {name}_embeds")
+    return IPAdapterState(processors, _snapshot_scales(processors, has_image), has_image)
+
+
+def flux_ip_image_embeds(pipe: Any, view: Any, state: IPAdapterState, args: dict[str, Any], device: Any,
+                         num_images: int, height: int, width: int) -> Generator[WorkItem, Any, tuple[list, list]]:
+    """(positive, negative) image embeddings as FluxPipeline prepares them, one tensor per adapter each.
+
+    As the pipeline does, a missing side gets a black image; images are encoded in batched work items.
+    """
+    layers = pipe.transformer.encoder_hid_proj.image_projection_layers
+    if not state.has_image:  # zero embeddings at scale 0: the model without its image branch
+        zeros = [torch.zeros(num_images, 1, layer.image_embeds.in_features, device=device,
+                             dtype=pipe.transformer.dtype) for layer in layers]
+        return zeros, zeros
+    black = [np.zeros((width, height, 3), dtype=np.uint8)] * len(layers)
+    sides = []
+    for prefix in ("", "negative_"):
+        images, embeds = args.get(f"{prefix}ip_adapter_image"), args.get(f"{prefix}ip_adapter_image_embeds")
+        if images is None and embeds is None:
+            images = black
+        if embeds is None:
+            images = images if isinstance(images, list) else [images]
+            embeds = []
+            for single in images:
+                rows = single if isinstance(single, (torch.Tensor, list)) else [single]
+                count = rows.shape[0] if isinstance(rows, torch.Tensor) else len(rows)
+                key = ("flux.ip_image", type(single).__name__, str(device))
+                run = functools.partial(_encode_flux_images, pipe, device)
+                embeds.append((yield WorkItem("encode", key, {"image": rows}, run, rows=count))[None])
+        sides.append(view.prepare_ip_adapter_image_embeds(None, embeds, device, num_images))
+    return sides[0], sides[1]
+
+
+def _encode_flux_images(pipe: Any, device: Any, image: Any) -> torch.Tensor:
+    return pipe.encode_image(image, device, 1)
 
 
 class _RowScale:

@@ -18,6 +18,13 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import FluxPipelineOutput, calculate_shift, retrieve_timesteps
 
+from ..adapters.ip_adapter import (
+    IPAdapterState,
+    bind_scale_setter,
+    flux_ip_image_embeds,
+    per_row_ip_scales,
+    plan_flux_ip_adapter,
+)
 from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..buffers import stack_rows
 from ..cache.prompt import cached_encode, encoder_namespace
@@ -34,12 +41,8 @@ from .validation import (
     check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
-    check_unsupported,
     freeze,
 )
-
-_UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds", "negative_ip_adapter_image",
-                "negative_ip_adapter_image_embeds")
 
 
 @dataclass
@@ -56,12 +59,12 @@ class FluxCall:
     teacache: list[TeaCacheState] | None  # one per CFG branch; None: every step runs the blocks
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
+    ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
 
 @register_program(FluxPipeline, features=("teacache", "adapters"))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
-    check_unsupported(args, _UNSUPPORTED, "Flux")
     pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
     if pid is not None:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
@@ -105,7 +108,11 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
             "pipe.transformer; call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None"
         )
     adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
-    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid, adapters)
+    ip = plan_flux_ip_adapter(pipe, args)
+    if ip is not None and teacache is not None:
+        raise ValueError("TeaCache runs the transformer's blocks itself, without the IP-Adapter's image tokens; "
+                         "pass teacache=None with an IP-Adapter loaded")
+    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid, adapters, ip)
     rows = num_images * branches
     tokens = (latent_h // 2) * (latent_w // 2)
     program = flux_program(pipe, request_pipeline(pipe), call)
@@ -147,6 +154,13 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     embeds, pooled = yield from _encode(pipe, args, call.do_true_cfg, per_prompt, device, lora_scale,
                                         options.prompt_cache)
 
+    # 1b. Image prompts (IP-Adapter): positive and negative embeddings, images encoded in batched items.
+    ip_embeds = None
+    if call.ip is not None:
+        bind_scale_setter(view, pipe, call.ip)
+        ip_embeds = yield from flux_ip_image_embeds(pipe, view, call.ip, args, device, call.num_images,
+                                                    call.height, call.width)
+
     # 2. Latents, this request's own scheduler and timesteps (as FluxPipeline.__call__ does).
     latents, image_ids = view.prepare_latents(
         call.num_images, pipe.transformer.config.in_channels // 4, call.height, call.width,
@@ -181,6 +195,8 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
         "flux", grid, tuple(embeds[0].shape[1:]), tuple(pooled[0].shape[1:]), guidance is not None,
         freeze(attention_kwargs), latents.dtype, embeds[0].dtype, str(latents.device),
     )
+    if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
+        key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in ip_embeds[0]))
 
     # 3. Denoising loop: one work item per step (two when the CFG policy splits the branches); the engine
     # batches it with other requests' items. Inputs are lists of row tensors: the batch is assembled once, in
@@ -218,6 +234,9 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                     "encoder_hidden_states": [text[b * images + j] for b, j in rows],
                     "teacache": [teacache[b] for b, _ in rows],
                     "lora": [call.adapters] * len(rows),
+                    # per row: one image embedding per IP-Adapter, the negative ones on the true-CFG rows
+                    "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
+                    "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
                 }
                 outputs.append((yield WorkItem("denoise", key, inputs, denoise, rows=len(rows), step=i)))
             noise_pred = outputs[0]
@@ -319,7 +338,7 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
-             pooled_projections, encoder_hidden_states, teacache, lora):
+             pooled_projections, encoder_hidden_states, teacache, lora, ip_embeds, ip_scales):
     inputs = {
         "hidden_states": stack_rows(buffers, "hidden_states", hidden_states),
         "timestep": stack_rows(buffers, "timestep", timestep),
@@ -327,7 +346,10 @@ def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hid
         "pooled_projections": stack_rows(buffers, "pooled_projections", pooled_projections),
         "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", encoder_hidden_states),
     }
-    with lora_rows(transformer, lora):
+    if ip_embeds is not None:
+        joint_attention_kwargs = dict(joint_attention_kwargs,
+                                      ip_adapter_image_embeds=[torch.stack(rows) for rows in zip(*ip_embeds)])
+    with lora_rows(transformer, lora), per_row_ip_scales(ip_scales):
         if any(state is not None for state in teacache):
             return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
                                          joint_attention_kwargs=joint_attention_kwargs)

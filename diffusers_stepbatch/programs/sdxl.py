@@ -35,12 +35,8 @@ from .validation import (
     as_list,
     check_call_size,
     check_latents,
-    check_unsupported,
     freeze,
 )
-
-UNSUPPORTED = ()
-
 
 @dataclass
 class UNetCall:
@@ -59,7 +55,6 @@ class UNetCall:
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
     """Checks SD and SDXL share; returns (steps, num_prompts, num_images, per_prompt)."""
-    check_unsupported(args, UNSUPPORTED, name)
     legacy = sorted(option for option in (args.get("kwargs") or {}) if option in ("callback", "callback_steps"))
     if legacy:
         raise ValueError(f"{legacy} are deprecated and not supported by StepBatched; use callback_on_step_end")
