@@ -38,6 +38,7 @@ from .validation import (
     freeze,
 )
 
+
 @dataclass
 class UNetCall:
     """One validated SD or SDXL call; names follow the pipelines' __call__."""
