@@ -59,6 +59,9 @@ class StepBatched:
             then runs the main model at 1/sr_scale of that size and PiD returns the requested size (docs/pid.md).
         pid_exit_step: with `decoder`, the main-model steps before PiD takes over: a step index K in [1, N], a
             fraction of the N steps, or None for N - 2.
+        mixed_resolution: let requests of different sizes share one transformer call (Flux, SD3, Qwen-Image:
+            their tokens are packed, attention stays inside each request) where the engine measured that to
+            pay; False runs one call per size.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class StepBatched:
         quantize: str | None = None,
         decoder: Any = None,
         pid_exit_step: int | float | None = None,
+        mixed_resolution: bool = True,
     ):
         plan = program_for(pipe)
         if plan is None:
@@ -101,7 +105,9 @@ class StepBatched:
         config = scheduler or SchedulerConfig()
         if max_batch_size is not None:
             config = dataclasses.replace(config, max_batch_size=max_batch_size)
-        self.engine = EngineCore(config)
+        if not isinstance(mixed_resolution, bool):
+            raise ValueError(f"mixed_resolution={mixed_resolution!r} must be True or False")
+        self.engine = EngineCore(config, mixed_shapes=mixed_resolution)
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
         self._finalizer = weakref.finalize(self, self.engine.close, True)
 

@@ -113,6 +113,21 @@ def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[d
     assert max(sizes) <= max_batch_size
 
 
+def in_lockstep(sb, calls):
+    """Plan every call before the engine runs a step, then drive the engine here: the batches are deterministic.
+
+    `sb` must be fresh (its engine thread never started by a call).
+    """
+    assert not sb.engine.is_alive
+    requests = [sb._make_request((), seeded(kwargs), 0, None) for kwargs in calls]
+    for request in requests:
+        sb.engine.scheduler.add(request)
+    with torch.no_grad():
+        while sb.engine.scheduler.has_work():
+            sb.engine.step()
+    return [output_images(request.handle.result()) for request in requests]
+
+
 import pytest  # noqa: E402
 
 

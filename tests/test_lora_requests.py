@@ -221,3 +221,19 @@ def test_requests_that_differ_only_in_lora_scale_share_prompt_cache_entries():
             sb(**seeded(call_kwargs("flux", {"a": 1.0}, scale, "a lone prompt", 0)))
         stats = sb.stats()["prompt_cache"]
     assert (stats["hits"], stats["misses"]) == (1, 1)  # no text-encoder LoRA: the scale can't change embeddings
+
+
+def test_requests_of_different_sizes_with_adapters_equal_plain_runs():
+    """LoRA requests run in per-size forwards (not packed yet: adapters_unpackable), adapters still mixed."""
+    pipe = lora_pipe("flux")
+    pipe.set_adapters(*ACTIVE)
+    requests = [dict(call_kwargs("flux", adapters, None, "a red circle", seed), height=h, width=w)
+                for adapters, seed, (h, w) in [({"a": 1.0}, 0, (32, 32)), ({"b": 0.5}, 1, (32, 48)),
+                                               ({}, 2, (32, 48)), (None, 3, (32, 32))]]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        results = submit_all(sb, requests)
+        mixed_calls = sb.stats()["mixed"]["calls"]
+    for got, want in zip(results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE
+    assert mixed_calls == 0

@@ -12,7 +12,7 @@ from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache import FLUX_COEFFICIENTS, TeaCacheState, flux_teacache_forward
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 
-from .references import TOLERANCE, flux_pipe, max_diff, seeded
+from .references import TOLERANCE, flux_pipe, in_lockstep, max_diff, seeded
 
 SIZES = {"dev-tiny": (32, 32), "schnell-tiny": (32, 48), "dev-wide": (24, 40)}
 
@@ -54,24 +54,6 @@ class BlockPasses:
     def remove(self):
         for handle in self._handles:
             handle.remove()
-
-
-def in_lockstep(sb, calls):
-    """Plan every call before the engine runs a step, then drive the engine here: the batches are deterministic.
-
-    `sb` must be fresh (its engine thread never started by a call).
-    """
-    assert not sb.engine.is_alive
-    requests = []
-    for kwargs in calls:
-        kwargs = seeded(kwargs)
-        requests.append(sb._make_request((), kwargs, 0, None))
-    for request in requests:
-        sb.engine.scheduler.add(request)
-    with torch.no_grad():
-        while sb.engine.scheduler.has_work():
-            sb.engine.step()
-    return [request.handle.result().images for request in requests]
 
 
 @pytest.mark.parametrize("true_cfg", [False, True])

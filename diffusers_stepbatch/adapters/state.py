@@ -168,3 +168,17 @@ def text_lora_scale(encoders: list[Any], lora_scale: Any) -> tuple[Any, tuple | 
     """
     state = text_encoder_state(encoders)
     return (lora_scale if state is not None else None), state
+
+
+def adapters_unpackable(model: torch.nn.Module, ip_adapter: bool) -> str | None:
+    """Why a request on `model` can't join packed mixed-resolution forwards, or None.
+
+    NOTE: per_row_lora's per-token mode is tested at the layer level, but the packed forwards (`packed/`) feed
+    layers [tokens, dim] streams of several lengths (text, image, joint); until each call names its stream, rows
+    with LoRA layers or IP-Adapter image tokens run in per-size forwards (where adapters still mix per row).
+    """
+    if lora_layers(model):
+        return "per-request LoRA is not wired into packed forwards yet"
+    if ip_adapter:
+        return "IP-Adapter image tokens are not wired into packed forwards yet"
+    return None

@@ -4,6 +4,10 @@ A step program yields a `WorkItem` wherever a model runs. Items with equal `key`
 their per-row inputs are concatenated along dim 0 (`make_batch`), the first item's `run` is called once,
 and the output is cut back into each item's rows (`split`). The key is the program's promise that `run`
 and everything it closes over are interchangeable between those items.
+
+Items whose keys differ only in shape (image size, text length) may also carry a `Packable`: items with equal
+`pack.key` can then share one *packed* call, made of one `InputBatch` per shape (`run_packed`). Which shapes
+pack is the program's knowledge; whether packing pays is the engine's measurement.
 """
 
 from __future__ import annotations
@@ -36,6 +40,25 @@ class WorkItem:
     run: Callable[..., Any]
     rows: int
     step: int | None = None
+    pack: Packable | None = None
+
+
+@dataclass(frozen=True)
+class Packable:
+    """How a work item can share one call with items of other shapes (a mixed-resolution packed call).
+
+    Args:
+        key: what must match for a packed call: the item's key without its shape.
+        run: called as `run([(context, inputs), ...])` with one entry per shape (`inputs`: that shape's
+            batched inputs, as `make_batch` builds them); returns one output per entry, rows along dim 0.
+        context: what the item's own `run` closes over that differs by shape (e.g. RoPE position ids).
+        tokens: tokens per row (statistics).
+    """
+
+    key: Hashable
+    run: Callable[[list[tuple[Any, dict[str, RowInput]]]], list[Any]]
+    context: Any = None
+    tokens: int = 0
 
 
 @dataclass
@@ -79,6 +102,14 @@ def make_batch(items: Sequence[WorkItem]) -> InputBatch:
 
 def run_batch(batch: InputBatch) -> Any:
     return batch.run(**batch.inputs)
+
+
+def run_packed(pack: Packable, contexts: Sequence[Any], batches: Sequence[InputBatch]) -> list[Any]:
+    """One packed call over several shapes' batches; returns one output per batch."""
+    outputs = pack.run([(context, batch.inputs) for context, batch in zip(contexts, batches)])
+    if len(outputs) != len(batches):
+        raise RuntimeError(f"a packed call returned {len(outputs)} outputs for {len(batches)} shapes")
+    return list(outputs)
 
 
 def split(output: Any, bounds: Sequence[tuple[int, int]]) -> list[Any]:

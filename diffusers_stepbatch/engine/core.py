@@ -12,12 +12,13 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .batch import make_batch, run_batch, split
-from .costs import BatchCostModel
+from .batch import make_batch, run_batch, run_packed, split
+from .costs import BatchCostModel, PackingCostModel
 from .metrics import EngineMetrics
 from .request import Request, RequestStatus
 from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, StepScheduler
@@ -29,13 +30,23 @@ class EngineClosedError(RuntimeError):
     """Raised when a request is submitted to an engine that was closed."""
 
 
+@dataclass
+class _PackedCall:
+    """Groups of several shapes that share one packed call."""
+
+    pack_key: Any
+    shapes: list[list[Request]]
+
+
 class EngineCore:
     """Runs requests' step programs in one background thread, batching their compatible work items."""
 
-    def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine"):
+    def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine", mixed_shapes: bool = True):
         self.config = config
         self.scheduler = StepScheduler(config)
         self.costs = BatchCostModel()
+        self.packing = PackingCostModel(self.costs)
+        self.mixed_shapes = mixed_shapes  # items of different shapes may share a packed call (`WorkItem.pack`)
         self.metrics = EngineMetrics()
         self._name = name
         self._wakeup = threading.Condition()
@@ -120,15 +131,36 @@ class EngineCore:
         for request in plan.running:
             if request.pending is not None and not request.status.is_finished:
                 groups[(request.pending.kind, request.pending.key)].append(request)
-        chunks = [members for group_key, members in groups.items() for members in self._chunk(group_key, members)]
+        calls = self._plan_calls(groups)
         self.metrics.record_overhead((scheduled - step_started) + (time.perf_counter() - grouping))
-        for members in chunks:
-            self._execute(members)
+        for call in calls:
+            if isinstance(call, _PackedCall):
+                self._execute_packed(call.shapes)
+            else:
+                self._execute(call)
         denoise_groups = [group_key for group_key in groups if group_key[0] == "denoise"]
         if denoise_groups:
             largest = max(denoise_groups, key=lambda group_key: sum(r.num_rows for r in groups[group_key]))
             self._update_step_estimates(time.perf_counter() - step_started, largest)
         self.metrics.record_engine_step()
+
+    def _plan_calls(self, groups: dict[Any, list[Request]]) -> list[list[Request] | _PackedCall]:
+        """Per group one call (or the cost model's split); groups of several shapes that can pack may share one."""
+        calls: list[list[Request] | _PackedCall] = []
+        packable: dict[Any, list[Any]] = defaultdict(list)
+        for group_key, members in groups.items():
+            pack = members[0].pending.pack
+            if self.mixed_shapes and pack is not None:
+                packable[(group_key[0], pack.key)].append(group_key)
+            else:
+                calls.extend(self._chunk(group_key, members))
+        for pack_key, group_keys in packable.items():
+            parts = [(group_key, sum(r.pending.rows for r in groups[group_key])) for group_key in group_keys]
+            if len(group_keys) > 1 and (not self.config.cost_aware or self.packing.should_pack(pack_key, parts)):
+                calls.append(_PackedCall(pack_key, [groups[group_key] for group_key in group_keys]))
+            else:
+                calls.extend(chunk for group_key in group_keys for chunk in self._chunk(group_key, groups[group_key]))
+        return calls
 
     def _chunk(self, group_key: Any, members: list[Request]) -> list[list[Request]]:
         """One forward for the group, or several when the cost model measured that to be faster."""
@@ -164,14 +196,47 @@ class EngineCore:
         elapsed = time.perf_counter() - started
         self.metrics.record_call(kind, batch.num_rows, elapsed)
         self.costs.observe((kind, batch.key), batch.num_rows, elapsed)
-        parts = split(output, batch.bounds)
+        self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
+
+    def _execute_packed(self, shapes: list[list[Request]]) -> None:
+        """One packed call for groups of several shapes; if it fails, each shape runs as its own call."""
+        assembling = time.perf_counter()
+        batches = [make_batch([request.pending for request in members]) for members in shapes]
+        first = shapes[0][0].pending
+        pack_key = (first.kind, first.pack.key)
+        contexts = [members[0].pending.pack.context for members in shapes]
+        started = time.perf_counter()
+        self.metrics.record_overhead(started - assembling)
+        try:
+            outputs = run_packed(first.pack, contexts, batches)
+        except Exception as exc:
+            # NOTE: per-shape calls then isolate the failing request (and each is retried alone if it fails).
+            logger.warning("a packed %s of %d shapes failed (%s); running each shape on its own", first.kind,
+                           len(shapes), exc)
+            for members in shapes:
+                self._execute(members)
+            return
+        elapsed = time.perf_counter() - started
+        rows = sum(batch.num_rows for batch in batches)
+        tokens = sum(request.pending.rows * request.pending.pack.tokens for members in shapes for request in members)
+        self.metrics.record_call(first.kind, rows, elapsed)
+        self.metrics.record_packed(rows, tokens, len(shapes))
+        self.packing.observe(pack_key, [((first.kind, batch.key), batch.num_rows) for batch in batches], elapsed)
+        for members, batch, output in zip(shapes, batches, outputs):
+            self._deliver(members, batch, output, elapsed, call_rows=rows)
+        self.metrics.record_overhead(time.perf_counter() - started - elapsed)
+
+    def _deliver(self, members: list[Request], batch: Any, output: Any, elapsed: float,
+                 call_rows: int | None = None) -> None:
+        """Cut a call's output into each request's rows and advance each request's program."""
+        parts = split(output, batch.bounds)
         for request, rows in zip(members, parts):
             item, request.pending = request.pending, None
             if item.step is not None:
                 request.steps_done = item.step + 1
                 request.stats.step_times.append(elapsed)
-                request.stats.batch_rows.append(batch.num_rows)
+                request.stats.batch_rows.append(call_rows or batch.num_rows)
             self._advance(request, rows)
 
     def _advance(self, request: Request, value: Any) -> None:

@@ -133,3 +133,75 @@ class BatchCostModel:
             if estimate is not None and estimate <= seconds:
                 best = rows
         return best
+
+
+# A group of several shapes that could pack: ((per-shape key, rows), ...) in a canonical order.
+PackSignature = tuple[tuple[Hashable, int], ...]
+
+
+class PackingCostModel:
+    """Packed call or one call per shape, for work items of several shapes that can pack.
+
+    Per-shape calls are estimated by the engine's `BatchCostModel`; packed calls are measured per signature
+    (which shapes, how many rows each) and, for signatures not seen yet, estimated from the measured ratio of
+    packed time to the per-shape estimate of earlier packed calls under the same pack key. Unknown costs are
+    explored (packed first, then per shape), and every `explore_every` decisions the other option is measured
+    again, so a machine or model where packing doesn't pay keeps its shapes apart.
+
+    >>> costs = BatchCostModel()
+    >>> packing = PackingCostModel(costs)
+    >>> packing.should_pack("flux", [("flux-32x32", 2), ("flux-64x64", 1)])
+    True
+    """
+
+    def __init__(self, per_shape: BatchCostModel, window: int = 5, explore_every: int = 50):
+        self.per_shape = per_shape
+        self.window = window
+        self.explore_every = explore_every
+        self._packed: dict[tuple[Hashable, PackSignature], deque[float]] = {}
+        self._ratios: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=4 * self.window))
+        self._warmed: set[tuple[Hashable, PackSignature]] = set()
+        self._decisions: Counter = Counter()
+
+    @staticmethod
+    def signature(parts: Sequence[tuple[Hashable, int]]) -> PackSignature:
+        return tuple(sorted(parts, key=repr))
+
+    def separate_estimate(self, parts: Sequence[tuple[Hashable, int]]) -> float | None:
+        estimates = [self.per_shape.estimate(key, rows) for key, rows in parts]
+        return None if any(e is None for e in estimates) else sum(estimates)
+
+    def packed_estimate(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]]) -> float | None:
+        samples = self._packed.get((pack_key, self.signature(parts)))
+        if samples:
+            return statistics.median(samples)
+        separate = self.separate_estimate(parts)
+        ratios = self._ratios.get(pack_key)
+        if separate is None or not ratios:
+            return None
+        return separate * statistics.median(ratios)
+
+    def should_pack(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]]) -> bool:
+        decision = self._decisions[pack_key]
+        self._decisions[pack_key] += 1
+        packed = self.packed_estimate(pack_key, parts)
+        if packed is None:
+            return True  # explore the packed call first
+        separate = self.separate_estimate(parts)
+        if separate is None:
+            return False  # measure the per-shape calls
+        choice = packed <= separate
+        if self.explore_every and decision % self.explore_every == self.explore_every - 1:
+            return not choice
+        return choice
+
+    def observe(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]], seconds: float) -> None:
+        """Record a packed call's time (the first call of a signature pays one-time costs and is skipped)."""
+        signature = self.signature(parts)
+        if (pack_key, signature) not in self._warmed:
+            self._warmed.add((pack_key, signature))
+            return
+        self._packed.setdefault((pack_key, signature), deque(maxlen=self.window)).append(seconds)
+        separate = self.separate_estimate(parts)
+        if separate:
+            self._ratios[pack_key].append(seconds / separate)

@@ -35,12 +35,20 @@ class EngineMetrics:
         self.engine_steps = 0
         self.started = time.time()
         self._recent_requests: deque[dict] = deque(maxlen=1000)
+        self.packed_calls: deque[tuple[int, int, int]] = deque(maxlen=history)  # (rows, tokens, shapes)
+        self.packed_total = 0
 
     def record_call(self, kind: str, rows: int, seconds: float) -> None:
         with self._lock:
             self.calls.append(CallRecord(time.time(), kind, rows, seconds))
             self.rows_histogram.setdefault(kind, Counter())[rows] += 1
             self.busy_seconds += seconds
+
+    def record_packed(self, rows: int, tokens: int, shapes: int) -> None:
+        """A call that packed rows of `shapes` different sizes (also counted by `record_call`)."""
+        with self._lock:
+            self.packed_calls.append((rows, tokens, shapes))
+            self.packed_total += 1
 
     def record_overhead(self, seconds: float) -> None:
         with self._lock:
@@ -91,4 +99,17 @@ class EngineMetrics:
                 "engine_steps": self.engine_steps,
                 "overhead_ms_per_step": 1000 * self.overhead_seconds / max(self.engine_steps, 1),
                 "requests": list(self._recent_requests),
+                "mixed": self._mixed(calls),
             }
+
+    def _mixed(self, denoise_calls: int) -> dict:
+        """Calls that mixed sizes: how many, and their rows, tokens and sizes per call (recent history)."""
+        recent = list(self.packed_calls)
+        mean = (lambda i: sum(c[i] for c in recent) / len(recent)) if recent else (lambda i: 0.0)
+        return {
+            "calls": self.packed_total,
+            "fraction_of_denoise_calls": self.packed_total / denoise_calls if denoise_calls else 0.0,
+            "rows_per_call": mean(0),
+            "tokens_per_call": mean(1),
+            "sizes_per_call": mean(2),
+        }

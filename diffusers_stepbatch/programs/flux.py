@@ -25,12 +25,21 @@ from ..adapters.ip_adapter import (
     per_row_ip_scales,
     plan_flux_ip_adapter,
 )
-from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
+from ..adapters.state import (
+    AdapterState,
+    adapters_unpackable,
+    lora_rows,
+    request_adapters,
+    text_lora_scale,
+    without_lora_scale,
+)
 from ..buffers import stack_rows
 from ..cache.prompt import cached_encode, encoder_namespace
 from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
-from ..engine.batch import WorkItem
+from ..engine.batch import Packable, WorkItem
+from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
+from ..packed.support import log_unpackable_once
 from .cfg import transformer_activation_bytes
 from .options import ProgramOptions, current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
@@ -191,12 +200,13 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, attention_kwargs, options.buffers)
     # NOTE: txt_ids/img_ids have no batch dim, so rows of one forward share image grid and text length.
     grid = (call.height // (pipe.vae_scale_factor * 2), call.width // (pipe.vae_scale_factor * 2))
-    key = (
-        "flux", grid, tuple(embeds[0].shape[1:]), tuple(pooled[0].shape[1:]), guidance is not None,
-        freeze(attention_kwargs), latents.dtype, embeds[0].dtype, str(latents.device),
-    )
+    shared_key = (tuple(pooled[0].shape[1:]), guidance is not None, freeze(attention_kwargs),
+                  latents.dtype, embeds[0].dtype, str(latents.device))
+    key = ("flux", grid, tuple(embeds[0].shape[1:]), *shared_key)
     if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
         key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in ip_embeds[0]))
+    pack = _packable(pipe.transformer, attention_kwargs, shared_key, (text_ids, image_ids),
+                     latents.shape[1] + embeds[0].shape[1], call)
 
     # 3. Denoising loop: one work item per step (two when the CFG policy splits the branches); the engine
     # batches it with other requests' items. Inputs are lists of row tensors: the batch is assembled once, in
@@ -238,7 +248,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                     "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
                     "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
                 }
-                outputs.append((yield WorkItem("denoise", key, inputs, denoise, rows=len(rows), step=i)))
+                outputs.append((yield WorkItem("denoise", key, inputs, denoise, rows=len(rows), step=i, pack=pack)))
             noise_pred = outputs[0]
             if call.do_true_cfg:
                 cond, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
@@ -335,6 +345,35 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
         max_sequence_length=max_sequence_length, lora_scale=lora_scale,
     )
     return embeds, pooled
+
+
+def _packable(transformer, joint_attention_kwargs, shared_key, ids, tokens, call) -> Packable | None:
+    """Rows of other image sizes and text lengths may share this request's forwards, unless the model forbids."""
+    reason = flux_packing_unsupported(transformer)
+    if reason is None and set(joint_attention_kwargs) - {"scale"}:
+        reason = f"joint_attention_kwargs {sorted(joint_attention_kwargs)} go to the attention processor"
+    if reason is None:
+        reason = adapters_unpackable(transformer, call.ip is not None)
+    if reason is not None:
+        log_unpackable_once("FluxPipeline", reason)
+        return None
+    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
+    return Packable(key=("flux.packed", *shared_key), run=run, context=ids, tokens=tokens)
+
+
+def _packed_denoise(transformer, joint_attention_kwargs, shapes):
+    parts = [
+        FluxPart(
+            hidden_states=torch.stack(inputs["hidden_states"]),
+            encoder_hidden_states=torch.stack(inputs["encoder_hidden_states"]),
+            pooled_projections=torch.stack(inputs["pooled_projections"]),
+            timestep=torch.stack(inputs["timestep"]),
+            guidance=None if inputs["guidance"] is None else torch.stack(inputs["guidance"]),
+            txt_ids=txt_ids, img_ids=img_ids, teacache=inputs["teacache"],
+        )
+        for (txt_ids, img_ids), inputs in shapes
+    ]
+    return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,

@@ -3,8 +3,9 @@
 Prompt embeddings of any length share a forward: every row brings its own embedding (a list entry), and the
 batched forward pads them to the batch's longest with `encoder_hidden_states_mask` (padded text tokens are
 masked out, and text RoPE positions don't depend on the padded length). RoPE takes `img_shapes[0]` for the
-whole batch, so the image grid is part of the key. True CFG adds the negative rows to the same forward;
-its scale and norm rescaling are applied per request after the split.
+whole batch, so the image grid is part of the key; requests of other grids share a packed call instead
+(`packed/qwenimage.py`: tokens of every row without padding, attention inside each row). True CFG adds the
+negative rows to the same forward; its scale and norm rescaling are applied per request after the split.
 """
 
 from __future__ import annotations
@@ -21,9 +22,18 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from ..adapters.state import AdapterState, lora_rows, request_adapters, text_encoder_state, without_lora_scale
+from ..adapters.state import (
+    AdapterState,
+    adapters_unpackable,
+    lora_rows,
+    request_adapters,
+    text_encoder_state,
+    without_lora_scale,
+)
 from ..decoders.vae import vae_decode_item
-from ..engine.batch import WorkItem
+from ..engine.batch import Packable, WorkItem
+from ..packed.qwenimage import QwenImagePart, qwenimage_packed_forward, qwenimage_packing_unsupported
+from ..packed.support import log_unpackable_once
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -131,8 +141,11 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     attention_kwargs = without_lora_scale(view._attention_kwargs)
     denoise = functools.partial(_denoise, pipe.transformer, grid, attention_kwargs)
-    key = ("qwenimage", grid, tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
-           freeze(attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
+    shared_key = (tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
+                  freeze(attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
+    key = ("qwenimage", grid, *shared_key)
+    longest_text = max(embeds.shape[1] for embeds, _ in branches)
+    pack = _packable(pipe.transformer, attention_kwargs, shared_key, grid, latents.shape[1] + longest_text)
 
     # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images].
     view.scheduler.set_begin_index(0)
@@ -152,7 +165,8 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                 "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
                 "lora": [call.adapters] * (len(branches) * images),
             }
-            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i)
+            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
+                                        pack=pack)
             if call.do_true_cfg:
                 noise_pred, negative_pred = noise_pred.chunk(2)
                 combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)
@@ -213,6 +227,30 @@ def _encode(pipe, args, texts, device):
 
 def _encode_text(pipe, device, prompt):
     return pipe._get_qwen_prompt_embeds(prompt, device)
+
+
+def _packable(transformer, attention_kwargs, shared_key, grid, tokens) -> Packable | None:
+    """Rows of other image grids (and text lengths) may share this request's forwards, unless the model forbids."""
+    reason = qwenimage_packing_unsupported(transformer)
+    if reason is None and set(attention_kwargs) - {"scale"}:
+        reason = f"attention_kwargs {sorted(attention_kwargs)} go to the attention processor"
+    if reason is None:
+        reason = adapters_unpackable(transformer, ip_adapter=False)
+    if reason is not None:
+        log_unpackable_once("QwenImagePipeline", reason)
+        return None
+    run = functools.partial(_packed_denoise, transformer, attention_kwargs)
+    return Packable(key=("qwenimage.packed", *shared_key), run=run, context=grid, tokens=tokens)
+
+
+def _packed_denoise(transformer, attention_kwargs, shapes):
+    """One packed forward for several grids' batches; text padding is dropped per row, not masked."""
+    parts = [
+        QwenImagePart(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], text=inputs["text"],
+                      text_mask=inputs["text_mask"], img_shapes=[grid])
+        for grid, inputs in shapes
+    ]
+    return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
 
 
 def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora):

@@ -23,9 +23,18 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
 
-from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
+from ..adapters.state import (
+    AdapterState,
+    adapters_unpackable,
+    lora_rows,
+    request_adapters,
+    text_lora_scale,
+    without_lora_scale,
+)
 from ..decoders.vae import vae_decode_item
-from ..engine.batch import WorkItem
+from ..engine.batch import Packable, WorkItem
+from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
+from ..packed.support import log_unpackable_once
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     check_call_size,
@@ -145,8 +154,11 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
 
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     jak = without_lora_scale(view._joint_attention_kwargs) or None
-    key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), tuple(pooled_embeds.shape[1:]),
-           freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
+    shared_key = (tuple(pooled_embeds.shape[1:]), freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
+    key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), *shared_key)
+    patch = pipe.transformer.config.patch_size
+    tokens = (latents.shape[2] // patch) * (latents.shape[3] // patch) + prompt_embeds.shape[1]
+    pack = _packable(pipe.transformer, jak, shared_key, tokens)
     skip_layers = args["skip_guidance_layers"]
     denoise = functools.partial(_denoise, pipe.transformer, jak)
 
@@ -174,7 +186,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 "skip_layers": skips,
                 "lora": [call.adapters] * len(skips),
             }
-            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i)
+            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack)
             noise_pred = output
             if call.do_cfg:
                 noise_uncond, noise_text = output[:images], output[images:2 * images]
@@ -258,6 +270,44 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
         lora_scale=lora_scale,
     )
     return embeds, pooled
+
+
+def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
+    """Rows of other latent sizes and text lengths may share this request's forwards, unless the model forbids."""
+    reason = sd3_packing_unsupported(transformer)
+    if reason is None and set(joint_attention_kwargs or {}) - {"scale"}:
+        reason = f"joint_attention_kwargs {sorted(joint_attention_kwargs)} go to the attention processor"
+    if reason is None:
+        reason = adapters_unpackable(transformer, ip_adapter=False)
+    if reason is not None:
+        log_unpackable_once("StableDiffusion3Pipeline", reason)
+        return None
+    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
+    return Packable(key=("sd3.packed", *shared_key), run=run, tokens=tokens)
+
+
+def _packed_denoise(transformer, joint_attention_kwargs, shapes):
+    """One packed forward per distinct skip set, each over that set's rows of every shape."""
+    outputs = [None] * len(shapes)
+    skip_sets = dict.fromkeys(skip for _, inputs in shapes for skip in inputs["skip_layers"])
+    for skip in skip_sets:
+        parts, picked = [], []
+        for index, (_, inputs) in enumerate(shapes):
+            rows = [r for r, row_skip in enumerate(inputs["skip_layers"]) if row_skip == skip]
+            if not rows:
+                continue
+            rows_index = torch.tensor(rows, device=inputs["hidden_states"].device)
+            pick = lambda name: inputs[name].index_select(0, rows_index)  # noqa: E731
+            parts.append(SD3Part(pick("hidden_states"), pick("encoder_hidden_states"), pick("pooled_projections"),
+                                 pick("timestep")))
+            picked.append((index, rows_index, len(inputs["skip_layers"])))
+        results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                                     skip_layers=None if skip is None else list(skip))
+        for (index, rows_index, total), result in zip(picked, results):
+            if outputs[index] is None:
+                outputs[index] = result.new_empty((total, *result.shape[1:]))
+            outputs[index].index_copy_(0, rows_index, result)
+    return outputs
 
 
 def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encoder_hidden_states, pooled_projections,

@@ -1,0 +1,168 @@
+"""Mixed resolutions: sequential plain calls vs per-size batching vs packed calls, side by side in one run.
+
+    python benchmarks/mixed_resolution.py            # both workloads, 8 concurrent requests over 4 sizes
+    python benchmarks/mixed_resolution.py --smoke    # a few seconds, for CI
+
+Each round submits N requests at once (closed loop) whose sizes cycle through the workload's 3-4 sizes and
+aspect ratios. Sides, each on its own `StepBatched` that is kept warm across rounds (as a server's would be):
+- sequential: the unwrapped pipeline, one request after another;
+- per-size: `StepBatched(pipe, mixed_resolution=False)`: one batched forward per size;
+- packed: `StepBatched(pipe)`: the engine packs sizes into one forward where it measured that to pay.
+Rounds interleave the sides; every side runs its model calls off the main thread and at each of `--threads`
+intra-op thread counts, and the best count per side is reported. Ratios are what to read, not seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from throughput import WORKLOADS, in_worker_thread, percentile  # noqa: E402
+
+from diffusers_stepbatch import SchedulerConfig, StepBatched  # noqa: E402
+from diffusers_stepbatch.testing import tiny_flux_pipeline  # noqa: E402
+
+# (height, width) per workload: square, smaller, and two aspect ratios of about the main size's tokens
+SIZE_MIXES = {
+    "overhead-bound": [(256, 256), (128, 128), (192, 320), (320, 192)],
+    "compute-bound": [(512, 512), (256, 256), (384, 640), (640, 384)],
+}
+
+
+def request_kwargs(i: int, sizes, steps: int) -> dict:
+    height, width = sizes[i % len(sizes)]
+    return dict(prompt=f"a red circle {i}", height=height, width=width, num_inference_steps=steps,
+                guidance_scale=3.5, generator=torch.Generator().manual_seed(i), output_type="pt",
+                max_sequence_length=32)
+
+
+def closed_loop(call, n: int, sizes, steps: int) -> dict:
+    """N requests at once from N client threads; returns wall time and per-request latencies."""
+    latencies = [0.0] * n
+    start = time.perf_counter()
+
+    def client(i: int) -> None:
+        call(**request_kwargs(i, sizes, steps)).images.cpu()
+        latencies[i] = time.perf_counter() - start
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"wall_s": time.perf_counter() - start, "latencies": latencies}
+
+
+def sequential(pipe, n: int, sizes, steps: int) -> dict:
+    def run():
+        latencies, start = [], time.perf_counter()
+        for i in range(n):
+            pipe(**request_kwargs(i, sizes, steps)).images.cpu()
+            latencies.append(time.perf_counter() - start)
+        return {"wall_s": time.perf_counter() - start, "latencies": latencies}
+
+    return in_worker_thread(run)
+
+
+def call_stats(sb: StepBatched, calls_before: int) -> dict:
+    stats = sb.stats()
+    denoise = [rows for _, rows in stats["denoise_rows_over_time"]][calls_before:]
+    return {"denoise_calls": len(denoise), "rows_per_call": statistics.fmean(denoise) if denoise else 0.0,
+            "packed_calls": stats["mixed"]["calls"], "tokens_per_packed_call": stats["mixed"]["tokens_per_call"]}
+
+
+def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int]) -> dict:
+    workload = WORKLOADS[workload_name]
+    sizes = SIZE_MIXES[workload_name]
+    pipe = tiny_flux_pipeline(size=workload.size)
+    engines = {
+        "per-size": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n), mixed_resolution=False),
+        "packed": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n)),
+    }
+    runs: dict[tuple[str, int], list[dict]] = {}
+    details: dict[str, dict] = {}
+    for count in threads:
+        torch.set_num_threads(count)
+        for side, sb in engines.items():  # warm-up round: the cost model explores its options here
+            closed_loop(sb, n, sizes, steps)
+        sequential(pipe, 1, sizes, steps)
+        for _ in range(rounds):
+            runs.setdefault(("sequential", count), []).append(sequential(pipe, n, sizes, steps))
+            for side, sb in engines.items():
+                before = len(sb.stats()["denoise_rows_over_time"])
+                runs.setdefault((side, count), []).append(closed_loop(sb, n, sizes, steps))
+                details[f"{side}@{count}"] = call_stats(sb, before)
+    for sb in engines.values():
+        sb.close()
+
+    result = {"workload": workload_name, "sizes": sizes, "concurrency": n, "steps": steps, "sides": {}}
+    for side in ("sequential", "per-size", "packed"):
+        per_count = {}
+        for count in threads:
+            walls = [r["wall_s"] for r in runs[(side, count)]]
+            latencies = [lat for r in runs[(side, count)] for lat in r["latencies"]]
+            per_count[count] = {"throughput_images_per_s": n / statistics.median(walls),
+                                "latency_p50_s": percentile(latencies, 0.5),
+                                "latency_p95_s": percentile(latencies, 0.95),
+                                **details.get(f"{side}@{count}", {})}
+        best = max(per_count, key=lambda c: per_count[c]["throughput_images_per_s"])
+        result["sides"][side] = {"best_threads": best, **per_count[best],
+                                 "by_threads": {str(c): v for c, v in per_count.items()}}
+    sides = result["sides"]
+    result["packed_vs_per_size"] = (sides["packed"]["throughput_images_per_s"]
+                                    / sides["per-size"]["throughput_images_per_s"])
+    result["packed_vs_sequential"] = (sides["packed"]["throughput_images_per_s"]
+                                      / sides["sequential"]["throughput_images_per_s"])
+    return result
+
+
+def print_result(result: dict) -> None:
+    print(f"\n{result['workload']}: {result['concurrency']} requests x {result['steps']} steps over sizes "
+          f"{', '.join(f'{h}x{w}' for h, w in result['sizes'])}")
+    print(f"{'side':<11} {'threads':>7} {'images/s':>9} {'p50 s':>7} {'p95 s':>7} {'calls':>6} {'rows/call':>9} "
+          f"{'packed':>6} {'tokens/packed':>13}")
+    for side, row in result["sides"].items():
+        print(f"{side:<11} {row['best_threads']:>7} {row['throughput_images_per_s']:>9.2f} "
+              f"{row['latency_p50_s']:>7.3f} {row['latency_p95_s']:>7.3f} {row.get('denoise_calls', '-'):>6} "
+              f"{row.get('rows_per_call', 0):>9.2f} {row.get('packed_calls', '-'):>6} "
+              f"{row.get('tokens_per_packed_call', 0):>13.0f}")
+    print(f"packed / per-size: {result['packed_vs_per_size']:.2f}x   "
+          f"packed / sequential: {result['packed_vs_sequential']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workloads", nargs="+", default=list(SIZE_MIXES), choices=list(SIZE_MIXES))
+    parser.add_argument("--smoke", action="store_true", help="2 requests x 2 steps, overhead-bound only, 1 round")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_resolution.json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.concurrency, args.steps, args.rounds, args.threads, args.workloads = 2, 2, 1, [1], ["overhead-bound"]
+    results = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "workloads": []}
+    for name in args.workloads:
+        result = bench(name, args.concurrency, args.steps, args.rounds, args.threads)
+        print_result(result)
+        results["workloads"].append(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

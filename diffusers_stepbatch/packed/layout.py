@@ -1,0 +1,142 @@
+"""Token packing for mixed-resolution transformer calls: the rows of several shapes in one flat sequence.
+
+A packed call holds *parts*: groups of rows that share a shape (a request's rows, or several same-size
+requests). Each row has one span of tokens per *stream* (Flux: text, image). A stream's packed tensor is
+[tokens, ...] with the parts one after another and, inside a part, the rows one after another; nothing is
+padded. Token-wise layers (linear, norms, MLPs) run once over a packed tensor; per-row conditioning reaches
+the tokens through `per_token`; self-attention stays inside each row through `attend`, which gathers a part's
+rows as one SDPA batch and scatters the result back (recover-scatter).
+
+>>> layout = PackedLayout(rows=[2, 1], lengths=[(4, 16), (4, 64)])   # 2 rows of 4 + 16 tokens, 1 of 4 + 64
+>>> layout.tokens(1)                                                  # image tokens in all: 2 * 16 + 64
+96
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: int  # first token of the part in its stream
+    length: int  # tokens per row
+
+
+class PackedLayout:
+    """Where each part's rows sit in each packed stream, and which row every token belongs to.
+
+    Args:
+        rows: rows per part.
+        lengths: per part, tokens per row in each stream (every part has the same number of streams).
+        device: where the token-to-row indices live.
+    """
+
+    def __init__(self, rows: Sequence[int], lengths: Sequence[Sequence[int]], device: torch.device | str = "cpu"):
+        if not rows or len(rows) != len(lengths):
+            raise ValueError(f"need one lengths tuple per part, got rows={list(rows)} and lengths={list(lengths)}")
+        self.rows = [int(r) for r in rows]
+        self.lengths = [tuple(int(n) for n in part) for part in lengths]
+        self.num_streams = len(self.lengths[0])
+        self.row_starts = [sum(self.rows[:p]) for p in range(len(self.rows))]
+        self.num_rows = sum(self.rows)
+        self.spans: list[list[_Span]] = []  # spans[part][stream]
+        totals = [0] * self.num_streams
+        for part_rows, part_lengths in zip(self.rows, self.lengths):
+            self.spans.append([_Span(totals[k], n) for k, n in enumerate(part_lengths)])
+            for k, n in enumerate(part_lengths):
+                totals[k] += part_rows * n
+        self._totals = totals
+        self.token_rows = [
+            torch.cat([
+                torch.arange(start, start + part_rows, device=device).repeat_interleave(part_lengths[k])
+                for start, part_rows, part_lengths in zip(self.row_starts, self.rows, self.lengths)
+            ])
+            for k in range(self.num_streams)
+        ]
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.rows)
+
+    def tokens(self, stream: int) -> int:
+        return self._totals[stream]
+
+    def pack(self, stream: int, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[rows, length, ...] per part -> [tokens, ...] for one stream."""
+        flat = [part.reshape(-1, *part.shape[2:]) for part in parts]
+        return flat[0] if len(flat) == 1 else torch.cat(flat)
+
+    def unpack(self, stream: int, packed: torch.Tensor) -> list[torch.Tensor]:
+        """[tokens, ...] of one stream -> [rows, length, ...] per part."""
+        out = []
+        for part_rows, spans in zip(self.rows, self.spans):
+            span = spans[stream]
+            out.append(packed[span.start:span.start + part_rows * span.length].unflatten(0, (part_rows, span.length)))
+        return out
+
+    def per_token(self, stream: int, per_row: torch.Tensor) -> torch.Tensor:
+        """Row values [rows, ...] repeated for every token of one stream: [tokens, ...]."""
+        return per_row.index_select(0, self.token_rows[stream])
+
+    def row_tokens(self, stream: int, part: int, first: int, end: int) -> slice:
+        """The packed tokens of rows [first, end) of `part` (indices inside the part) in one stream."""
+        span = self.spans[part][stream]
+        return slice(span.start + first * span.length, span.start + end * span.length)
+
+    def part_of_row(self, row: int) -> tuple[int, int]:
+        """(part, index inside the part) of a global row."""
+        for part, start in enumerate(self.row_starts):
+            if start <= row < start + self.rows[part]:
+                return part, row - start
+        raise IndexError(f"row {row} is outside the layout's {self.num_rows} rows")
+
+    def select_rows(self, rows: Sequence[int]) -> tuple[PackedLayout, list[torch.Tensor]]:
+        """A layout of only `rows` (in order, parts kept together) and, per stream, the tokens they keep."""
+        kept_rows, kept_lengths, indices = [], [], [[] for _ in range(self.num_streams)]
+        by_part: dict[int, list[int]] = {}
+        for row in rows:
+            part, inner = self.part_of_row(row)
+            by_part.setdefault(part, []).append(inner)
+        for part, inners in by_part.items():
+            kept_rows.append(len(inners))
+            kept_lengths.append(self.lengths[part])
+            for k in range(self.num_streams):
+                for inner in inners:
+                    token_slice = self.row_tokens(k, part, inner, inner + 1)
+                    indices[k].append(torch.arange(token_slice.start, token_slice.stop))
+        device = self.token_rows[0].device
+        index = [torch.cat(parts).to(device) for parts in indices]
+        return PackedLayout(kept_rows, kept_lengths, device=device), index
+
+
+# attention(query, key, value) on [rows, sequence, heads, head_dim] tensors -> [rows, sequence, heads, head_dim]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
+           values: Sequence[torch.Tensor], attention: AttentionFn) -> list[torch.Tensor]:
+    """Self-attention inside each row over its streams' tokens, in stream order (recover-scatter).
+
+    `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's packed output
+    [tokens, heads * head_dim]. The rows of one part attend as one batch; no token sees another row's.
+    """
+    outputs = [q.new_empty(q.shape[0], q.shape[1] * q.shape[2]) for q in queries]
+    for part_rows, spans in zip(layout.rows, layout.spans):
+        gathered = []
+        for tensors in (queries, keys, values):
+            pieces = [
+                tensor[span.start:span.start + part_rows * span.length].unflatten(0, (part_rows, span.length))
+                for tensor, span in zip(tensors, spans)
+            ]
+            gathered.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
+        out = attention(*gathered).flatten(2, 3)
+        offset = 0
+        for k, span in enumerate(spans):
+            outputs[k][span.start:span.start + part_rows * span.length] = \
+                out[:, offset:offset + span.length].reshape(-1, out.shape[-1])
+            offset += span.length
+    return outputs

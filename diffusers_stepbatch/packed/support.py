@@ -1,0 +1,37 @@
+"""When a packed forward may stand in for a transformer's own forward, and when it must not."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
+
+
+def unsupported_reason(transformer, processor_class: type) -> str | None:
+    """Why driving `transformer`'s submodules directly could differ from its forward, or None.
+
+    A packed forward re-implements the model's forward around its submodules, so anything that changes that
+    forward from outside is a reason to keep to per-size batches: another attention processor (IP-Adapter,
+    custom kernels), fused projections, diffusers hooks (caches, layer skipping) or a model-level offload hook.
+    """
+    if getattr(transformer, "_hf_hook", None) is not None:
+        return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
+    for name, module in transformer.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and registry.hooks:
+            return f"diffusers hooks {sorted(registry.hooks)} are registered on {name or 'the transformer'}"
+        processor = getattr(module, "processor", None)
+        if processor is not None and type(processor) is not processor_class:
+            return f"{name} uses {type(processor).__name__}, not {processor_class.__name__}"
+        if getattr(module, "fused_projections", False):
+            return f"{name} has fused QKV projections"
+    return None
+
+
+def log_unpackable_once(family: str, reason: str) -> None:
+    """One info line per (family, reason): the request runs in per-size batches instead of packed calls."""
+    if (family, reason) not in _logged:
+        _logged.add((family, reason))
+        logger.info("%s: mixed-resolution packing is off because %s; requests of different sizes run in "
+                    "separate batches", family, reason)

@@ -1,0 +1,82 @@
+"""The packed layout (no token sees another row's) and the packed-or-per-size decision, with made-up costs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusers_stepbatch.engine.costs import BatchCostModel, PackingCostModel
+from diffusers_stepbatch.packed.layout import PackedLayout, attend
+
+
+def sdpa(query, key, value):
+    return F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                          value.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("rows, lengths", [
+    ([2, 1], [(3, 4), (5, 16)]),
+    ([1, 3, 2], [(2, 1), (2, 9), (7, 4)]),
+])
+def test_attend_keeps_each_row_to_itself(rows, lengths):
+    layout = PackedLayout(rows, lengths)
+    heads, dim = 2, 4
+    generator = torch.Generator().manual_seed(0)
+    streams = [[torch.randn(layout.tokens(k), heads, dim, generator=generator) for k in range(2)] for _ in range(3)]
+    packed = attend(layout, *streams, sdpa)
+    for part, part_rows in enumerate(rows):
+        for inner in range(part_rows):
+            slices = [layout.row_tokens(k, part, inner, inner + 1) for k in range(2)]
+            q, k, v = (torch.cat([s[k_][slices[k_]] for k_ in range(2)]).unsqueeze(0) for s in streams)
+            alone = sdpa(q, k, v).flatten(2, 3)[0]
+            got = torch.cat([packed[k_][slices[k_]] for k_ in range(2)])
+            assert torch.allclose(got, alone, atol=1e-6)
+
+
+def test_layout_round_trips_and_selects_rows():
+    layout = PackedLayout([2, 1], [(3, 4), (5, 16)])
+    parts = [torch.arange(2 * 4).reshape(2, 4, 1).float(), 100 + torch.arange(16).reshape(1, 16, 1).float()]
+    packed = layout.pack(1, parts)
+    assert packed.shape == (24, 1)
+    assert all(torch.equal(a, b) for a, b in zip(layout.unpack(1, packed), parts))
+    assert layout.per_token(1, torch.tensor([10.0, 20.0, 30.0])).tolist() == [10.0] * 4 + [20.0] * 4 + [30.0] * 16
+    sub, (text_index, image_index) = layout.select_rows([1, 2])
+    assert sub.rows == [1, 1] and sub.lengths == [(3, 4), (5, 16)]
+    assert image_index.tolist() == list(range(4, 24)) and text_index.tolist() == list(range(3, 11))
+    with pytest.raises(ValueError, match="one lengths tuple per part"):
+        PackedLayout([1, 2], [(1, 1)])
+
+
+def warm(costs, key, rows, seconds, times=2):
+    for _ in range(times):  # the first observation at a shape is warm-up and not recorded
+        costs.observe(key, rows, seconds)
+
+
+PARTS = [("small", 4), ("large", 2)]
+
+
+@pytest.mark.parametrize("packed_seconds, separate_seconds, expected", [(0.05, (0.04, 0.05), True),
+                                                                         (0.12, (0.04, 0.05), False)])
+def test_packing_follows_the_measurements(packed_seconds, separate_seconds, expected):
+    costs = BatchCostModel()
+    packing = PackingCostModel(costs, explore_every=0)
+    assert packing.should_pack("flux", PARTS)  # nothing measured: explore the packed call
+    packing.observe("flux", PARTS, packed_seconds)  # warm-up
+    assert packing.should_pack("flux", PARTS)
+    packing.observe("flux", PARTS, packed_seconds)
+    assert not packing.should_pack("flux", PARTS)  # per-size calls unmeasured: measure them
+    for (key, rows), seconds in zip(PARTS, separate_seconds):
+        warm(costs, key, rows, seconds)
+    assert [packing.should_pack("flux", PARTS) for _ in range(5)] == [expected] * 5
+
+
+def test_unseen_mixes_are_estimated_from_the_measured_ratio_and_explored_again():
+    costs = BatchCostModel()
+    packing = PackingCostModel(costs, explore_every=10)
+    for key, rows, seconds in [("small", 4, 0.04), ("large", 2, 0.05), ("small", 2, 0.03), ("large", 1, 0.04)]:
+        warm(costs, key, rows, seconds)
+    for _ in range(2):
+        packing.observe("flux", PARTS, 0.045)  # half the per-size estimate of 0.09
+    other = [("small", 2), ("large", 1)]
+    assert packing.packed_estimate("flux", other) == pytest.approx(0.07 * 0.5)
+    decisions = [packing.should_pack("flux", other) for _ in range(20)]
+    assert decisions.count(False) == 2 and decisions[9] is False and decisions[19] is False
