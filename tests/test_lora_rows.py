@@ -101,3 +101,14 @@ def test_mismatched_input_shape_is_an_error():
     with torch.no_grad(), per_row_lora(model, [{"a": 1.0}] * 3):
         with pytest.raises(RuntimeError, match="matches neither 3 rows"):
             model(**inputs, return_dict=False)
+
+
+def test_streams_that_coincide_in_length_but_not_in_rows_are_refused():
+    from diffusers_stepbatch.adapters.lora import RowPlan, streams_ambiguous
+
+    same = torch.tensor([0, 0, 1])
+    assert not streams_ambiguous(2, [same, same.clone(), torch.tensor([0, 1, 1, 1])])
+    assert streams_ambiguous(2, [same, torch.tensor([0, 1, 1])])  # 3 tokens each, different rows
+    assert streams_ambiguous(2, [torch.tensor([1, 0])])  # as long as the rows, in another order
+    with pytest.raises(ValueError, match="can't be told apart by shape"):
+        RowPlan([{}, {}], [same, torch.tensor([0, 1, 1])])

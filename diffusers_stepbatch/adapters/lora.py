@@ -12,9 +12,11 @@ diffusers' `scale` from `joint_attention_kwargs`/`cross_attention_kwargs` multip
 scale`. A row with no adapters gets the base layer exactly, and a layer whose adapters are fused (`fuse_lora`,
 peft's `merged`) runs its (fused) base layer for every row, as peft does.
 
-Rows are dim 0 of a layer input. For packed inputs (several requests' tokens concatenated into one sequence,
-shape [1, T, ...]), pass `token_rows` ([T]: each token's row); an input whose dims 0 and 1 are 1 and T is then
-weighted per token, any other input (per-request embeddings such as the timestep's) per row.
+Rows are dim 0 of a layer input. For packed inputs (several requests' tokens concatenated into one sequence),
+pass `token_rows`: per token stream, each token's row ([T] each; e.g. Flux's text, image and joint streams). A
+layer input with the rows along dim 0 is weighted per row (per-request embeddings such as the timestep's); one
+of shape [T, ...] or [1, T, ...] per token of the stream with T tokens. Streams whose lengths coincide but
+whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand.
 
 >>> rows = [{"pixel": 1.0}, {}, {"ink": 0.7, "pixel": 0.3}]
 >>> with per_row_lora(pipe.transformer, rows):
@@ -67,12 +69,29 @@ class _Use(NamedTuple):
     weight: float | torch.Tensor  # one weight for all of them, or one per element (float64)
 
 
+def streams_ambiguous(num_rows: int, token_rows: Sequence[torch.Tensor]) -> bool:
+    """True when two token streams (or a stream and the rows) have the same length but map to rows differently:
+    their inputs can't be told apart by shape, so `per_row_lora` refuses them (run such rows per shape)."""
+    seen = {num_rows: torch.arange(num_rows)}
+    for mapping in token_rows:
+        mapping = mapping.cpu()
+        other = seen.setdefault(mapping.shape[0], mapping)
+        if other is not mapping and not torch.equal(other, mapping):
+            return True
+    return False
+
+
 class RowPlan:
     """Which rows (or tokens) use which adapter with which weight, for one forward."""
 
-    def __init__(self, rows: Sequence[Mapping[str, float]], token_rows: torch.Tensor | None = None):
+    def __init__(self, rows: Sequence[Mapping[str, float]],
+                 token_rows: torch.Tensor | Sequence[torch.Tensor] | None = None):
         self.num_rows = len(rows)
-        self.token_rows = token_rows
+        streams = [] if token_rows is None else [token_rows] if isinstance(token_rows, torch.Tensor) else token_rows
+        if streams_ambiguous(self.num_rows, streams):
+            raise ValueError(f"token streams of lengths {[len(t) for t in streams]} (and {self.num_rows} rows) "
+                             "can't be told apart by shape; run these rows per shape")
+        self.streams = {int(t.shape[0]): t.cpu() for t in streams}  # element count -> each element's row
         self.adapters: dict[str, list[tuple[int, float]]] = {}
         for row, weights in enumerate(rows):
             for name, weight in weights.items():
@@ -82,25 +101,25 @@ class RowPlan:
 
     def uses(self, x: torch.Tensor) -> tuple[int, list[_Use]]:
         """(the row dim of layer input `x`, where each adapter applies in it)."""
-        tokens = self.token_rows
-        if tokens is not None and x.dim() >= 3 and x.shape[0] == 1 and x.shape[1] == tokens.shape[0]:
-            dim = 1
-        elif x.shape[0] == self.num_rows:
-            dim = 0
+        if x.shape[0] == self.num_rows:
+            dim, count = 0, None
+        elif x.shape[0] in self.streams:  # packed tokens [tokens, ...]
+            dim, count = 0, x.shape[0]
+        elif x.dim() >= 3 and x.shape[0] == 1 and x.shape[1] in self.streams:  # packed tokens [1, tokens, ...]
+            dim, count = 1, x.shape[1]
         else:
-            shape = tuple(x.shape)
-            expected = f"{self.num_rows} rows" + ("" if tokens is None else f" or [1, {tokens.shape[0]}, ...] tokens")
-            raise RuntimeError(f"a LoRA layer input of shape {shape} matches neither {expected}")
-        key = (dim, x.device)
+            expected = " or ".join([f"{self.num_rows} rows"] + [f"{n} tokens" for n in self.streams])
+            raise RuntimeError(f"a LoRA layer input of shape {tuple(x.shape)} matches neither {expected}")
+        key = (dim, count, x.device)
         if key not in self._uses:
-            self._uses[key] = [self._use(name, uses, dim, x.device) for name, uses in self.adapters.items()]
+            self._uses[key] = [self._use(name, uses, count, x.device) for name, uses in self.adapters.items()]
         return dim, self._uses[key]
 
-    def _use(self, name: str, uses: list[tuple[int, float]], dim: int, device: Any) -> _Use:
+    def _use(self, name: str, uses: list[tuple[int, float]], count: int | None, device: Any) -> _Use:
         weight_of_row = torch.zeros(self.num_rows, dtype=torch.float64)
         for row, weight in uses:
             weight_of_row[row] = weight
-        every = weight_of_row[self.token_rows.cpu()] if dim == 1 else weight_of_row  # per token: its row's
+        every = weight_of_row if count is None else weight_of_row[self.streams[count]]  # a token takes its row's
         used = torch.nonzero(every, as_tuple=True)[0]
         weights = every[used]
         weight = float(weights[0]) if bool((weights == weights[0]).all()) else weights.to(device)
@@ -149,7 +168,7 @@ def _row_forward(layer: Any, plan: RowPlan, x: torch.Tensor, *args: Any, **kwarg
 
 @contextlib.contextmanager
 def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
-                 token_rows: torch.Tensor | None = None) -> Iterator[None]:
+                 token_rows: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Iterator[None]:
     """Inside, every LoRA layer of `model` applies row r's adapters `rows[r]` ({name: weight x scale}).
 
     The swap is per forward and undone on exit; the layers' own active adapters and scalings are not read.

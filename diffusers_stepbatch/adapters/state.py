@@ -132,11 +132,12 @@ def _check_supported(model: torch.nn.Module, weights: Mapping[str, float]) -> No
                                  "supports Linear and Conv layers")
 
 
-def lora_rows(model: torch.nn.Module, states: list[AdapterState | None]) -> contextlib.AbstractContextManager:
+def lora_rows(model: torch.nn.Module, states: list[AdapterState | None],
+              token_rows: Any = None) -> contextlib.AbstractContextManager:
     """The per-row LoRA context of one denoiser forward (a no-op when the model has no LoRA layers)."""
     if not lora_layers(model):
         return contextlib.nullcontext()
-    return per_row_lora(model, [state.row if state is not None else {} for state in states])
+    return per_row_lora(model, [state.row if state is not None else {} for state in states], token_rows)
 
 
 def text_encoder_state(encoders: list[Any]) -> tuple | None:
@@ -173,9 +174,9 @@ def text_lora_scale(encoders: list[Any], lora_scale: Any) -> tuple[Any, tuple | 
 def adapters_unpackable(model: torch.nn.Module, ip_adapter: bool) -> str | None:
     """Why a request on `model` can't join packed mixed-resolution forwards, or None.
 
-    NOTE: per_row_lora's per-token mode is tested at the layer level, but the packed forwards (`packed/`) feed
-    layers [tokens, dim] streams of several lengths (text, image, joint); until each call names its stream, rows
-    with LoRA layers or IP-Adapter image tokens run in per-size forwards (where adapters still mix per row).
+    NOTE: the Flux program maps its packed streams to rows (per_row_lora's `token_rows`); SD3's and
+    Qwen-Image's packed forwards aren't wired yet, so there rows on a model with LoRA layers run in per-size
+    forwards (where adapters still mix per row).
     """
     if lora_layers(model):
         return "per-request LoRA is not wired into packed forwards yet"

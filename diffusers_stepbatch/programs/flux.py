@@ -25,9 +25,9 @@ from ..adapters.ip_adapter import (
     per_row_ip_scales,
     plan_flux_ip_adapter,
 )
+from ..adapters.lora import lora_layers, streams_ambiguous
 from ..adapters.state import (
     AdapterState,
-    adapters_unpackable,
     lora_rows,
     request_adapters,
     text_lora_scale,
@@ -39,6 +39,7 @@ from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
+from ..packed.layout import PackedLayout
 from ..packed.support import log_unpackable_once
 from .cfg import transformer_activation_bytes
 from .options import ProgramOptions, current_options
@@ -352,8 +353,8 @@ def _packable(transformer, joint_attention_kwargs, shared_key, ids, tokens, call
     reason = flux_packing_unsupported(transformer)
     if reason is None and set(joint_attention_kwargs) - {"scale"}:
         reason = f"joint_attention_kwargs {sorted(joint_attention_kwargs)} go to the attention processor"
-    if reason is None:
-        reason = adapters_unpackable(transformer, call.ip is not None)
+    if reason is None and call.ip is not None:
+        reason = "IP-Adapter image tokens are not wired into packed forwards yet"
     if reason is not None:
         log_unpackable_once("FluxPipeline", reason)
         return None
@@ -373,7 +374,21 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
         )
         for (txt_ids, img_ids), inputs in shapes
     ]
-    return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+    if not lora_layers(transformer):
+        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+    # Per-row LoRA over the packed streams (text, image, and the single blocks' joint text + image tokens).
+    layout = PackedLayout(rows=[p.hidden_states.shape[0] for p in parts],
+                          lengths=[(p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts])
+    streams = [*layout.token_rows, torch.cat(layout.token_rows)]
+    lora = [row for _, inputs in shapes for row in inputs["lora"]]
+    teacache = any(state is not None for part in parts for state in part.teacache or ())
+    if teacache or streams_ambiguous(len(lora), streams):
+        # NOTE: TeaCache's packed sub-calls (fewer rows) and streams of coinciding lengths can't be mapped to
+        # rows by shape: these shapes run one ordinary forward each, adapters still per row.
+        return [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
+                for (txt_ids, img_ids), inputs in shapes]
+    with lora_rows(transformer, lora, token_rows=streams):
+        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
