@@ -179,14 +179,17 @@ def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
         yield
         return
     plan = RowPlan(rows, token_rows)
-    for layer in layers:
-        if "forward" in vars(layer):
-            raise RuntimeError(f"{type(layer).__name__} already has an instance forward (a hook?); per-row "
-                               "LoRA would bypass it")
-        # NOTE: no row uses an adapter: the base layer (fused adapters included, as peft runs a merged layer)
-        layer.forward = functools.partial(_row_forward if plan.adapters else _base_forward, layer, plan)
+    # NOTE: no row uses an adapter: the base layers (fused adapters included, as peft runs a merged layer)
+    forward = _row_forward if plan.adapters else _base_forward
+    installed = []
     try:
+        for layer in layers:
+            if "forward" in vars(layer):
+                raise RuntimeError(f"{type(layer).__name__} already has an instance forward (a hook?); per-row "
+                                   "LoRA would bypass it")
+            layer.forward = functools.partial(forward, layer, plan)
+            installed.append(layer)
         yield
     finally:
-        for layer in layers:
+        for layer in installed:
             vars(layer).pop("forward", None)
