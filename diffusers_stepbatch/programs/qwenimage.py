@@ -22,9 +22,9 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
+from ..adapters.lora import lora_layers, streams_ambiguous
 from ..adapters.state import (
     AdapterState,
-    adapters_unpackable,
     lora_rows,
     request_adapters,
     text_encoder_state,
@@ -32,7 +32,12 @@ from ..adapters.state import (
 )
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
-from ..packed.qwenimage import QwenImagePart, qwenimage_packed_forward, qwenimage_packing_unsupported
+from ..packed.qwenimage import (
+    QwenImagePart,
+    packed_row_order,
+    qwenimage_packed_forward,
+    qwenimage_packing_unsupported,
+)
 from ..packed.support import log_unpackable_once
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -234,8 +239,6 @@ def _packable(transformer, attention_kwargs, shared_key, grid, tokens) -> Packab
     reason = qwenimage_packing_unsupported(transformer)
     if reason is None and set(attention_kwargs) - {"scale"}:
         reason = f"attention_kwargs {sorted(attention_kwargs)} go to the attention processor"
-    if reason is None:
-        reason = adapters_unpackable(transformer, ip_adapter=False)
     if reason is not None:
         log_unpackable_once("QwenImagePipeline", reason)
         return None
@@ -250,7 +253,16 @@ def _packed_denoise(transformer, attention_kwargs, shapes):
                       text_mask=inputs["text_mask"], img_shapes=[grid])
         for grid, inputs in shapes
     ]
-    return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+    if not lora_layers(transformer):
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+    # Per-row LoRA over the packed streams: the packed forward orders the rows itself (packed_row_order).
+    lora = [row for _, inputs in shapes for row in inputs["lora"]]
+    order, tokens = packed_row_order(parts)
+    streams = [torch.arange(len(order)).repeat_interleave(torch.tensor([n[k] for n in tokens])) for k in (0, 1)]
+    if streams_ambiguous(len(lora), streams):  # NOTE: shapes can't tell these streams apart: one call per grid
+        return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
+    with lora_rows(transformer, [lora[r] for r in order], token_rows=streams):
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
 
 
 def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora):
