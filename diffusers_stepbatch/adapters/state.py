@@ -170,16 +170,3 @@ def text_lora_scale(encoders: list[Any], lora_scale: Any) -> tuple[Any, tuple | 
     state = text_encoder_state(encoders)
     return (lora_scale if state is not None else None), state
 
-
-def adapters_unpackable(model: torch.nn.Module, ip_adapter: bool) -> str | None:
-    """Why a request on `model` can't join packed mixed-resolution forwards, or None.
-
-    NOTE: the Flux and Qwen-Image programs map their packed streams to rows (per_row_lora's `token_rows`);
-    SD3's packed forward runs its patch embedding per size (inputs of one size's rows), which that mapping can't
-    place, so there rows on a model with LoRA layers run in per-size forwards (adapters still mix per row).
-    """
-    if lora_layers(model):
-        return "per-request LoRA is not wired into packed forwards yet"
-    if ip_adapter:
-        return "IP-Adapter image tokens are not wired into packed forwards yet"
-    return None

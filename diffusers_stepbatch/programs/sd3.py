@@ -23,9 +23,9 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
 
+from ..adapters.lora import lora_layers, streams_ambiguous
 from ..adapters.state import (
     AdapterState,
-    adapters_unpackable,
     lora_rows,
     request_adapters,
     text_lora_scale,
@@ -33,6 +33,7 @@ from ..adapters.state import (
 )
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import log_unpackable_once
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -277,8 +278,6 @@ def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packab
     reason = sd3_packing_unsupported(transformer)
     if reason is None and set(joint_attention_kwargs or {}) - {"scale"}:
         reason = f"joint_attention_kwargs {sorted(joint_attention_kwargs)} go to the attention processor"
-    if reason is None:
-        reason = adapters_unpackable(transformer, ip_adapter=False)
     if reason is not None:
         log_unpackable_once("StableDiffusion3Pipeline", reason)
         return None
@@ -288,10 +287,15 @@ def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packab
 
 def _packed_denoise(transformer, joint_attention_kwargs, shapes):
     """One packed forward per distinct skip set, each over that set's rows of every shape."""
+    layers = lora_layers(transformer)
+    if any(layer in layers for layer in transformer.pos_embed.modules()):
+        # NOTE: the packed forward embeds patches per size (inputs of one size's rows): per-row LoRA there
+        # can't be mapped to the packed rows, so each shape runs its own forward (adapters still per row).
+        return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
     outputs = [None] * len(shapes)
     skip_sets = dict.fromkeys(skip for _, inputs in shapes for skip in inputs["skip_layers"])
     for skip in skip_sets:
-        parts, picked = [], []
+        parts, picked, lora = [], [], []
         for index, (_, inputs) in enumerate(shapes):
             rows = [r for r, row_skip in enumerate(inputs["skip_layers"]) if row_skip == skip]
             if not rows:
@@ -301,8 +305,16 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
             parts.append(SD3Part(pick("hidden_states"), pick("encoder_hidden_states"), pick("pooled_projections"),
                                  pick("timestep")))
             picked.append((index, rows_index, len(inputs["skip_layers"])))
-        results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
-                                     skip_layers=None if skip is None else list(skip))
+            lora += [inputs["lora"][r] for r in rows]
+        patch = transformer.config.patch_size
+        layout = PackedLayout(rows=[p.hidden_states.shape[0] for p in parts],
+                              lengths=[((p.hidden_states.shape[2] // patch) * (p.hidden_states.shape[3] // patch),
+                                        p.encoder_hidden_states.shape[1]) for p in parts])
+        if layers and streams_ambiguous(len(lora), layout.token_rows):
+            return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
+        with lora_rows(transformer, lora, token_rows=layout.token_rows):  # streams: image, then text tokens
+            results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                                         skip_layers=None if skip is None else list(skip))
         for (index, rows_index, total), result in zip(picked, results):
             if outputs[index] is None:
                 outputs[index] = result.new_empty((total, *result.shape[1:]))
