@@ -275,3 +275,38 @@ def test_teacache_requests_of_different_sizes_with_adapters_equal_their_solo_run
         assert max_diff(got, want) <= TOLERANCE, kwargs
     assert mixed_calls > 0
     assert not [r for r in caplog.records if "packed" in r.getMessage()]  # no packed call failed and fell back
+
+
+def test_sd3_adapter_on_the_patch_embedding_runs_one_forward_per_size(caplog):
+    """pos_embed runs per size inside SD3's packed forward: with an adapter there, each shape runs alone."""
+    from peft import LoraConfig
+
+    from diffusers_stepbatch import SchedulerConfig
+
+    pipe = tiny_sd3_pipeline()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["pos_embed.proj", "to_q"],
+                                                init_lora_weights=False), adapter_name="p")
+    requests = [dict(call_kwargs("sd3", adapters, None, "a red circle", seed), height=h, width=w)
+                for adapters, seed, (h, w) in [({"p": 1.0}, 0, (32, 32)), ({}, 1, (32, 48)), ({"p": 0.5}, 2, (48, 32))]]
+    pipe.set_adapters(["p"])
+    expected = [plain_run_with(pipe, kwargs, kwargs["adapters"]) for kwargs in requests]
+    caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
+    with StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=16, cost_aware=False)) as sb:
+        results = submit_all(sb, requests)
+    for kwargs, got, want in zip(requests, results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE, kwargs
+    assert not [r for r in caplog.records if "packed" in r.getMessage()]
+
+
+def plain_run_with(pipe, kwargs, adapters):
+    kwargs = {k: v for k, v in kwargs.items() if k != "adapters"}
+    if adapters:
+        pipe.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        pipe.disable_lora()
+    try:
+        return pipe(**seeded(kwargs)).images
+    finally:
+        pipe.enable_lora()
