@@ -125,6 +125,8 @@ def run_stepbatched(pipe, make_kwargs, n: int, arrivals: list[float]) -> dict:
     result = summarize(latencies, wall)
     result["mean_batch_rows"] = stats["mean_denoise_rows"]
     result["engine_overhead_ms_per_step"] = stats["overhead_ms_per_step"]
+    result["outside_model_ms_per_step"] = stats["outside_model_ms_per_step"]
+    result["ms_per_step"] = 1000 * wall / max(stats["engine_steps"], 1)
     return result
 
 
@@ -240,12 +242,14 @@ def print_result(result: dict) -> None:
     closed, poisson, ratios = result["closed_loop"], result["poisson"], result["ratios"]
     print(f"\n== {result['workload']}: {result['transformer_params'] / 1e6:.2f}M-param Flux transformer, "
           f"{result['image_tokens']} image tokens, {result['concurrency']} requests x {result['steps']} steps")
-    header = f"{'':28}{'images/s':>10}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'rows':>7}{'ovh ms':>8}"
+    header = (f"{'':28}{'images/s':>10}{'mean s':>9}{'p50 s':>9}{'p95 s':>9}{'rows':>7}{'ovh ms':>8}"
+              f"{'outside model ms':>18}{'step ms':>9}")
     print(header)
     rows = [("sequential (closed)", closed["sequential"]), ("StepBatched (closed)", closed["stepbatched"]),
             ("sequential (Poisson)", poisson["sequential"]), ("StepBatched (Poisson)", poisson["stepbatched"])]
     for label, r in rows:
-        extra = f"{r.get('mean_batch_rows', 1.0):7.2f}{r.get('engine_overhead_ms_per_step', 0.0):8.3f}"
+        extra = (f"{r.get('mean_batch_rows', 1.0):7.2f}{r.get('engine_overhead_ms_per_step', 0.0):8.3f}"
+                 f"{r.get('outside_model_ms_per_step', 0.0):18.3f}{r.get('ms_per_step', 0.0):9.2f}")
         print(f"{label:28}{r['throughput_images_per_s']:10.2f}{r['latency_mean_s']:9.3f}{r['latency_p50_s']:9.3f}"
               f"{r['latency_p95_s']:9.3f}{extra}")
     print(f"{'ceiling (raw batched)':28}{result['ceiling']['throughput_images_per_s']:10.2f}")
@@ -256,7 +260,8 @@ def print_result(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8],
+                        help="one or more numbers of concurrent requests, e.g. 8 16 32")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each raw ceiling measurement")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -267,16 +272,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "throughput.json")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.concurrency, args.steps, args.repeats, args.workloads = 2, 2, 1, ["overhead-bound"]
+        args.concurrency, args.steps, args.repeats, args.workloads = [2], 2, 1, ["overhead-bound"]
     torch.manual_seed(args.seed)
-    if args.family == "flux":
-        results = [bench_workload(WORKLOADS[name], args.concurrency, args.steps, args.repeats, args.seed)
-                   for name in args.workloads]
-        for result in results:
-            print_result(result)
-    else:
-        results = [bench_family(args.family, args.concurrency, args.steps)]
-        print_family(results[0])
+    results = []
+    for n in args.concurrency:
+        if args.family == "flux":
+            for name in args.workloads:
+                results.append(bench_workload(WORKLOADS[name], n, args.steps, args.repeats, args.seed))
+                print_result(results[-1])
+        else:
+            results.append(bench_family(args.family, n, args.steps))
+            print_family(results[-1])
     report = {"command": " ".join(["python", "benchmarks/throughput.py", *(argv or sys.argv[1:])]),
               "torch_threads": torch.get_num_threads(), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from .decoders.registry import PiDDecoding, register_decoder
 from .engine.core import EngineClosedError
 from .engine.request import RequestHandle, RequestStatus
 from .engine.scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig
+from .hook_mode import disable_step_batching, enable_step_batching, is_step_batching
 from .programs.cfg import CFGPolicy
 from .wrapper import StepBatched
 
@@ -28,6 +29,9 @@ __all__ = [
     "SchedulerConfig",
     "StepBatched",
     "TeaCacheConfig",
+    "disable_step_batching",
+    "enable_step_batching",
+    "is_step_batching",
     "register_decoder",
 ]
 __version__ = "0.1.0"

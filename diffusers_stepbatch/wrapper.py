@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
+import math
+import numbers
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -19,14 +23,20 @@ from .engine.core import EngineCore
 from .engine.request import Request, RequestHandle, next_request_id
 from .engine.scheduler import SchedulerConfig
 from .programs import program_for, registered_pipelines
-from .programs.registry import check_feature
+from .programs.call_checks import check_call_inputs
 from .programs.cfg import CFGPolicy
+from .programs.generic import plan_generic
 from .programs.options import ProgramOptions, planning_with
 from .programs.pid_exit import PiDExitOptions, check_pid_pipeline, planning_with_pid
+from .programs.registry import check_feature, unhooked_class
+from .programs.request_state import active_view_of, capturing_views, is_call_state
+from .signature import ENGINE_DEFAULT, signed, wrapper_signature
 from .streaming import stream_call
 
-_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "options", "pid", "_plan", "_signature", "_finalizer"})
-_DEFAULT = object()  # "not given": a fresh PromptCache() for the engine, the engine's teacache for a call
+_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "options", "pid", "_plan", "_signature", "_finalizer", "_calls"})
+_DEFAULT = ENGINE_DEFAULT  # "not given": a fresh PromptCache() for the engine, the engine's teacache for a call
+# NOTE: the exit-time finalizer waits this long for the engine thread at most (it is a daemon thread).
+_FINALIZER_JOIN_S = 2.0
 
 
 class StepBatched:
@@ -95,7 +105,10 @@ class StepBatched:
         self.pid = _pid_options(pipe, decoder, pid_exit_step)
         self.pipe = pipe
         self._plan = plan
-        self._signature = inspect.signature(type(pipe).__call__)
+        self._signature = inspect.signature(unhooked_class(pipe).__call__)
+        self._calls = threading.local()  # per calling thread: the view of its last call (per-call state)
+        # NOTE: a per-pipeline-class subclass whose __call__/submit show the pipeline's own signature.
+        object.__setattr__(self, "__class__", _signed_class(unhooked_class(pipe)))
         self.options = ProgramOptions(
             prompt_cache=PromptCache() if prompt_cache is _DEFAULT else prompt_cache,
             teacache=teacache,
@@ -109,7 +122,7 @@ class StepBatched:
             raise ValueError(f"mixed_resolution={mixed_resolution!r} must be True or False")
         self.engine = EngineCore(config, mixed_shapes=mixed_resolution)
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
-        self._finalizer = weakref.finalize(self, self.engine.close, True)
+        self._finalizer = weakref.finalize(self, self.engine.close, True, _FINALIZER_JOIN_S)
 
     # ------------------------------------------------------------------------------------- calls
     def __call__(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> Any:
@@ -120,6 +133,8 @@ class StepBatched:
         except BaseException:  # KeyboardInterrupt or an outer timeout: don't leave the request running
             handle.abort()
             raise
+        finally:  # as after a plain call, this thread reads the call's state (`sb.num_timesteps`, ...)
+            self._calls.view = handle.pipeline_view
 
     def submit(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> RequestHandle:
         """Validate a call and queue it; returns a `concurrent.futures.Future` with `abort()`.
@@ -130,8 +145,7 @@ class StepBatched:
         keeps the adapters active on the pipeline now. Bad input raises
         `ValueError` (or `TypeError` for unknown arguments) here, in the caller; a full queue `QueueFull`.
         """
-        if deadline is not None and deadline <= 0:
-            raise ValueError(f"deadline={deadline} must be a positive number of seconds from now")
+        _check_request_options(priority, deadline)
         if self.engine.in_engine_thread():
             raise RuntimeError("StepBatched cannot be called from its own engine thread (e.g. from a step callback)")
         request = self._make_request(args, kwargs, priority, deadline)
@@ -151,13 +165,18 @@ class StepBatched:
         if adapters is not NOT_GIVEN:
             check_feature(self.pipe, "adapters", "adapters=")
         call_args = self._bind(args, kwargs)
-        with planning_with(options), planning_with_pid(self.pid), planning_with_adapters(adapters):
+        check_call_inputs(self.pipe, call_args, self.engine.config.max_pixels,
+                          family_program=self._plan is not plan_generic)
+        with (planning_with(options), planning_with_pid(self.pid), planning_with_adapters(adapters),
+              capturing_views() as views):
             planned = self._plan(self.pipe, call_args)
         request_id = next_request_id()
+        handle = RequestHandle(request_id, wake_engine=self.engine.wake)
+        handle.pipeline_view = views[0] if views else None
         return Request(
             request_id=request_id,
             program=planned.program,
-            handle=RequestHandle(request_id, wake_engine=self.engine.wake),
+            handle=handle,
             num_rows=planned.num_rows,
             num_steps=planned.num_steps,
             tokens_per_row=planned.tokens_per_row,
@@ -226,7 +245,15 @@ class StepBatched:
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (during __init__): don't recurse into the pipe
             raise AttributeError(name)
-        return getattr(self.__dict__["pipe"], name)
+        pipe = self.__dict__["pipe"]
+        # NOTE: per-call state (guidance_scale, num_timesteps, current_timestep, ...) is the request's: inside
+        # its callback or hooked forward, or, in the calling thread, that of the thread's last call.
+        view = active_view_of(pipe)
+        if view is None and "_calls" in self.__dict__:
+            view = getattr(self.__dict__["_calls"], "view", None)
+        if view is not None and is_call_state(pipe, view, name):
+            return getattr(view, name)
+        return getattr(pipe, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _OWN_ATTRIBUTES:
@@ -236,6 +263,46 @@ class StepBatched:
 
     def __repr__(self) -> str:
         return f"StepBatched({type(self.pipe).__name__}, {self.engine.config})"
+
+
+def _check_request_options(priority: Any, deadline: Any) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"priority={priority!r} must be an int (higher runs first under policy='priority')")
+    if deadline is None:
+        return
+    if isinstance(deadline, bool) or not isinstance(deadline, numbers.Real):
+        raise TypeError(f"deadline={deadline!r} must be a number of seconds from now, or None")
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise ValueError(f"deadline={deadline} must be a positive, finite number of seconds from now (or None)")
+
+
+@functools.cache
+def _signed_class(pipeline_class: type) -> type:
+    """A StepBatched subclass whose entry points carry `pipeline_class.__call__`'s signature (see signature.py)."""
+    base = StepBatched
+    call_signature = wrapper_signature(pipeline_class.__call__)
+    stream_signature = wrapper_signature(pipeline_class.__call__, stream=True)
+
+    def __call__(self, *args, **kwargs):
+        return base.__call__(self, *args, **kwargs)
+
+    def submit(self, *args, **kwargs):
+        return base.submit(self, *args, **kwargs)
+
+    async def agenerate(self, *args, **kwargs):
+        return await base.agenerate(self, *args, **kwargs)
+
+    def stream(self, *args, **kwargs):
+        return base.stream(self, *args, **kwargs)
+
+    namespace = {
+        "__call__": signed(__call__, call_signature, base.__call__.__doc__),
+        "submit": signed(submit, call_signature, base.submit.__doc__),
+        "agenerate": signed(agenerate, call_signature, base.agenerate.__doc__),
+        "stream": signed(stream, stream_signature, base.stream.__doc__),
+        "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__,
+    }
+    return type(base.__name__, (base,), namespace)
 
 
 def _check_option(name: str, value: Any, expected: type, *allowed: Any) -> None:

@@ -107,7 +107,6 @@ BAD_INPUTS = [
     (dict(generator=[torch.Generator(), torch.Generator()], seed=None), "list of 2 generators for 1 images"),
     (dict(latents=torch.full((1, 64, 16), float("nan"))), "NaN"),
     (dict(latents=torch.zeros(1, 4, 16)), r"latents have shape \(1, 4, 16\)"),
-    (dict(output_type="webp"), "output_type='webp'"),
     (dict(max_sequence_length=1024), "cannot be greater than 512"),
     (dict(negative_prompt=["a", "b"], true_cfg_scale=2.0), "negative_prompt has 2 entries for 1 prompts"),
 ]

@@ -95,7 +95,6 @@ def test_padded_rows_match_unpadded_solo_rows():
     (dict(latents=torch.zeros(1, 3, 16)), "latents"),
     (dict(generator=[torch.Generator(), torch.Generator()]), "generator"),
     (dict(max_sequence_length=2048), "max_sequence_length"),
-    (dict(output_type="jpeg"), "output_type"),
     (dict(callback_on_step_end_tensor_inputs=["noise"]), "callback_on_step_end_tensor_inputs"),
 ])
 def test_bad_input_raises_value_error_in_caller(overrides, message):

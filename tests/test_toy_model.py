@@ -103,7 +103,11 @@ def test_weights_are_small_safetensors_in_diffusers_layout():
 def test_pipeline_components(pipe):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    assert type(pipe) is FluxPipeline
+    from diffusers_stepbatch.programs import flux, program_for
+    from diffusers_stepbatch.toy.pipeline import ToyFluxPipeline
+
+    assert type(pipe) is ToyFluxPipeline and isinstance(pipe, FluxPipeline)
+    assert "__call__" not in vars(ToyFluxPipeline) and program_for(pipe) is flux.plan_flux
     assert isinstance(pipe.transformer, FluxTransformer2DModel) and pipe.transformer.config.guidance_embeds
     assert isinstance(pipe.vae, AutoencoderKL) and pipe.vae.config.latent_channels == 16
     assert pipe.vae_scale_factor == 8
@@ -139,6 +143,18 @@ def test_generation_matches_heldout_captions(pipe):
     assert scores.count >= 50
     assert scores.color >= 0.90, scores
     assert scores.position >= 0.80, scores
+
+
+def test_fluxpipeline_defaults_draw_the_trained_picture(pipe):
+    """`pipe(caption, height=64, width=64)` with FluxPipeline's defaults (max_sequence_length=512, 28 steps,
+    guidance 3.5) equals the call at the trained 16 T5 tokens, and matches held-out captions."""
+    captions = heldout_captions()[:24]
+    defaults = pipe(captions, height=64, width=64, generator=torch.Generator().manual_seed(0), output_type="np").images
+    trained = pipe(captions, height=64, width=64, max_sequence_length=MAX_SEQUENCE_LENGTH, output_type="np",
+                   generator=torch.Generator().manual_seed(0)).images
+    assert np.abs(defaults - trained).max() == 0.0
+    scores = score_images([(image * 255).round().astype(np.uint8) for image in defaults], captions)
+    assert scores.color >= 0.90 and scores.position >= 0.80, scores
 
 
 def test_vae_round_trip_keeps_pixels_and_hues(pipe):

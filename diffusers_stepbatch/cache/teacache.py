@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from diffusers.utils import apply_lora_scale
 
+from ..engine.host_sync import host_float
+
 # NOTE: the rescale polynomials map the signal's relative L1 change to the model output's, highest power
 # first (numpy.poly1d order). FLUX: fitted on FLUX.1-dev by the TeaCache authors, published in
 # TeaCache4FLUX/teacache_flux.py of github.com/ali-vilab/TeaCache; FLUX.1-schnell shares the architecture.
@@ -156,7 +158,8 @@ def fit_coefficients(
 
 
 def _relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
-    return float((current - previous).abs().mean() / previous.abs().mean())
+    # NOTE: the skip decision is made on the host, so this is the step's one device read per request branch.
+    return host_float((current - previous).abs().mean() / previous.abs().mean())
 
 
 def _polyval(coefficients: Sequence[float], x: float) -> float:

@@ -8,6 +8,7 @@ and advances to its next work item. A request that finishes resolves its Future 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -19,9 +20,12 @@ import torch
 
 from .batch import make_batch, run_batch, run_packed, split
 from .costs import BatchCostModel, PackingCostModel
+from .faults import RowCaps, check_row_count, is_out_of_memory
 from .metrics import EngineMetrics
+from .ownership import current_owner, set_owner
 from .request import Request, RequestStatus
 from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, StepScheduler
+from .timing import CallTimer
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +45,13 @@ class _PackedCall:
 class EngineCore:
     """Runs requests' step programs in one background thread, batching their compatible work items."""
 
-    def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine", mixed_shapes: bool = True):
+    def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine", mixed_shapes: bool = True,
+                 timer: CallTimer | None = None):
         self.config = config
         self.scheduler = StepScheduler(config)
         self.costs = BatchCostModel()
+        self.row_caps = RowCaps()
+        self.timer = timer or CallTimer()  # device-true call times for the cost models (engine/timing.py)
         self.packing = PackingCostModel(self.costs)
         self.mixed_shapes = mixed_shapes  # items of different shapes may share a packed call (`WorkItem.pack`)
         self.metrics = EngineMetrics()
@@ -74,6 +81,9 @@ class EngineCore:
             self._wakeup.notify()
 
     def in_engine_thread(self) -> bool:
+        """True in the engine thread and in helper threads it runs step programs in (generic program)."""
+        if current_owner() is self:
+            return True
         return self._thread is not None and threading.current_thread() is self._thread
 
     def close(self, cancel_pending: bool = False, timeout: float | None = None) -> None:
@@ -85,6 +95,8 @@ class EngineCore:
             self._wakeup.notify()
         if thread is not None and not self.in_engine_thread():
             thread.join(timeout)
+        if thread is None:  # never started: nothing runs, but queued requests still need an outcome
+            self._resolve_leftovers()
 
     @property
     def is_alive(self) -> bool:
@@ -92,6 +104,21 @@ class EngineCore:
 
     # ----------------------------------------------------------------------------------- engine side
     def _loop(self) -> None:
+        set_owner(self)
+        try:
+            self._serve()
+        finally:  # whatever ended the loop, every Future gets an outcome
+            self._resolve_leftovers()
+
+    def _resolve_leftovers(self) -> None:
+        with self._wakeup:
+            arrived, self._inbox = self._inbox, []
+        for request in arrived:
+            self.scheduler.add(request)
+        for request in self.scheduler.drain():
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _serve(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is per thread; diffusers runs pipelines under no_grad
         while True:
             with self._wakeup:
@@ -105,15 +132,17 @@ class EngineCore:
                 break
             try:
                 self.step()
-            except Exception as exc:  # an engine bug must not strand anyone: fail the running requests
+            except BaseException as exc:  # an engine bug must not strand anyone, nor spin: fail what it holds
                 logger.exception("StepBatched engine step failed")
-                for request in list(self.scheduler.running):
-                    self._finish(request, RequestStatus.FINISHED_ERROR, exc)
+                for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    if not request.status.is_finished:
+                        self._finish(request, RequestStatus.FINISHED_ERROR, exc)
         for request in self.scheduler.drain():
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> None:
         """One engine step: drop aborted requests, schedule, run each group of work items once."""
+        self.timer.poll()  # device times of earlier calls that have finished since: to the cost models
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
             if request.handle.cancelled():
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -142,7 +171,7 @@ class EngineCore:
         if denoise_groups:
             largest = max(denoise_groups, key=lambda group_key: sum(r.num_rows for r in groups[group_key]))
             self._update_step_estimates(time.perf_counter() - step_started, largest)
-        self.metrics.record_engine_step()
+        self.metrics.record_engine_step(time.perf_counter() - step_started)
 
     def _plan_calls(self, groups: dict[Any, list[Request]]) -> list[list[Request] | _PackedCall]:
         """Per group one call (or the cost model's split); groups of several shapes that can pack may share one."""
@@ -164,10 +193,15 @@ class EngineCore:
 
     def _chunk(self, group_key: Any, members: list[Request]) -> list[list[Request]]:
         """One forward for the group, or several when the cost model measured that to be faster."""
-        if not self.config.cost_aware or len(members) == 1:
+        if len(members) == 1:
             return [members]
-        indices = self.costs.chunk(group_key, [request.pending.rows for request in members])
-        return [[members[i] for i in chunk] for chunk in indices]
+        chunks = [members]
+        if self.config.cost_aware:
+            indices = self.costs.chunk(group_key, [request.pending.rows for request in members])
+            chunks = [[members[i] for i in chunk] for chunk in indices]
+        # NOTE: after an out-of-memory error, forwards of this key stay below the row count that failed.
+        return [[chunk[i] for i in part] for chunk in chunks
+                for part in self.row_caps.split(group_key, [request.pending.rows for request in chunk])]
 
     def _update_step_estimates(self, seconds: float, group_key: Any) -> None:
         previous = self.scheduler.step_seconds
@@ -180,11 +214,15 @@ class EngineCore:
         assembling = time.perf_counter()
         batch = make_batch([request.pending for request in members])
         kind = members[0].pending.kind
-        started = time.perf_counter()
+        timing = self.timer.start()
+        started = timing.wall
         self.metrics.record_overhead(started - assembling)
         try:
             output = run_batch(batch)
-        except Exception as exc:
+            check_row_count(output, batch.num_rows, kind)
+        except BaseException as exc:  # a BaseException from a model or hook fails its request, not the engine
+            if is_out_of_memory(exc):
+                self.row_caps.record_oom((kind, batch.key), batch.num_rows)
             if len(members) == 1:
                 self._finish(members[0], RequestStatus.FINISHED_ERROR, exc)
                 return
@@ -193,9 +231,10 @@ class EngineCore:
             for request in members:
                 self._execute([request])
             return
-        elapsed = time.perf_counter() - started
+        self.row_caps.record_success((kind, batch.key), batch.num_rows)
+        elapsed = self.timer.stop(timing, output,
+                                  functools.partial(self.costs.observe, (kind, batch.key), batch.num_rows))
         self.metrics.record_call(kind, batch.num_rows, elapsed)
-        self.costs.observe((kind, batch.key), batch.num_rows, elapsed)
         self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
@@ -206,23 +245,26 @@ class EngineCore:
         first = shapes[0][0].pending
         pack_key = (first.kind, first.pack.key)
         contexts = [members[0].pending.pack.context for members in shapes]
-        started = time.perf_counter()
+        parts = [((first.kind, batch.key), batch.num_rows) for batch in batches]
+        timing = self.timer.start()
+        started = timing.wall
         self.metrics.record_overhead(started - assembling)
         try:
             outputs = run_packed(first.pack, contexts, batches)
-        except Exception as exc:
+            for batch, output in zip(batches, outputs):
+                check_row_count(output, batch.num_rows, first.kind)
+        except BaseException as exc:  # as in _execute: a model's BaseException must not end the engine
             # NOTE: per-shape calls then isolate the failing request (and each is retried alone if it fails).
             logger.warning("a packed %s of %d shapes failed (%s); running each shape on its own", first.kind,
                            len(shapes), exc)
             for members in shapes:
                 self._execute(members)
             return
-        elapsed = time.perf_counter() - started
+        elapsed = self.timer.stop(timing, outputs, functools.partial(self.packing.observe, pack_key, parts))
         rows = sum(batch.num_rows for batch in batches)
         tokens = sum(request.pending.rows * request.pending.pack.tokens for members in shapes for request in members)
         self.metrics.record_call(first.kind, rows, elapsed)
         self.metrics.record_packed(rows, tokens, len(shapes))
-        self.packing.observe(pack_key, [((first.kind, batch.key), batch.num_rows) for batch in batches], elapsed)
         for members, batch, output in zip(shapes, batches, outputs):
             self._deliver(members, batch, output, elapsed, call_rows=rows)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
@@ -245,7 +287,7 @@ class EngineCore:
             request.pending = request.program.send(value)
         except StopIteration as stop:
             self._finish(request, RequestStatus.FINISHED_OK, stop.value)
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt/SystemExit from a callback: that request's outcome
             self._finish(request, RequestStatus.FINISHED_ERROR, exc)
 
     def _finish(self, request: Request, status: RequestStatus, value: Any = None) -> None:
@@ -254,11 +296,11 @@ class EngineCore:
         request.stats.finished_time = time.time()
         try:
             request.program.close()
-        except Exception:  # the program's own cleanup failed; the outcome below still stands
+        except BaseException:  # the program's own cleanup failed; the outcome below still stands
             logger.exception("closing the step program of request %d failed", request.request_id)
         handle = request.handle
         if status == RequestStatus.FINISHED_ABORTED:
-            handle.cancel()
+            notify_cancelled(handle)
             self.metrics.record_request(request, status)
             return
         if not handle.set_running_or_notify_cancel():  # aborted by the caller while it finished
@@ -271,3 +313,13 @@ class EngineCore:
             handle.set_exception(value)
         self.metrics.record_request(request, status)
 
+
+
+def notify_cancelled(handle: Any) -> None:
+    """Cancel a Future and tell its waiters (`concurrent.futures.wait`, `as_completed`): `cancel()` alone leaves
+    it CANCELLED, which waiters never see; `set_running_or_notify_cancel()` moves it to CANCELLED_AND_NOTIFIED."""
+    if handle.done() and not handle.cancelled():
+        return
+    handle.cancel()
+    if handle._state == "CANCELLED":  # NOTE: not yet notified (a second call would raise RuntimeError)
+        handle.set_running_or_notify_cancel()

@@ -33,6 +33,7 @@ class EngineMetrics:
         self.busy_seconds = 0.0
         self.overhead_seconds = 0.0  # scheduling, make_batch and split: the engine's own cost
         self.engine_steps = 0
+        self.step_seconds = 0.0  # wall time of engine steps: model calls + everything the engine does around them
         self.started = time.time()
         self._recent_requests: deque[dict] = deque(maxlen=1000)
         self.packed_calls: deque[tuple[int, int, int]] = deque(maxlen=history)  # (rows, tokens, shapes)
@@ -54,9 +55,11 @@ class EngineMetrics:
         with self._lock:
             self.overhead_seconds += seconds
 
-    def record_engine_step(self) -> None:
+    def record_engine_step(self, seconds: float = 0.0) -> None:
+        """One engine step of `seconds` wall time (model calls included)."""
         with self._lock:
             self.engine_steps += 1
+            self.step_seconds += seconds
 
     def record_request(self, request: Request, status: RequestStatus) -> None:
         stats = request.stats
@@ -98,6 +101,9 @@ class EngineMetrics:
                 "busy_fraction": min(self.busy_seconds / elapsed, 1.0),
                 "engine_steps": self.engine_steps,
                 "overhead_ms_per_step": 1000 * self.overhead_seconds / max(self.engine_steps, 1),
+                # programs' own work between forwards (scheduler steps, CFG, callbacks) plus the engine's
+                "outside_model_ms_per_step": 1000 * max(self.step_seconds - self.busy_seconds, 0.0)
+                / max(self.engine_steps, 1),
                 "requests": list(self._recent_requests),
                 "mixed": self._mixed(calls),
             }

@@ -36,6 +36,7 @@ class RequestHandle(Future):
         super().__init__()
         self.request_id = request_id
         self._wake_engine = wake_engine
+        self.pipeline_view: Any = None  # the request's view of the pipeline (its per-call state)
 
     def abort(self) -> bool:
         """Cancel the request: it stops before its next step and this Future ends cancelled."""

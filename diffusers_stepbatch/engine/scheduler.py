@@ -40,6 +40,8 @@ class SchedulerConfig:
         step_time_target_s: admit only as many rows as keep a measured forward under this many seconds;
             None maximises throughput instead.
         cost_aware: split a group into several forwards when that was measured to be faster.
+        max_pixels: the largest `height` x `width` a call may ask for (default 8192 x 8192); larger calls are
+            refused at submit with a ValueError instead of trying a huge allocation in the engine. None: no limit.
     """
 
     max_batch_size: int = 8
@@ -49,6 +51,7 @@ class SchedulerConfig:
     on_unmeetable_deadline: str = "reject"
     step_time_target_s: float | None = None
     cost_aware: bool = True
+    max_pixels: int | None = 8192 * 8192
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -63,6 +66,8 @@ class SchedulerConfig:
             raise ValueError(f"on_unmeetable_deadline={self.on_unmeetable_deadline!r} must be 'reject' or 'queue'")
         if self.step_time_target_s is not None and self.step_time_target_s <= 0:
             raise ValueError(f"step_time_target_s={self.step_time_target_s} must be > 0 or None")
+        if self.max_pixels is not None and (not isinstance(self.max_pixels, int) or self.max_pixels < 1):
+            raise ValueError(f"max_pixels={self.max_pixels!r} must be a positive int (pixels) or None")
 
 
 @dataclass

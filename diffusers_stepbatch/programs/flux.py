@@ -41,6 +41,8 @@ from ..engine.batch import Packable, WorkItem
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
 from ..packed.layout import PackedLayout
 from ..packed.support import log_unpackable_once
+from .cache_hooks import hooked_denoiser
+from .callbacks import run_step_callback
 from .cfg import transformer_activation_bytes
 from .options import ProgramOptions, current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
@@ -138,9 +140,10 @@ def _check_second_prompts(args: dict[str, Any], name: str, name_2: str) -> None:
 def _check_negative(args: dict[str, Any], num_prompts: int) -> None:
     if args["prompt_embeds"] is not None and args["negative_prompt_embeds"] is not None:
         if args["prompt_embeds"].shape != args["negative_prompt_embeds"].shape:
-            raise ValueError(
-                f"prompt_embeds {tuple(args['prompt_embeds'].shape)} and negative_prompt_embeds "
-                f"{tuple(args['negative_prompt_embeds'].shape)} must have the same shape"
+            raise ValueError(  # NOTE: FluxPipeline's own wording (code may match on it)
+                "`prompt_embeds` and `negative_prompt_embeds` must have the same shape when passed directly, but"
+                f" got: `prompt_embeds` {args['prompt_embeds'].shape} != `negative_prompt_embeds`"
+                f" {args['negative_prompt_embeds'].shape}."
             )
     negatives = as_list(args["negative_prompt"])
     if negatives is not None and len(negatives) != num_prompts:
@@ -223,6 +226,11 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     branch_bytes = transformer_activation_bytes(images, latents.shape[1] + text.shape[1],
                                                 heads * pipe.transformer.config.attention_head_dim, heads,
                                                 latents.element_size())
+    # NOTE: diffusers' cache hooks on the transformer: this request's forwards run alone, per branch, in its own
+    # cache contexts (programs/cache_hooks.py).
+    hooked = hooked_denoiser(pipe.transformer, view)
+    if hooked is not None:
+        key = key + (hooked.key,)
     view.scheduler.set_begin_index(0)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
@@ -235,6 +243,8 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                 state.step = i
             together = not call.do_true_cfg or options.cfg_policy.batch_branches(device, branch_bytes)
             outputs = []
+            if hooked is not None:
+                yield from hooked.take_turn()
             for group in ([range(branches)] if together else [[0], [1]]):
                 rows = [(b, j) for b in group for j in range(images)]
                 inputs = {
@@ -249,7 +259,8 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                     "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
                     "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
                 }
-                outputs.append((yield WorkItem("denoise", key, inputs, denoise, rows=len(rows), step=i, pack=pack)))
+                run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
+                outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack)))
             noise_pred = outputs[0]
             if call.do_true_cfg:
                 cond, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
@@ -262,13 +273,15 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": embeds[0]}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = callback(view, i, t, callback_kwargs)
+                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
                 latents = outputs.pop("latents", latents)
                 if "prompt_embeds" in outputs:
                     embeds[0] = outputs.pop("prompt_embeds")
                     text = torch.cat(embeds) if call.do_true_cfg else embeds[0]
             progress_bar.update()
     view._current_timestep = None
+    if hooked is not None:
+        hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
     if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
@@ -325,7 +338,10 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
     for (_, _, embeds_name, pooled_name), size in zip(branches, sizes):
         if size == 0:
             embeds.append(args[embeds_name].to(device))
-            pooled.append(args[pooled_name].to(device))
+            given_pooled = args[pooled_name].to(device)
+            if given_pooled.shape[0] == 1 < embeds[-1].shape[0]:  # the transformer broadcasts one pooled row
+                given_pooled = given_pooled.expand(embeds[-1].shape[0], -1)
+            pooled.append(given_pooled)
             continue
         embeds.append(encoded_embeds[start:start + size].repeat_interleave(per_prompt, dim=0))
         pooled.append(encoded_pooled[start:start + size].repeat_interleave(per_prompt, dim=0))

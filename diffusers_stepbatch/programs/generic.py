@@ -27,7 +27,8 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.utils import BaseOutput
 
 from ..engine.batch import WorkItem
-from .registry import PlannedRequest, register_program, request_pipeline
+from ..engine.ownership import current_owner, run_for
+from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _num_steps(args: dict[str, Any]) -> int:
 def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
     """The bound call arguments (as the wrapper binds them) back into positional and keyword arguments."""
     positional, keywords = [], {}
-    parameters = list(inspect.signature(type(pipe).__call__).parameters.values())[1:]
+    parameters = list(inspect.signature(unhooked_class(pipe).__call__).parameters.values())[1:]
     for parameter in parameters:
         if parameter.name not in args:
             continue
@@ -199,7 +200,9 @@ def generic_program(pipe, view, positional: list, keywords: dict,
     handoff = _Handoff()
     for name in denoisers:
         view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff, view.scheduler)
-    helper = threading.Thread(target=_run_in_helper, args=(view, positional, keywords, handoff), daemon=True,
+    # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.
+    helper = threading.Thread(target=run_for(current_owner(), _run_in_helper), args=(view, positional, keywords,
+                                                                                      handoff), daemon=True,
                               name=f"StepBatched-{type(pipe).__name__}-request")
     helper.start()
     kind = None

@@ -39,6 +39,8 @@ from ..packed.qwenimage import (
     qwenimage_packing_unsupported,
 )
 from ..packed.support import log_unpackable_once
+from .cache_hooks import hooked_denoiser
+from .callbacks import run_step_callback
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -152,7 +154,12 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     longest_text = max(embeds.shape[1] for embeds, _ in branches)
     pack = _packable(pipe.transformer, attention_kwargs, shared_key, grid, latents.shape[1] + longest_text)
 
-    # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images].
+    # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images]. With diffusers'
+    # cache hooks on the transformer, this request's forwards run alone, one per branch, in its own contexts.
+    hooked = hooked_denoiser(pipe.transformer, view)
+    if hooked is not None:
+        key = key + (hooked.key,)
+        denoise = hooked.run(denoise, ["cond", "uncond"][:len(branches)])
     view.scheduler.set_begin_index(0)
     callback = args["callback_on_step_end"]
     with view.progress_bar(total=num_inference_steps) as progress_bar:
@@ -170,6 +177,8 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                 "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
                 "lora": [call.adapters] * (len(branches) * images),
             }
+            if hooked is not None:
+                yield from hooked.take_turn()
             noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
                                         pack=pack)
             if call.do_true_cfg:
@@ -182,11 +191,13 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = callback(view, i, t, callback_kwargs)
+                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
                 latents = outputs.pop("latents", latents)
                 branches[0] = (outputs.pop("prompt_embeds", branches[0][0]), branches[0][1])
             progress_bar.update()
     view._current_timestep = None
+    if hooked is not None:
+        hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
     if args["output_type"] == "latent":

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.batch import WorkItem
+from .request_state import record_view
 
 
 @dataclass
@@ -69,11 +70,17 @@ def program_for(pipe: Any) -> PlanFn | None:
     A family's program mirrors its class's `__call__`, so it serves a subclass only if the subclass keeps that
     `__call__`; one registered on a base without `__call__` (DiffusionPipeline: the generic fallback) serves all.
     """
-    call = _own_call(type(pipe))
-    for cls in type(pipe).__mro__:
+    pipeline_class = unhooked_class(pipe)
+    call = _own_call(pipeline_class)
+    for cls in pipeline_class.__mro__:
         if cls in _PROGRAMS and _own_call(cls) in (None, call):
             return _PROGRAMS[cls]
     return None
+
+
+def unhooked_class(pipe: Any) -> type:
+    """The pipeline's own class, also in hook mode (`enable_step_batching` swaps in a subclass)."""
+    return getattr(type(pipe), "_stepbatch_original_class", type(pipe))
 
 
 def _own_call(cls: type) -> Any:
@@ -92,6 +99,8 @@ def request_pipeline(pipe: Any) -> Any:
     requests each need their own.
     """
     view = copy.copy(pipe)
+    view.__class__ = unhooked_class(pipe)  # in hook mode, the view's own __call__ is the pipeline's
     # NOTE: write the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config.
     view.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
+    record_view(pipe, view)
     return view

@@ -36,6 +36,7 @@ from ..engine.batch import Packable, WorkItem
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import log_unpackable_once
+from .callbacks import run_step_callback
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     check_call_size,
@@ -152,6 +153,11 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
         view.scheduler, call.num_inference_steps, device, sigmas=args["sigmas"], **scheduler_kwargs
     )
     view._num_timesteps = len(timesteps)
+    # NOTE: the pipeline lets the scheduler find its first step index from the first timestep, a device read;
+    # index 0 is the same whenever the first sigma is not repeated (always, but for custom `sigmas` that say so).
+    custom = args["sigmas"]
+    if hasattr(view.scheduler, "set_begin_index") and (custom is None or list(custom).count(custom[0]) == 1):
+        view.scheduler.set_begin_index(0)
 
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     jak = without_lora_scale(view._joint_attention_kwargs) or None
@@ -171,10 +177,12 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
             if view._interrupt:
                 continue
             images = latents.shape[0]
+            # NOTE: re-read every step, as the pipeline does: callbacks may change `_guidance_scale`.
+            do_cfg = view.do_classifier_free_guidance
             start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
-            skipping = (call.do_cfg and skip_layers is not None
+            skipping = (do_cfg and skip_layers is not None
                         and num_inference_steps * start < i < num_inference_steps * stop)
-            hidden, text, text_pooled = [latents] * (2 if call.do_cfg else 1), [prompt_embeds], [pooled_embeds]
+            hidden, text, text_pooled = [latents] * (2 if do_cfg else 1), [prompt_embeds], [pooled_embeds]
             skips = [None] * len(hidden) * images
             if skipping:  # the conditional rows again, with the pipeline's original (pre-callback) embeddings
                 hidden, text, text_pooled = hidden + [latents], text + [embeds[0]], text_pooled + [pooled[0]]
@@ -189,9 +197,9 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
             }
             output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack)
             noise_pred = output
-            if call.do_cfg:
+            if do_cfg:
                 noise_uncond, noise_text = output[:images], output[images:2 * images]
-                noise_pred = noise_uncond + args["guidance_scale"] * (noise_text - noise_uncond)
+                noise_pred = noise_uncond + view.guidance_scale * (noise_text - noise_uncond)
                 if skipping:
                     noise_skip = output[2 * images:]
                     noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
@@ -199,7 +207,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_embeds}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = callback(view, i, t, callback_kwargs)
+                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
                 latents = outputs.pop("latents", latents)
                 prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)
                 pooled_embeds = outputs.pop("pooled_prompt_embeds", pooled_embeds)

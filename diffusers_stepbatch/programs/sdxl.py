@@ -30,6 +30,7 @@ from ..adapters.ip_adapter import (
 from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
+from .callbacks import run_step_callback
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -209,7 +210,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
         image = yield WorkItem("decode", key, {"latents": latents}, functools.partial(_decode_upcast, view),
                                rows=latents.shape[0])
     else:
-        image = yield decode_item(vae, latents, args["generator"])
+        image = yield decode_item(vae, latents, None)  # NOTE: StableDiffusionXLPipeline decodes without generator
     if view.watermark is not None:
         image = view.watermark.apply_watermark(image)
     image = view.image_processor.postprocess(image, output_type=args["output_type"])
@@ -245,7 +246,10 @@ def _decode_upcast(view, latents):
 
 
 def decode_item(vae, latents: torch.Tensor, generator) -> WorkItem:
-    """A batched AutoencoderKL decode; other VAEs (which may sample with `generator`) decode per request."""
+    """A batched AutoencoderKL decode; other VAEs (which may sample with `generator`) decode per request.
+
+    `generator`: what the pipeline passes to `vae.decode` (SD passes the call's; SDXL passes none).
+    """
     if isinstance(vae, AutoencoderKL):
         return vae_decode_item(vae, latents)
     key = ("vae.decode.own", id(latents))
@@ -254,6 +258,8 @@ def decode_item(vae, latents: torch.Tensor, generator) -> WorkItem:
 
 
 def _decode_with_generator(vae, generator, latents):
+    if generator is None:
+        return vae.decode(latents.to(vae.dtype), return_dict=False)[0]
     return vae.decode(latents.to(vae.dtype), return_dict=False, generator=generator)[0]
 
 
@@ -271,7 +277,6 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
         scale = torch.tensor(args["guidance_scale"] - 1).repeat(call.num_images)
         timestep_cond = view.get_guidance_scale_embedding(scale, embedding_dim=pipe.unet.config.time_cond_proj_dim)
         timestep_cond = timestep_cond.to(device=latents.device, dtype=latents.dtype)
-    branches = 2 if call.do_cfg else 1
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     cross_attention_kwargs = without_lora_scale(args["cross_attention_kwargs"]) or None
     run = functools.partial(_denoise, pipe.unet, cross_attention_kwargs)
@@ -282,6 +287,10 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
         for i, t in enumerate(timesteps):
             if view._interrupt:
                 continue
+            # NOTE: as the pipelines do, guidance is re-read every step: callbacks may change `_guidance_scale`
+            # (diffusers' CFG-cutoff callbacks set it to 0 and keep only the conditional rows).
+            do_cfg = view.do_classifier_free_guidance
+            branches = 2 if do_cfg else 1
             model_input = torch.cat([latents] * branches) if branches > 1 else latents
             if hasattr(view.scheduler, "scale_model_input"):
                 model_input = view.scheduler.scale_model_input(model_input, t)
@@ -299,22 +308,24 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             key += (freeze(cross_attention_kwargs), str(model_input.device))
             inputs["lora"] = [call.adapters] * model_input.shape[0]
             image_embeds = conditioning.get("ip_image_embeds")
+            if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
+                image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
             if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
                 key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in image_embeds))
             inputs["image_embeds"] = (None if image_embeds is None else
                                       [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
             inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
-            if call.do_cfg:
+            if do_cfg:
                 noise_uncond, noise_text = noise_pred.chunk(2)
-                noise_pred = noise_uncond + args["guidance_scale"] * (noise_text - noise_uncond)
-                if args["guidance_rescale"] > 0.0:
-                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=args["guidance_rescale"])
+                noise_pred = noise_uncond + view.guidance_scale * (noise_text - noise_uncond)
+                if view.guidance_rescale > 0.0:
+                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
             latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
             if callback is not None:
                 tensors = {"latents": latents, **conditioning}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = callback(view, i, t, callback_kwargs)
+                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
                 latents = outputs.pop("latents", latents)
                 conditioning.update({name: value for name, value in outputs.items() if name in conditioning})
             progress_bar.update()

@@ -26,7 +26,7 @@ class CallSize:
 def check_call_size(args: dict[str, Any], custom_schedule: Sequence[float] | None = None) -> CallSize:
     """The checks every family shares: output type, steps (or a custom schedule's length), images per
     prompt and the length of a generator list."""
-    check_output_type(args["output_type"])
+    args["output_type"] = check_output_type(args["output_type"])
     steps = check_num_inference_steps(args["num_inference_steps"], custom_schedule)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     prompts = as_list(args["prompt"])
@@ -96,9 +96,17 @@ def check_latents(latents: torch.Tensor | None, expected_shape: tuple[int, ...])
         raise ValueError("latents contain NaN or infinite values")
 
 
-def check_output_type(output_type: Any, allowed: Sequence[str] = ("pil", "np", "pt", "latent")) -> None:
-    if output_type not in allowed:
-        raise ValueError(f"output_type={output_type!r} is not supported; use one of {list(allowed)}")
+def check_output_type(output_type: Any, allowed: Sequence[str] = ("pil", "np", "pt", "latent")) -> Any:
+    """The output type to use: as diffusers' image processors do, any other value (e.g. the legacy "numpy")
+    means "np", with diffusers' own deprecation warning, here in the caller's thread."""
+    if output_type in allowed:
+        return output_type
+    from diffusers.utils import deprecate
+
+    deprecate("Unsupported output_type", "1.0.0", f"the output_type {output_type} is outdated and has been set to "
+              "`np`. Please make sure to set it to one of these instead: `pil`, `np`, `pt`, `latent`",
+              standard_warn=False)
+    return "np"
 
 
 def as_list(value: str | list[str] | None) -> list[str] | None:

@@ -5,15 +5,13 @@ guidance-distilled: one transformer forward per step, `guidance_scale` is an inp
 
 >>> from diffusers_stepbatch.toy import load_pipeline
 >>> pipe = load_pipeline()
->>> image = pipe(
-...     "a red circle at the top left on a white background",
-...     height=64, width=64, num_inference_steps=20, guidance_scale=3.5, max_sequence_length=16,
-... ).images[0]
+>>> image = pipe("a red circle at the top left on a white background", height=64, width=64).images[0]
 >>> image.size
 (64, 64)
 
-`max_sequence_length=16` matters: FluxPipeline's default of 512 pads the T5 input far beyond anything the
-model saw in training.
+The pipeline is a `ToyFluxPipeline` (`toy/pipeline.py`), a FluxPipeline that caps the T5 input at the 16 tokens
+the model was trained with: FluxPipeline's default `max_sequence_length=512` would otherwise pad the T5 input
+far beyond anything the model saw, and draw the wrong picture.
 """
 
 from __future__ import annotations
@@ -38,17 +36,17 @@ __all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "MAX_SEQUENCE_LENGTH", "NATIVE_S
 def load_pipeline(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> FluxPipeline:
     """Load the shipped toy pipeline from `WEIGHTS_DIR`, fully offline.
 
-    The returned object is a plain `FluxPipeline`; its `default_sample_size` is set so that height and width
-    default to the native 64x64.
+    The returned object is a `ToyFluxPipeline` (a FluxPipeline whose T5 length stops at the trained 16 tokens, so
+    FluxPipeline's defaults work); its `default_sample_size` is set so that height and width default to 64x64.
     """
-    from diffusers import FluxPipeline
+    from .pipeline import ToyFluxPipeline
 
     if not (WEIGHTS_DIR / "model_index.json").is_file():
         raise FileNotFoundError(
             f"no toy weights at {WEIGHTS_DIR}; train them with "
             f"`python -m diffusers_stepbatch.toy.train --out {WEIGHTS_DIR}`"
         )
-    pipe = FluxPipeline.from_pretrained(WEIGHTS_DIR, dtype=dtype, local_files_only=True)
+    pipe = ToyFluxPipeline.from_pretrained(WEIGHTS_DIR, dtype=dtype, local_files_only=True)
     # NOTE: FluxPipeline derives the default height/width as default_sample_size * vae_scale_factor (1024).
     pipe.default_sample_size = NATIVE_SIZE // pipe.vae_scale_factor
     pipe.set_progress_bar_config(disable=True)

@@ -1,0 +1,127 @@
+"""The wrapper looks like the pipeline to code written for the plain pipeline: its call signature, and the
+per-call state (`guidance_scale`, `num_timesteps`, `current_timestep`, ...) after a call and inside callbacks."""
+
+import inspect
+import pydoc
+import threading
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from diffusers_stepbatch import StepBatched
+
+from .dropin_helpers import FAMILIES, call_kwargs, pipe_for, run
+from .references import TOLERANCE, max_diff, seeded, single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+EXTRAS = ["priority", "deadline", "teacache"]
+
+
+def call_state_names(pipe) -> list[str]:
+    """The per-call properties a family defines (guidance_scale, num_timesteps, ...), as diffusers' tests read."""
+    return sorted(name for name in dir(type(pipe))
+                  if isinstance(inspect.getattr_static(type(pipe), name, None), property)
+                  and not hasattr(DiffusionPipeline, name))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_signature_is_the_pipelines_plus_keyword_only_extras(name):
+    pipe = pipe_for(name)
+    own = inspect.signature(pipe.__call__)
+    with StepBatched(pipe) as sb:
+        for method in (sb.__call__, sb.submit, sb.agenerate):
+            signature = inspect.signature(method)
+            assert [p for p in signature.parameters.values() if p.name not in EXTRAS] == list(own.parameters.values())
+            for extra in EXTRAS:
+                assert signature.parameters[extra].kind is inspect.Parameter.KEYWORD_ONLY
+        assert "preview_every" in inspect.signature(sb.stream).parameters
+        # diffusers' test_encode_prompt_works_in_isolation filters call arguments by this signature
+        assert set(own.parameters) <= set(inspect.signature(sb.__call__).parameters)
+        assert isinstance(sb, StepBatched) and type(sb).__name__ == "StepBatched"
+        text = pydoc.render_doc(sb.__call__)
+        assert "num_inference_steps" in text and "priority" in text
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_call_state_after_a_call_reads_like_the_plain_pipeline(name):
+    pipe = pipe_for(name)
+    kwargs = call_kwargs(name, guidance_scale=4.0)
+    fresh = type(pipe)(**pipe.components)
+    fresh.set_progress_bar_config(disable=True)
+    run(fresh, kwargs)
+    names = call_state_names(fresh)
+    expected = {}
+    for attribute in names:
+        try:
+            expected[attribute] = getattr(fresh, attribute)
+        except AttributeError:  # a property of a feature this call does not use
+            continue
+    if name.startswith("pixart"):
+        assert names == []  # PixArtSigmaPipeline keeps no per-call state on itself
+    else:
+        assert {"guidance_scale", "num_timesteps"} <= set(expected), sorted(expected)
+    with StepBatched(pipe) as sb:
+        run(sb, kwargs)
+        for attribute, value in expected.items():
+            got = getattr(sb, attribute)
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got, value), attribute
+            else:
+                assert got == value, attribute
+
+
+def test_call_state_is_per_calling_thread():
+    pipe = pipe_for("sd-euler")
+    with StepBatched(pipe) as sb:
+        seen = {}
+
+        def call(scale, steps):
+            run(sb, call_kwargs("sd-euler", guidance_scale=scale, num_inference_steps=steps))
+            seen[scale] = (sb.guidance_scale, sb.num_timesteps, sb.do_classifier_free_guidance)
+
+        threads = [threading.Thread(target=call, args=(scale, steps)) for scale, steps in ((1.0, 2), (6.0, 4))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert seen == {1.0: (1.0, 2, False), 6.0: (6.0, 4, True)}
+
+
+@pytest.mark.parametrize("name", ["flux", "qwen-tiny", "sd3-tiny", "sdxl-euler"])
+def test_call_state_inside_a_callback_is_the_requests(name):
+    """A callback that reads the wrapper (as code written for `pipe` does) sees its own request's timestep."""
+    pipe = pipe_for(name)
+
+    def recorder(source, log):
+        def callback(view, i, t, callback_kwargs):
+            log.append((i, float(t), float(source().num_timesteps), source().guidance_scale))
+            return callback_kwargs
+        return callback
+
+    plain_log: list = []
+    run(pipe, call_kwargs(name, callback_on_step_end=recorder(lambda: pipe, plain_log)))
+    with StepBatched(pipe) as sb:
+        logs = [[], []]
+        futures = [sb.submit(**seeded(call_kwargs(name, callback_on_step_end=recorder(lambda: sb, logs[0])))),
+                   sb.submit(**seeded(call_kwargs(name, num_inference_steps=5, guidance_scale=2.0,
+                                                  callback_on_step_end=recorder(lambda: sb, logs[1]))))]
+        for future in futures:
+            future.result(timeout=300)
+    assert logs[0] == plain_log
+    assert [entry[2:] for entry in logs[1]] == [(5.0, 2.0)] * 5
+
+
+@pytest.mark.parametrize("name", ["flux", "sd-euler"])
+def test_submit_validates_priority_and_deadline(name):
+    pipe = pipe_for(name)
+    with StepBatched(pipe) as sb:
+        for bad, error in (("high", TypeError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(error, match="priority"):
+                sb.submit(**seeded(call_kwargs(name)), priority=bad)
+        for bad, error in ((float("nan"), ValueError), (float("inf"), ValueError), (-1.0, ValueError),
+                           (0, ValueError), ("10", TypeError)):
+            with pytest.raises(error, match="deadline"):
+                sb.submit(**seeded(call_kwargs(name)), deadline=bad)
+        assert max_diff(run(sb, dict(call_kwargs(name), priority=3, deadline=600.0)),
+                        run(pipe, call_kwargs(name))) <= TOLERANCE
