@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -408,3 +409,84 @@ def tiny_pixart_or_sana_pipeline(num_layers: int = 1, attention_head_dim: int = 
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# NOTE: one group of target modules per adapter (names missing from a model are dropped), so adapters touch
+# different layers, Linear and Conv alike, including per-row [B, D] inputs (time embeddings).
+_LORA_TARGET_GROUPS = (
+    ("to_q", "to_k", "to_v", "to_out.0"),
+    ("proj_mlp", "proj_out", "ff.net.2", "linear_1", "conv1", "conv2", "time_emb_proj"),
+    ("add_q_proj", "add_k_proj", "to_add_out", "norm1.linear", "x_embedder", "context_embedder", "proj_in",
+     "conv_in", "ff.net.0.proj", "to_q"),
+)
+
+
+def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("a", "b", "c"), rank: int = 4,
+                             seed: int = 0) -> tuple[str, ...]:
+    """Add non-zero random peft LoRA adapters (`init_lora_weights=False`) to a diffusers model, as diffusers does.
+
+    Adapter i targets its own group of modules, has lora_alpha = rank * (i + 1) / 2 and every third one uses
+    rsLoRA, so the per-layer scales differ. Leaves the last one active (as `add_adapter` does).
+
+    >>> add_random_lora_adapters(pipe.transformer)
+    ('a', 'b', 'c')
+    """
+    from peft import LoraConfig
+
+    module_names = [name for name, _ in model.named_modules()]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i, name in enumerate(names):
+            group = _LORA_TARGET_GROUPS[i % len(_LORA_TARGET_GROUPS)]
+            targets = [t for t in group if any(m == t or m.endswith("." + t) for m in module_names)]
+            config = LoraConfig(r=rank, lora_alpha=rank * (i + 1) / 2, target_modules=targets,
+                                init_lora_weights=False, use_rslora=i % 3 == 2)
+            model.add_adapter(config, adapter_name=name)
+    return names
+
+
+def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4, seed: int = 0) -> None:
+    """Load a random IP-Adapter (as `load_ip_adapter` would) and a tiny CLIP image encoder into an SD, SDXL or
+    Flux pipeline.
+
+    The adapter's key/value projections match each cross-attention layer (Flux: each double-stream block); its
+    `ImageProjection` maps the image encoder's `image_embed_dim`-wide embedding to `tokens` tokens. Scale 1.0, as
+    after `load_ip_adapter`.
+
+    >>> add_random_ip_adapter(pipe); pipe(prompt, ip_adapter_image=image)
+    """
+    from diffusers.models.embeddings import ImageProjection
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    flux = hasattr(pipe, "transformer")  # else a UNet pipeline
+    model = pipe.transformer if flux else pipe.unet
+    cross_dim = model.config.joint_attention_dim if flux else model.config.cross_attention_dim
+    modules = dict(model.named_modules())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        attention = {}
+        if flux:  # one IP projection pair (with biases) per double-stream block, numbered from 0
+            for key_id in range(len(model.transformer_blocks)):
+                for projection in ("to_k_ip", "to_v_ip"):
+                    attention[f"{key_id}.{projection}.weight"] = torch.randn(model.inner_dim, cross_dim) * 0.3
+                    attention[f"{key_id}.{projection}.bias"] = torch.randn(model.inner_dim) * 0.1
+        else:  # one pair per cross-attention layer, numbered 1, 3, 5, ...
+            key_id = 1
+            for name in model.attn_processors:
+                if name.endswith("attn1.processor"):
+                    continue
+                to_k = modules[name[: -len(".processor")]].to_k
+                for projection in ("to_k_ip", "to_v_ip"):
+                    attention[f"{key_id}.{projection}.weight"] = torch.randn(to_k.out_features, to_k.in_features) * 0.3
+                key_id += 2
+        sd = ImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
+                             num_image_text_embeds=tokens).state_dict()
+        projection = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
+                      "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+        encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+            hidden_size=32, projection_dim=image_embed_dim, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=37, image_size=32, patch_size=8,
+        )).eval()
+    model._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": attention}])
+    processor = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
+    pipe.register_modules(image_encoder=encoder, feature_extractor=processor)

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from .adapters.state import NOT_GIVEN, planning_with_adapters
 from .buffers import LatentBuffers
 from .cache.prompt import PromptCache
 from .cache.teacache import TeaCacheConfig
@@ -139,7 +140,9 @@ class StepBatched:
         """Validate a call and queue it; returns a `concurrent.futures.Future` with `abort()`.
 
         `priority` orders admission under the "priority" policy (higher first); `deadline` is seconds from
-        now by which the request should finish (SLO admission, see `SchedulerConfig`). Bad input raises
+        now by which the request should finish (SLO admission, see `SchedulerConfig`). `adapters=` ({name:
+        weight}, see `diffusers_stepbatch.adapters`) picks this request's LoRA adapters; without it the request
+        keeps the adapters active on the pipeline now. Bad input raises
         `ValueError` (or `TypeError` for unknown arguments) here, in the caller; a full queue `QueueFull`.
         """
         _check_request_options(priority, deadline)
@@ -158,10 +161,14 @@ class StepBatched:
             if teacache is not None:
                 check_feature(self.pipe, "teacache", "teacache=")
             options = dataclasses.replace(options, teacache=teacache)
+        adapters = kwargs.pop("adapters", NOT_GIVEN)
+        if adapters is not NOT_GIVEN:
+            check_feature(self.pipe, "adapters", "adapters=")
         call_args = self._bind(args, kwargs)
         check_call_inputs(self.pipe, call_args, self.engine.config.max_pixels,
                           family_program=self._plan is not plan_generic)
-        with planning_with(options), planning_with_pid(self.pid), capturing_views() as views:
+        with (planning_with(options), planning_with_pid(self.pid), planning_with_adapters(adapters),
+              capturing_views() as views):
             planned = self._plan(self.pipe, call_args)
         request_id = next_request_id()
         handle = RequestHandle(request_id, wake_engine=self.engine.wake)

@@ -139,3 +139,27 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+import contextlib  # noqa: E402
+import threading  # noqa: E402
+
+
+@contextlib.contextmanager
+def engine_held(sb, blocker_kwargs: dict):
+    """Hold the engine on a blocker request's step callback while the body submits, so every request submitted
+    inside starts together, in lockstep; the blocker (`blocker_kwargs`, seeded) finishes on exit."""
+    entered, released = threading.Event(), threading.Event()
+
+    def hold_engine_once(step_pipe, i, t, tensors):
+        entered.set()
+        released.wait(60)
+        return {}
+
+    blocker = sb.submit(**seeded(dict(blocker_kwargs, callback_on_step_end=hold_engine_once)))
+    assert entered.wait(60), "the blocker request never reached its step callback"
+    try:
+        yield
+    finally:
+        released.set()
+        blocker.result(300)

@@ -104,7 +104,7 @@ def test_euler_and_dpm_requests_share_forwards(name):
     ("sdxl-euler", dict(guidance_scale=5.0, prompt=["a", "b"], negative_prompt=["c"]), "negative_prompt"),
     ("sdxl-euler", dict(original_size=(32, 32, 32)), "added time embedding"),
     ("sdxl-euler", dict(latents=torch.zeros(1, 4, 3, 3)), "latents"),
-    ("sdxl-euler", dict(ip_adapter_image_embeds=[torch.zeros(1, 1, 4)]), "not supported"),
+    ("sdxl-euler", dict(ip_adapter_image_embeds=[torch.zeros(1, 1, 4)]), "need an IP-Adapter on the UNet"),
     ("sd-euler", dict(guidance_scale=5.0, prompt="a", negative_prompt=["c"]), "negative_prompt"),
     ("sd-euler", dict(generator=[torch.Generator(), torch.Generator()]), "generator"),
     ("sd-euler", dict(callback_steps=2), "deprecated"),

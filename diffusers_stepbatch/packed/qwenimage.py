@@ -91,11 +91,25 @@ def _rows(parts: Sequence[QwenImagePart]) -> list[_Row]:
     return rows
 
 
+def packed_row_order(parts: Sequence[QwenImagePart]) -> tuple[list[int], list[tuple[int, int]]]:
+    """(the order the packed forward puts the rows of `parts` in, each of those rows' (text, image) tokens).
+
+    Per-row inputs inside the packed forward follow this order; its token streams hold those rows' tokens one
+    after another (text padding dropped). Per-row LoRA maps layer inputs to rows with it.
+    """
+    rows = _rows(parts)
+    return _order(rows), [(rows[r].text.shape[0], rows[r].hidden.shape[0]) for r in _order(rows)]
+
+
+def _order(rows: list[_Row]) -> list[int]:
+    # NOTE: rows of equal token counts form one part of the layout, so they attend as one batch.
+    return sorted(range(len(rows)), key=lambda r: (rows[r].hidden.shape[0], rows[r].text.shape[0]))
+
+
 @apply_lora_scale("attention_kwargs")
 def _forward(transformer, parts, attention_kwargs=None):
     rows = _rows(parts)
-    # NOTE: rows of equal token counts form one part of the layout, so they attend as one batch.
-    order = sorted(range(len(rows)), key=lambda r: (rows[r].hidden.shape[0], rows[r].text.shape[0]))
+    order = _order(rows)
     sizes: dict[tuple[int, int], int] = {}
     for r in order:
         shape = (rows[r].text.shape[0], rows[r].hidden.shape[0])

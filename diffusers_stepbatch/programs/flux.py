@@ -18,12 +18,28 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import FluxPipelineOutput, calculate_shift, retrieve_timesteps
 
+from ..adapters.ip_adapter import (
+    IPAdapterState,
+    bind_scale_setter,
+    flux_ip_image_embeds,
+    per_row_ip_scales,
+    plan_flux_ip_adapter,
+)
+from ..adapters.lora import lora_layers, streams_ambiguous
+from ..adapters.state import (
+    AdapterState,
+    lora_rows,
+    request_adapters,
+    text_lora_scale,
+    without_lora_scale,
+)
 from ..buffers import stack_rows
 from ..cache.prompt import cached_encode, encoder_namespace
 from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
+from ..packed.layout import PackedLayout
 from ..packed.support import log_unpackable_once
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -37,12 +53,8 @@ from .validation import (
     check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
-    check_unsupported,
     freeze,
 )
-
-_UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds", "negative_ip_adapter_image",
-                "negative_ip_adapter_image_embeds")
 
 
 @dataclass
@@ -58,12 +70,13 @@ class FluxCall:
     options: ProgramOptions
     teacache: list[TeaCacheState] | None  # one per CFG branch; None: every step runs the blocks
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
+    ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
 
-@register_program(FluxPipeline, features=("teacache",))
+@register_program(FluxPipeline, features=("teacache", "adapters"))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
-    check_unsupported(args, _UNSUPPORTED, "Flux")
     pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
     if pid is not None:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
@@ -106,7 +119,12 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
             "pipe.transformer; call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None"
         )
-    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid)
+    adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
+    ip = plan_flux_ip_adapter(pipe, args)
+    if ip is not None and teacache is not None:
+        raise ValueError("TeaCache runs the transformer's blocks itself, without the IP-Adapter's image tokens; "
+                         "pass teacache=None with an IP-Adapter loaded")
+    call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid, adapters, ip)
     rows = num_images * branches
     tokens = (latent_h // 2) * (latent_w // 2)
     program = flux_program(pipe, request_pipeline(pipe), call)
@@ -149,6 +167,13 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     embeds, pooled = yield from _encode(pipe, args, call.do_true_cfg, per_prompt, device, lora_scale,
                                         options.prompt_cache)
 
+    # 1b. Image prompts (IP-Adapter): positive and negative embeddings, images encoded in batched items.
+    ip_embeds = None
+    if call.ip is not None:
+        bind_scale_setter(view, pipe, call.ip)
+        ip_embeds = yield from flux_ip_image_embeds(pipe, view, call.ip, args, device, call.num_images,
+                                                    call.height, call.width)
+
     # 2. Latents, this request's own scheduler and timesteps (as FluxPipeline.__call__ does).
     latents, image_ids = view.prepare_latents(
         call.num_images, pipe.transformer.config.in_channels // 4, call.height, call.width,
@@ -174,15 +199,18 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
 
     text_dtype = pipe.text_encoder.dtype if pipe.text_encoder is not None else pipe.transformer.dtype
     text_ids = torch.zeros(embeds[0].shape[1], 3, device=device, dtype=text_dtype)
-    denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, view._joint_attention_kwargs,
-                                options.buffers)
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    attention_kwargs = without_lora_scale(view._joint_attention_kwargs)
+    denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, attention_kwargs, options.buffers)
     # NOTE: txt_ids/img_ids have no batch dim, so rows of one forward share image grid and text length.
     grid = (call.height // (pipe.vae_scale_factor * 2), call.width // (pipe.vae_scale_factor * 2))
-    shared_key = (tuple(pooled[0].shape[1:]), guidance is not None, freeze(view._joint_attention_kwargs),
+    shared_key = (tuple(pooled[0].shape[1:]), guidance is not None, freeze(attention_kwargs),
                   latents.dtype, embeds[0].dtype, str(latents.device))
     key = ("flux", grid, tuple(embeds[0].shape[1:]), *shared_key)
-    pack = _packable(pipe.transformer, view._joint_attention_kwargs, shared_key, (text_ids, image_ids),
-                     latents.shape[1] + embeds[0].shape[1])
+    if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
+        key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in ip_embeds[0]))
+    pack = _packable(pipe.transformer, attention_kwargs, shared_key, (text_ids, image_ids),
+                     latents.shape[1] + embeds[0].shape[1], call)
 
     # 3. Denoising loop: one work item per step (two when the CFG policy splits the branches); the engine
     # batches it with other requests' items. Inputs are lists of row tensors: the batch is assembled once, in
@@ -226,6 +254,10 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                     "pooled_projections": [text_pooled[b * images + j] for b, j in rows],
                     "encoder_hidden_states": [text[b * images + j] for b, j in rows],
                     "teacache": [teacache[b] for b, _ in rows],
+                    "lora": [call.adapters] * len(rows),
+                    # per row: one image embedding per IP-Adapter, the negative ones on the true-CFG rows
+                    "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
+                    "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
                 }
                 run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
                 outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack)))
@@ -287,8 +319,9 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
     encoded_embeds = encoded_pooled = None
     if texts:
         max_sequence_length = args["max_sequence_length"]
+        lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2], lora_scale)
         run = functools.partial(_encode_text, pipe, device, max_sequence_length, lora_scale)
-        key = ("flux.encode", max_sequence_length, lora_scale, str(device))
+        key = ("flux.encode", max_sequence_length, lora_scale, text_adapters, str(device))
 
         def make_item(pairs):
             inputs = {"prompt": [p for p, _ in pairs], "prompt_2": [p2 for _, p2 in pairs]}
@@ -331,11 +364,13 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
     return embeds, pooled
 
 
-def _packable(transformer, joint_attention_kwargs, shared_key, ids, tokens) -> Packable | None:
+def _packable(transformer, joint_attention_kwargs, shared_key, ids, tokens, call) -> Packable | None:
     """Rows of other image sizes and text lengths may share this request's forwards, unless the model forbids."""
     reason = flux_packing_unsupported(transformer)
     if reason is None and set(joint_attention_kwargs) - {"scale"}:
         reason = f"joint_attention_kwargs {sorted(joint_attention_kwargs)} go to the attention processor"
+    if reason is None and call.ip is not None:
+        reason = "IP-Adapter image tokens are not wired into packed forwards yet"
     if reason is not None:
         log_unpackable_once("FluxPipeline", reason)
         return None
@@ -355,11 +390,25 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
         )
         for (txt_ids, img_ids), inputs in shapes
     ]
-    return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+    if not lora_layers(transformer):
+        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+    # Per-row LoRA over the packed streams (text, image, and the single blocks' joint text + image tokens).
+    layout = PackedLayout(rows=[p.hidden_states.shape[0] for p in parts],
+                          lengths=[(p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts])
+    streams = [*layout.token_rows, torch.cat(layout.token_rows)]
+    lora = [row for _, inputs in shapes for row in inputs["lora"]]
+    teacache = any(state is not None for part in parts for state in part.teacache or ())
+    if teacache or streams_ambiguous(len(lora), streams):
+        # NOTE: TeaCache's packed sub-calls (fewer rows) and streams of coinciding lengths can't be mapped to
+        # rows by shape: these shapes run one ordinary forward each, adapters still per row.
+        return [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
+                for (txt_ids, img_ids), inputs in shapes]
+    with lora_rows(transformer, lora, token_rows=streams):
+        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
-             pooled_projections, encoder_hidden_states, teacache):
+             pooled_projections, encoder_hidden_states, teacache, lora, ip_embeds, ip_scales):
     inputs = {
         "hidden_states": stack_rows(buffers, "hidden_states", hidden_states),
         "timestep": stack_rows(buffers, "timestep", timestep),
@@ -367,8 +416,12 @@ def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hid
         "pooled_projections": stack_rows(buffers, "pooled_projections", pooled_projections),
         "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", encoder_hidden_states),
     }
-    if any(state is not None for state in teacache):
-        return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
-                                     joint_attention_kwargs=joint_attention_kwargs)
-    return transformer(**inputs, txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs=joint_attention_kwargs,
-                       return_dict=False)[0]
+    if ip_embeds is not None:
+        joint_attention_kwargs = dict(joint_attention_kwargs,
+                                      ip_adapter_image_embeds=[torch.stack(rows) for rows in zip(*ip_embeds)])
+    with lora_rows(transformer, lora), per_row_ip_scales(ip_scales):
+        if any(state is not None for state in teacache):
+            return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
+                                         joint_attention_kwargs=joint_attention_kwargs)
+        return transformer(**inputs, txt_ids=txt_ids, img_ids=img_ids,
+                           joint_attention_kwargs=joint_attention_kwargs, return_dict=False)[0]

@@ -22,9 +22,22 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
+from ..adapters.lora import lora_layers, streams_ambiguous
+from ..adapters.state import (
+    AdapterState,
+    lora_rows,
+    request_adapters,
+    text_encoder_state,
+    without_lora_scale,
+)
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
-from ..packed.qwenimage import QwenImagePart, qwenimage_packed_forward, qwenimage_packing_unsupported
+from ..packed.qwenimage import (
+    QwenImagePart,
+    packed_row_order,
+    qwenimage_packed_forward,
+    qwenimage_packing_unsupported,
+)
 from ..packed.support import log_unpackable_once
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -50,9 +63,10 @@ class QwenImageCall:
     num_images: int  # prompts x num_images_per_prompt
     do_true_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
 
 
-@register_program(QwenImagePipeline)
+@register_program(QwenImagePipeline, features=("adapters",))
 def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
@@ -84,7 +98,8 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     latent_w = 2 * (int(width) // (pipe.vae_scale_factor * 2))
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
-    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid)
+    adapters = request_adapters(pipe.transformer, lora_scale=(args["attention_kwargs"] or {}).get("scale"))
+    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters)
     rows = num_images * (2 if do_true_cfg else 1)
     program = qwenimage_program(pipe, request_pipeline(pipe), call)
     tokens = (latent_h // 2) * (latent_w // 2)
@@ -135,12 +150,14 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     if pipe.transformer.config.guidance_embeds:
         guidance = torch.full([latents.shape[0]], args["guidance_scale"], device=device, dtype=torch.float32)
 
-    denoise = functools.partial(_denoise, pipe.transformer, grid, view._attention_kwargs)
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    attention_kwargs = without_lora_scale(view._attention_kwargs)
+    denoise = functools.partial(_denoise, pipe.transformer, grid, attention_kwargs)
     shared_key = (tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
-                  freeze(view._attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
+                  freeze(attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
     key = ("qwenimage", grid, *shared_key)
     longest_text = max(embeds.shape[1] for embeds, _ in branches)
-    pack = _packable(pipe.transformer, view._attention_kwargs, shared_key, grid, latents.shape[1] + longest_text)
+    pack = _packable(pipe.transformer, attention_kwargs, shared_key, grid, latents.shape[1] + longest_text)
 
     # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images]. With diffusers'
     # cache hooks on the transformer, this request's forwards run alone, one per branch, in its own contexts.
@@ -165,6 +182,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                 "guidance": None if guidance is None else torch.cat([guidance] * len(branches)),
                 "text": [embeds[j] for embeds, _ in branches for j in range(images)],
                 "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
+                "lora": [call.adapters] * (len(branches) * images),
             }
             if hooked is not None:
                 yield from hooked.take_turn()
@@ -219,8 +237,8 @@ def _encode(pipe, args, texts, device):
     if not prompts:
         return [(None, None)] * len(texts)
     run = functools.partial(_encode_text, pipe, device)
-    embeds, mask = yield WorkItem("encode", ("qwenimage.encode", str(device)), {"prompt": prompts}, run,
-                                  rows=len(prompts))
+    key = ("qwenimage.encode", text_encoder_state([pipe.text_encoder]), str(device))
+    embeds, mask = yield WorkItem("encode", key, {"prompt": prompts}, run, rows=len(prompts))
     encoded, start = [], 0
     for size in sizes:
         if size == 0:
@@ -256,10 +274,19 @@ def _packed_denoise(transformer, attention_kwargs, shapes):
                       text_mask=inputs["text_mask"], img_shapes=[grid])
         for grid, inputs in shapes
     ]
-    return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+    if not lora_layers(transformer):
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+    # Per-row LoRA over the packed streams: the packed forward orders the rows itself (packed_row_order).
+    lora = [row for _, inputs in shapes for row in inputs["lora"]]
+    order, tokens = packed_row_order(parts)
+    streams = [torch.arange(len(order)).repeat_interleave(torch.tensor([n[k] for n in tokens])) for k in (0, 1)]
+    if streams_ambiguous(len(lora), streams):  # NOTE: shapes can't tell these streams apart: one call per grid
+        return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
+    with lora_rows(transformer, [lora[r] for r in order], token_rows=streams):
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
 
 
-def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask):
+def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora):
     """One forward over rows whose prompt embeddings may differ in length: pad to the longest and mask."""
     lengths = [row.shape[0] for row in text]
     longest = max(lengths)
@@ -270,8 +297,9 @@ def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guida
     else:
         embeds = torch.stack([torch.nn.functional.pad(row, (0, 0, 0, longest - row.shape[0])) for row in text])
         mask = torch.stack([torch.nn.functional.pad(m, (0, longest - m.shape[0])) for m in masks])
-    return transformer(
-        hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
-        encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0],
-        attention_kwargs=attention_kwargs, return_dict=False,
-    )[0]
+    with lora_rows(transformer, lora):
+        return transformer(
+            hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0],
+            attention_kwargs=attention_kwargs, return_dict=False,
+        )[0]

@@ -15,13 +15,15 @@ from diffusers import StableDiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_output import StableDiffusionPipelineOutput
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
+from ..adapters.ip_adapter import bind_scale_setter, ip_image_embeds, plan_ip_adapter
+from ..adapters.state import text_lora_scale
 from ..engine.batch import WorkItem
 from .registry import PlannedRequest, register_program, request_pipeline
-from .sdxl import UNetCall, check_unet_call, decode_item, unet_denoise
+from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
 from .validation import as_list, check_latents
 
 
-@register_program(StableDiffusionPipeline)
+@register_program(StableDiffusionPipeline, features=("adapters",))
 def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusionPipeline call in the caller's thread and return its step program."""
     height, width = args["height"], args["width"]
@@ -31,7 +33,8 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedReque
         height, width = height * pipe.vae_scale_factor, width * pipe.vae_scale_factor
     pipe.check_inputs(
         args["prompt"], height, width, None, args["negative_prompt"], args["prompt_embeds"],
-        args["negative_prompt_embeds"], None, None, args["callback_on_step_end_tensor_inputs"],
+        args["negative_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
+        args["callback_on_step_end_tensor_inputs"],
     )
     steps, num_prompts, num_images, _ = check_unet_call(pipe, args, "Stable Diffusion")
     do_cfg = args["guidance_scale"] > 1 and pipe.unet.config.time_cond_proj_dim is None
@@ -44,7 +47,8 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedReque
             raise ValueError(f"negative_prompt has {len(as_list(negative))} entries for {num_prompts} prompts")
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg)
+    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg,
+                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg))
     rows = num_images * (2 if do_cfg else 1)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
     return PlannedRequest(program=sd_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,
@@ -61,18 +65,19 @@ def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
     view._interrupt = False
     device = pipe._execution_device
     lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
+    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder], lora_scale)
 
     # 1. Text: the encoder runs in batched work items; the pipeline's own encode_prompt then repeats and
     # casts exactly as it does (it encodes nothing more).
     embeds, negative = args["prompt_embeds"], args["negative_prompt_embeds"]
     if embeds is None:
         texts = as_list(args["prompt"])
-        key = ("sd.encode", args["clip_skip"], lora_scale, str(device))
+        key = ("sd.encode", args["clip_skip"], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
         embeds = yield WorkItem("encode", key, {"prompt": texts}, run, rows=len(texts))
     if call.do_cfg and negative is None:
         texts = as_list(args["negative_prompt"]) or [""] * call.num_prompts
-        key = ("sd.encode.negative", embeds.shape[1], lora_scale, str(device))
+        key = ("sd.encode.negative", embeds.shape[1], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_negative, pipe, device, embeds.shape[1], lora_scale)
         negative = yield WorkItem("encode", key, {"negative_prompt": texts}, run, rows=len(texts))
     embeds, negative = view.encode_prompt(None, device, call.num_images // call.num_prompts, call.do_cfg,
@@ -86,6 +91,10 @@ def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
     view._num_timesteps = len(timesteps)
     conditioning = {"prompt_embeds": torch.cat([negative, embeds]) if call.do_cfg else embeds,
                     "negative_prompt_embeds": negative}
+    if call.ip is not None:
+        bind_scale_setter(view, pipe, call.ip)
+        conditioning["ip_image_embeds"] = yield from ip_image_embeds(pipe, view, call.ip, args, device,
+                                                                     call.num_images, call.do_cfg)
     latents = yield from unet_denoise(view, pipe, call, latents, timesteps, conditioning)
 
     # 3. Decode (batched with other requests' decodes of the same size), then the safety checker if any.

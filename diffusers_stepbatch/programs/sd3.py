@@ -23,8 +23,17 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
 
+from ..adapters.lora import lora_layers, streams_ambiguous
+from ..adapters.state import (
+    AdapterState,
+    lora_rows,
+    request_adapters,
+    text_lora_scale,
+    without_lora_scale,
+)
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import log_unpackable_once
 from .callbacks import run_step_callback
@@ -54,9 +63,10 @@ class SD3Call:
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
 
 
-@register_program(StableDiffusion3Pipeline)
+@register_program(StableDiffusion3Pipeline, features=("adapters",))
 def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
     check_unsupported(args, _UNSUPPORTED, "SD3")
@@ -93,7 +103,8 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid)
+    adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
+    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid, adapters=adapters)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
@@ -153,7 +164,8 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     if hasattr(view.scheduler, "set_begin_index") and (custom is None or list(custom).count(custom[0]) == 1):
         view.scheduler.set_begin_index(0)
 
-    jak = view._joint_attention_kwargs
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    jak = without_lora_scale(view._joint_attention_kwargs) or None
     shared_key = (tuple(pooled_embeds.shape[1:]), freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
     key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), *shared_key)
     patch = pipe.transformer.config.patch_size
@@ -188,6 +200,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 "encoder_hidden_states": torch.cat(text),
                 "pooled_projections": torch.cat(text_pooled),
                 "skip_layers": skips,
+                "lora": [call.adapters] * len(skips),
             }
             output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack)
             noise_pred = output
@@ -237,6 +250,8 @@ def _encode(pipe, call: SD3Call, per_prompt: int, device, lora_scale):
     clip_skip, so with clip_skip set the two branches are two encode items (each batches with other requests).
     """
     args, n = call.args, call.num_prompts
+    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3],
+                                                lora_scale)
     if args["prompt_embeds"] is not None:
         branches = [_Branch(embeds=args["prompt_embeds"], pooled=args["pooled_prompt_embeds"])]
     else:
@@ -256,7 +271,7 @@ def _encode(pipe, call: SD3Call, per_prompt: int, device, lora_scale):
         inputs = {name: sum((branch.texts[j] for branch in group), []) for j, name in
                   enumerate(("prompt", "prompt_2", "prompt_3"))}
         run = functools.partial(_encode_text, pipe, device, args["max_sequence_length"], clip_skip, lora_scale)
-        key = ("sd3.encode", args["max_sequence_length"], clip_skip, lora_scale, str(device))
+        key = ("sd3.encode", args["max_sequence_length"], clip_skip, lora_scale, text_adapters, str(device))
         out_embeds, out_pooled = yield WorkItem("encode", key, inputs, run, rows=len(inputs["prompt"]))
         start = 0
         for branch in group:
@@ -290,10 +305,15 @@ def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packab
 
 def _packed_denoise(transformer, joint_attention_kwargs, shapes):
     """One packed forward per distinct skip set, each over that set's rows of every shape."""
+    layers = lora_layers(transformer)
+    if any(layer in layers for layer in transformer.pos_embed.modules()):
+        # NOTE: the packed forward embeds patches per size (inputs of one size's rows): per-row LoRA there
+        # can't be mapped to the packed rows, so each shape runs its own forward (adapters still per row).
+        return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
     outputs = [None] * len(shapes)
     skip_sets = dict.fromkeys(skip for _, inputs in shapes for skip in inputs["skip_layers"])
     for skip in skip_sets:
-        parts, picked = [], []
+        parts, picked, lora = [], [], []
         for index, (_, inputs) in enumerate(shapes):
             rows = [r for r, row_skip in enumerate(inputs["skip_layers"]) if row_skip == skip]
             if not rows:
@@ -303,8 +323,16 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
             parts.append(SD3Part(pick("hidden_states"), pick("encoder_hidden_states"), pick("pooled_projections"),
                                  pick("timestep")))
             picked.append((index, rows_index, len(inputs["skip_layers"])))
-        results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
-                                     skip_layers=None if skip is None else list(skip))
+            lora += [inputs["lora"][r] for r in rows]
+        patch = transformer.config.patch_size
+        layout = PackedLayout(rows=[p.hidden_states.shape[0] for p in parts],
+                              lengths=[((p.hidden_states.shape[2] // patch) * (p.hidden_states.shape[3] // patch),
+                                        p.encoder_hidden_states.shape[1]) for p in parts])
+        if layers and streams_ambiguous(len(lora), layout.token_rows):
+            return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
+        with lora_rows(transformer, lora, token_rows=layout.token_rows):  # streams: image, then text tokens
+            results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                                         skip_layers=None if skip is None else list(skip))
         for (index, rows_index, total), result in zip(picked, results):
             if outputs[index] is None:
                 outputs[index] = result.new_empty((total, *result.shape[1:]))
@@ -313,7 +341,7 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
 
 
 def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encoder_hidden_states, pooled_projections,
-             skip_layers):
+             skip_layers, lora):
     """One forward per distinct skip set among the rows (`skip_layers` holds each row's set, None: no skipping)."""
     outputs = None
     for skip in dict.fromkeys(skip_layers):
@@ -321,12 +349,13 @@ def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encod
         whole = len(rows) == len(skip_layers)
         index = None if whole else torch.tensor(rows, device=hidden_states.device)
         pick = (lambda x: x) if whole else (lambda x: x.index_select(0, index))  # noqa: E731
-        output = transformer(
-            hidden_states=pick(hidden_states), timestep=pick(timestep),
-            encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
-            joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
-            skip_layers=None if skip is None else list(skip),
-        )[0]
+        with lora_rows(transformer, [lora[r] for r in rows]):
+            output = transformer(
+                hidden_states=pick(hidden_states), timestep=pick(timestep),
+                encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
+                joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
+                skip_layers=None if skip is None else list(skip),
+            )[0]
         if whole:
             return output
         if outputs is None:

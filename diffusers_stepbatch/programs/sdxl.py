@@ -20,6 +20,14 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_xl.pipeline_output import StableDiffusionXLPipelineOutput
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg, retrieve_timesteps
 
+from ..adapters.ip_adapter import (
+    IPAdapterState,
+    bind_scale_setter,
+    ip_image_embeds,
+    per_row_ip_scales,
+    plan_ip_adapter,
+)
+from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from .callbacks import run_step_callback
@@ -29,11 +37,8 @@ from .validation import (
     as_list,
     check_call_size,
     check_latents,
-    check_unsupported,
     freeze,
 )
-
-UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds")
 
 
 @dataclass
@@ -48,11 +53,12 @@ class UNetCall:
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py, SDXL only); None: VAE decode
+    adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the UNet has none
+    ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
     """Checks SD and SDXL share; returns (steps, num_prompts, num_images, per_prompt)."""
-    check_unsupported(args, UNSUPPORTED, name)
     legacy = sorted(option for option in (args.get("kwargs") or {}) if option in ("callback", "callback_steps"))
     if legacy:
         raise ValueError(f"{legacy} are deprecated and not supported by StepBatched; use callback_on_step_end")
@@ -62,7 +68,7 @@ def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, in
     return size.steps, size.num_prompts, size.num_images, size.per_prompt
 
 
-@register_program(StableDiffusionXLPipeline)
+@register_program(StableDiffusionXLPipeline, features=("adapters",))
 def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusionXLPipeline call in the caller's thread and return its step program."""
     pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
@@ -76,7 +82,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
     pipe.check_inputs(
         args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
         args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
-        args["negative_pooled_prompt_embeds"], None, None, args["callback_on_step_end_tensor_inputs"],
+        args["negative_pooled_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
+        args["callback_on_step_end_tensor_inputs"],
     )
     steps, num_prompts, num_images, _ = check_unet_call(pipe, args, "SDXL")
     if args["prompt_embeds"] is None and args["prompt_2"] is not None:
@@ -98,11 +105,17 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
                                    text_encoder_projection_dim=projection_dim)
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, pid)
+    call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid,
+                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg))
     rows = num_images * (2 if do_cfg else 1)
     program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
     return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
+
+
+def unet_adapters(pipe, args: dict[str, Any]) -> AdapterState | None:
+    """The request's UNet LoRA: `adapters=` or the pipeline's active adapters, times its LoRA scale."""
+    return request_adapters(pipe.unet, lora_scale=(args["cross_attention_kwargs"] or {}).get("scale"))
 
 
 def _negatives_to_encode(pipe, args) -> bool:
@@ -126,7 +139,8 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
     view._denoising_end = args["denoising_end"]
     view._interrupt = False
     device = pipe._execution_device
-    lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
+    lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2],
+                                                (args["cross_attention_kwargs"] or {}).get("scale"))
 
     # 1. Text: the encoders run in batched work items; the pipeline's own encode_prompt then repeats, zeroes
     # and casts exactly as it does (it encodes nothing more: every text already has its embeddings).
@@ -136,7 +150,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
         texts = as_list(args["prompt"])
         run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
         inputs = {"prompt": texts, "prompt_2": as_list(args["prompt_2"] or args["prompt"])}
-        key = ("sdxl.encode", args["clip_skip"], lora_scale, str(device))
+        key = ("sdxl.encode", args["clip_skip"], lora_scale, text_adapters, str(device))
         given["prompt_embeds"], given["pooled_prompt_embeds"] = yield WorkItem("encode", key, inputs, run,
                                                                               rows=len(texts))
     if call.do_cfg and _negatives_to_encode(pipe, args):
@@ -144,7 +158,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
         run = functools.partial(_encode_negative, pipe, device, length, lora_scale)
         inputs = {name: _negative_texts(args, name, call.num_prompts) for name in ("negative_prompt",
                                                                                    "negative_prompt_2")}
-        key = ("sdxl.encode.negative", length, lora_scale, str(device))
+        key = ("sdxl.encode.negative", length, lora_scale, text_adapters, str(device))
         negative = yield WorkItem("encode", key, inputs, run, rows=call.num_prompts)
         given["negative_prompt_embeds"], given["negative_pooled_prompt_embeds"] = negative
     embeds, negative_embeds, pooled, negative_pooled = view.encode_prompt(
@@ -183,6 +197,10 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
 
     conditioning = {"prompt_embeds": embeds.to(device), "add_text_embeds": pooled.to(device),
                     "add_time_ids": add_time_ids}
+    if call.ip is not None:
+        bind_scale_setter(view, pipe, call.ip)
+        conditioning["ip_image_embeds"] = yield from ip_image_embeds(pipe, view, call.ip, args, device,
+                                                                     call.num_images, call.do_cfg)
     if call.pid is not None:  # PiD early exit: the loop runs the first K timesteps only
         timesteps = timesteps[:call.pid.exit_step]
     latents = yield from unet_denoise(view, pipe, call, latents, timesteps, conditioning)
@@ -274,7 +292,8 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
         scale = torch.tensor(args["guidance_scale"] - 1).repeat(call.num_images)
         timestep_cond = view.get_guidance_scale_embedding(scale, embedding_dim=pipe.unet.config.time_cond_proj_dim)
         timestep_cond = timestep_cond.to(device=latents.device, dtype=latents.dtype)
-    cross_attention_kwargs = args["cross_attention_kwargs"]
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    cross_attention_kwargs = without_lora_scale(args["cross_attention_kwargs"]) or None
     run = functools.partial(_denoise, pipe.unet, cross_attention_kwargs)
     if hasattr(view.scheduler, "set_begin_index"):
         view.scheduler.set_begin_index(0)
@@ -302,6 +321,15 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             }
             key = ("unet",) + tuple(None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values())
             key += (freeze(cross_attention_kwargs), str(model_input.device))
+            inputs["lora"] = [call.adapters] * model_input.shape[0]
+            image_embeds = conditioning.get("ip_image_embeds")
+            if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
+                image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
+            if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
+                key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in image_embeds))
+            inputs["image_embeds"] = (None if image_embeds is None else
+                                      [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
+            inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
             if do_cfg:
                 noise_uncond, noise_text = noise_pred.chunk(2)
@@ -320,7 +348,10 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
 
 
 def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_states, text_embeds, time_ids,
-             timestep_cond):
+             timestep_cond, lora, image_embeds, ip_scales):
     added = None if text_embeds is None else {"text_embeds": text_embeds, "time_ids": time_ids}
-    return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
-                cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
+    if image_embeds is not None:
+        added = dict(added or {}, image_embeds=[torch.stack(rows) for rows in zip(*image_embeds)])
+    with lora_rows(unet, lora), per_row_ip_scales(ip_scales):
+        return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
+                    cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]

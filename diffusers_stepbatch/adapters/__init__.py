@@ -1,0 +1,1 @@
+"""Adapters inside merged batches: per-request LoRA (`lora.py`, `state.py`)."""

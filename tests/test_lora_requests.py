@@ -1,0 +1,312 @@
+"""Per-request LoRA through StepBatched: 8 concurrent requests over 3 adapters share forwards, and each equals
+the plain pipeline configured with `set_adapters` for that request and run alone."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.adapters import state as adapter_state
+from diffusers_stepbatch.testing import (
+    add_random_lora_adapters,
+    tiny_flux_pipeline,
+    tiny_qwenimage_pipeline,
+    tiny_sd3_pipeline,
+    tiny_sd_pipeline,
+    tiny_sdxl_pipeline,
+)
+
+from .references import TOLERANCE, engine_held, max_diff, seeded, submit_all
+
+# family: (builder, denoiser attribute, attention-kwargs name, request kwargs)
+FAMILIES = {
+    "flux": (functools.partial(tiny_flux_pipeline, guidance_embeds=True), "transformer", "joint_attention_kwargs",
+             dict(height=32, width=32, max_sequence_length=16)),
+    "sd3": (tiny_sd3_pipeline, "transformer", "joint_attention_kwargs",
+            dict(height=32, width=32, max_sequence_length=16)),
+    "qwenimage": (tiny_qwenimage_pipeline, "transformer", "attention_kwargs",
+                  dict(height=32, width=32, negative_prompt="blurry", true_cfg_scale=3.0)),
+    "sdxl": (tiny_sdxl_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=32)),
+    "sd": (tiny_sd_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=40, guidance_scale=1.0)),
+}
+ACTIVE = (["c"], [0.6])  # the pipeline's own set_adapters state when requests without adapters= are submitted
+
+# (adapters= or None for "the pipeline's active adapters", LoRA scale or None, prompt, seed)
+REQUESTS = [
+    ({"a": 1.0}, None, "a red circle", 0),
+    ({"b": 1.0}, None, "a red circle", 0),
+    ({"a": 0.7, "c": 0.3}, None, "a blue square", 1),
+    ({}, None, "a red circle", 0),
+    ({"b": 0.8}, 0.5, "a green cross", 2),
+    (None, None, "a red circle", 3),
+    (["a", "b", "c"], None, "a blue square", 4),
+    ({"a": 1.0}, 1.5, "a red circle", 5),
+]
+
+
+@functools.cache
+def lora_pipe(family):
+    builder = FAMILIES[family][0]
+    pipe = builder()
+    add_random_lora_adapters(getattr(pipe, FAMILIES[family][1]))
+    return pipe
+
+
+def call_kwargs(family, adapters, scale, prompt, seed, steps=3):
+    _, _, kwargs_name, extra = FAMILIES[family]
+    kwargs = dict(prompt=prompt, num_inference_steps=steps, seed=seed, output_type="pt", **extra)
+    if scale is not None:
+        kwargs[kwargs_name] = {"scale": scale}
+    if adapters is not None:
+        kwargs["adapters"] = adapters
+    return kwargs
+
+
+def plain_run(pipe, kwargs):
+    """The unwrapped pipeline after `set_adapters` for this request, run alone."""
+    kwargs = dict(kwargs)
+    adapters = kwargs.pop("adapters", None)
+    if adapters is None:
+        adapters = dict(zip(*ACTIVE))
+    elif isinstance(adapters, list):
+        adapters = dict.fromkeys(adapters, 1.0)
+    if adapters:
+        pipe.enable_lora()
+        pipe.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        pipe.disable_lora()
+    try:
+        return pipe(**seeded(kwargs)).images
+    finally:
+        pipe.enable_lora()
+        pipe.set_adapters(*ACTIVE)
+
+
+@pytest.fixture
+def recorded_rows(monkeypatch):
+    """The per-row adapter weights of every per-row LoRA forward."""
+    rows = []
+    real = adapter_state.per_row_lora
+
+    def record(model, row_weights, token_rows=None):
+        rows.append([dict(w) for w in row_weights])
+        return real(model, row_weights, token_rows)
+
+    monkeypatch.setattr(adapter_state, "per_row_lora", record)
+    return rows
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_concurrent_requests_with_their_own_adapters_equal_plain_runs(family, recorded_rows):
+    pipe = lora_pipe(family)
+    pipe.set_adapters(*ACTIVE)
+    requests = [call_kwargs(family, *request) for request in REQUESTS]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=16) as sb:
+        with engine_held(sb, call_kwargs(family, {}, None, "a blocker", 0, steps=1)):  # all start in lockstep
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300) for future in futures]
+    for request, got, want in zip(REQUESTS, results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE, request
+    # the adapters matter, and forwards really mixed rows with different adapters
+    assert max_diff(expected[0], expected[3]) > 1e-3 and max_diff(expected[0], expected[1]) > 1e-3
+    mixed = max(len({tuple(sorted(r.items())) for r in rows}) for rows in recorded_rows)
+    assert mixed == len(REQUESTS), recorded_rows  # all 8 requests (8 distinct weight sets) in one forward
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_submit_keeps_the_adapters_active_at_submit(family):
+    pipe = lora_pipe(family)
+    first, second = call_kwargs(family, None, None, "a red circle", 0), call_kwargs(family, None, None, "a cat", 1)
+    pipe.set_adapters(["a"], [1.0])
+    want_first = pipe(**seeded(first)).images
+    pipe.set_adapters(["b", "c"], [0.5, 1.0])
+    want_second = pipe(**seeded(second)).images
+    try:
+        with StepBatched(pipe) as sb:
+            pipe.set_adapters(["a"], [1.0])
+            future_first = sb.submit(**seeded(first))
+            pipe.set_adapters(["b", "c"], [0.5, 1.0])
+            future_second = sb.submit(**seeded(second))
+            pipe.disable_lora()  # later changes don't reach submitted requests
+            got_first, got_second = future_first.result(300).images, future_second.result(300).images
+    finally:
+        pipe.enable_lora()
+        pipe.set_adapters(*ACTIVE)
+    assert max_diff(got_first, want_first) <= TOLERANCE
+    assert max_diff(got_second, want_second) <= TOLERANCE
+
+
+@pytest.mark.parametrize("adapters, scale, message", [
+    ({"nope": 1.0}, None, "unknown adapter 'nope'"),
+    ({"a": -0.5}, None, r"adapters\['a'\]=-0.5 must be a finite number >= 0"),
+    ({"a": math.nan}, None, "must be a finite number"),
+    ({"a": math.inf}, None, "must be a finite number"),
+    ({"a": {"transformer_blocks.0": 1.0}}, None, "per-block weights"),
+    ({"a": 1.0}, math.nan, "LoRA scale nan"),
+])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bad_adapters_raise_value_error_in_caller(family, adapters, scale, message):
+    pipe = lora_pipe(family)
+    with StepBatched(pipe) as sb:
+        with pytest.raises(ValueError, match=message):
+            sb.submit(**seeded(call_kwargs(family, adapters, scale, "a cat", 0)))
+        assert sb.stats()["waiting"] == 0 and sb.stats()["running"] == 0
+
+
+def test_adapters_of_the_wrong_type_is_a_type_error():
+    with StepBatched(lora_pipe("flux")) as sb:
+        with pytest.raises(TypeError, match="adapters=3 must be a dict of adapter name -> weight"):
+            sb.submit(**seeded(call_kwargs("flux", 3, None, "a cat", 0)))
+
+
+def test_adapters_on_a_family_without_per_request_lora_is_an_error():
+    from .references import family_pipe
+
+    with StepBatched(family_pipe("pixart-tiny")) as sb:
+        with pytest.raises(ValueError, match="adapters= is not supported for PixArtSigmaPipeline"):
+            sb.submit(prompt="a cat", adapters={"a": 1.0})
+
+
+def test_fused_lora_is_the_base_model_for_everyone():
+    pipe = tiny_flux_pipeline(guidance_embeds=True)
+    add_random_lora_adapters(pipe.transformer)
+    pipe.set_adapters(["a"])
+    pipe.fuse_lora(components=["transformer"], adapter_names=["a"])
+    requests = [call_kwargs("flux", adapters, None, "a red circle", seed) for adapters, seed in
+                [(None, 0), ({}, 1), ({"b": 1.0}, 2)]]
+    expected = []
+    for kwargs, active in zip(requests, (["a"], ["a"], ["b"])):  # {}: the fused model, "a" stays fused
+        pipe.set_adapters(active)
+        expected.append(pipe(**seeded({k: v for k, v in kwargs.items() if k != "adapters"})).images)
+    pipe.set_adapters(["a"])
+    with StepBatched(pipe) as sb:
+        results = submit_all(sb, requests)
+    for got, want in zip(results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE
+    assert max_diff(expected[0], expected[2]) > 1e-3
+
+
+def test_prompt_cache_is_keyed_on_the_text_encoder_lora_state():
+    """Text-encoder LoRA through peft's own injection: transformers 5.24's `add_adapter` (what diffusers'
+    `load_lora_weights` uses for text encoders) wants peft >= 0.22, which the registry doesn't have."""
+    from diffusers.utils.peft_utils import set_weights_and_activate_adapters
+    from peft import LoraConfig, inject_adapter_in_model
+
+    pipe = tiny_flux_pipeline(guidance_embeds=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                                pipe.text_encoder, adapter_name="t")
+    kwargs = call_kwargs("flux", None, None, "a red circle", 0)
+    with StepBatched(pipe) as sb:
+        outputs = []
+        for weight in (1.0, 0.25, 1.0):
+            set_weights_and_activate_adapters(pipe.text_encoder, ["t"], [weight])
+            expected = pipe(**seeded(kwargs)).images
+            got = sb(**seeded(kwargs)).images
+            assert max_diff(got, expected) <= TOLERANCE, weight
+            outputs.append(got)
+        stats = sb.stats()["prompt_cache"]
+    assert max_diff(outputs[0], outputs[1]) > 1e-3  # the text-encoder LoRA changes the embeddings
+    assert stats["hits"] == 1  # only the third request, under the first one's state
+
+
+def test_requests_that_differ_only_in_lora_scale_share_prompt_cache_entries():
+    pipe = lora_pipe("flux")
+    with StepBatched(pipe) as sb:
+        for scale in (1.0, 0.5):
+            sb(**seeded(call_kwargs("flux", {"a": 1.0}, scale, "a lone prompt", 0)))
+        stats = sb.stats()["prompt_cache"]
+    assert (stats["hits"], stats["misses"]) == (1, 1)  # no text-encoder LoRA: the scale can't change embeddings
+
+
+@pytest.mark.parametrize("family", ["flux", "qwenimage", "sd3"])
+def test_requests_of_different_sizes_with_adapters_equal_plain_runs(family, caplog):
+    """Rows of several sizes share packed forwards, adapters per row over the packed token streams."""
+    from diffusers_stepbatch import SchedulerConfig
+
+    pipe = lora_pipe(family)
+    pipe.set_adapters(*ACTIVE)
+    requests = [dict(call_kwargs(family, adapters, None, "a red circle", seed), height=h, width=w)
+                for adapters, seed, (h, w) in [({"a": 1.0}, 0, (32, 32)), ({"b": 0.5}, 1, (32, 48)),
+                                               ({}, 2, (32, 48)), (None, 3, (32, 32)), ({"a": 0.3, "c": 1.0}, 4,
+                                                                                          (48, 32))]]
+    if family == "sd3":  # skip-layer guidance on two requests: one packed forward per skip set, rows' own LoRA
+        for kwargs in requests[1:3]:
+            kwargs.update(skip_guidance_layers=[0], skip_layer_guidance_start=0.0, skip_layer_guidance_stop=0.9)
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
+    caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
+    with StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=16, cost_aware=False)) as sb:
+        with engine_held(sb, call_kwargs(family, {}, None, "a blocker", 0, steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300) for future in futures]
+        mixed_calls = sb.stats()["mixed"]["calls"]
+    for kwargs, got, want in zip(requests, results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE, kwargs
+    assert mixed_calls > 0
+    assert not [r for r in caplog.records if "packed" in r.getMessage()]  # no packed call failed and fell back
+
+
+def test_teacache_requests_of_different_sizes_with_adapters_equal_their_solo_runs(caplog):
+    """TeaCache's packed sub-calls fall back to one ordinary forward per size (adapters still per row): each
+    request equals itself run alone with the same TeaCache config (TeaCache is lossy, but batch-invariant)."""
+    from diffusers_stepbatch import SchedulerConfig
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    pipe = lora_pipe("flux")
+    pipe.set_adapters(*ACTIVE)
+    teacache = TeaCacheConfig(threshold=0.6, min_steps=3)
+    # NOTE: different step counts, so the requests' skip decisions differ and packed calls shrink to sub-calls
+    requests = [dict(call_kwargs("flux", adapters, None, "a red circle", seed, steps=steps), height=h, width=w)
+                for adapters, seed, steps, (h, w) in [({"a": 1.0}, 0, 6, (32, 32)), ({"b": 0.5}, 1, 5, (32, 48)),
+                                                      ({}, 2, 7, (48, 32))]]
+    config = SchedulerConfig(max_batch_size=16, cost_aware=False)
+    caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
+    with StepBatched(pipe, teacache=teacache, scheduler=config) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+        with engine_held(sb, call_kwargs("flux", {}, None, "a blocker", 0, steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300).images for future in futures]
+        mixed_calls = sb.stats()["mixed"]["calls"]
+    for kwargs, got, want in zip(requests, results, solo):
+        assert max_diff(got, want) <= TOLERANCE, kwargs
+    assert mixed_calls > 0
+    assert not [r for r in caplog.records if "packed" in r.getMessage()]  # no packed call failed and fell back
+
+
+def test_sd3_adapter_on_the_patch_embedding_runs_one_forward_per_size(caplog):
+    """pos_embed runs per size inside SD3's packed forward: with an adapter there, each shape runs alone."""
+    from peft import LoraConfig
+
+    from diffusers_stepbatch import SchedulerConfig
+
+    pipe = tiny_sd3_pipeline()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["pos_embed.proj", "to_q"],
+                                                init_lora_weights=False), adapter_name="p")
+    requests = [dict(call_kwargs("sd3", adapters, None, "a red circle", seed), height=h, width=w)
+                for adapters, seed, (h, w) in [({"p": 1.0}, 0, (32, 32)), ({}, 1, (32, 48)), ({"p": 0.5}, 2, (48, 32))]]
+    pipe.set_adapters(["p"])
+    expected = [plain_run_with(pipe, kwargs, kwargs["adapters"]) for kwargs in requests]
+    caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
+    with StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=16, cost_aware=False)) as sb:
+        results = submit_all(sb, requests)
+    for kwargs, got, want in zip(requests, results, expected):
+        assert max_diff(got.images, want) <= TOLERANCE, kwargs
+    assert not [r for r in caplog.records if "packed" in r.getMessage()]
+
+
+def plain_run_with(pipe, kwargs, adapters):
+    kwargs = {k: v for k, v in kwargs.items() if k != "adapters"}
+    if adapters:
+        pipe.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        pipe.disable_lora()
+    try:
+        return pipe(**seeded(kwargs)).images
+    finally:
+        pipe.enable_lora()

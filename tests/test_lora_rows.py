@@ -1,0 +1,114 @@
+"""per_row_lora: one forward whose rows use different adapters == set_adapters + a plain forward per row."""
+
+import pytest
+import torch
+
+from diffusers_stepbatch.adapters.lora import per_row_lora
+from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_transformer, tiny_sd_pipeline
+
+from .references import TOLERANCE, max_diff
+
+# (adapters {name: weight}, LoRA scale): one per row
+ROWS = [({"a": 1.0}, 1.0), ({"b": 1.0}, 1.0), ({"a": 0.7, "c": 0.3}, 1.0), ({}, 1.0), ({"b": 0.8}, 0.5),
+        ({"a": 1.0, "b": 1.0, "c": 1.0}, 1.0), ({}, 0.5), ({"a": 1.0}, 1.0)]
+ROW_SETS = {  # scattered rows with different weights (index path), every row, one contiguous run, no adapters
+    "mixed": ROWS,
+    "every-row": [({"a": 0.5}, 1.0)] * 3,
+    "contiguous": [({}, 1.0), ({"b": 1.0}, 1.0), ({"b": 1.0}, 1.0), ({"c": 0.5}, 2.0)],
+    "base-only": [({}, 1.0), ({}, 0.3)],
+}
+
+
+def flux_model(rows=len(ROWS)):
+    model = tiny_flux_transformer(guidance_embeds=True)
+    add_random_lora_adapters(model)
+    cfg = model.config
+    tokens = 16
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(rows, tokens, cfg.in_channels, generator=g),
+        encoder_hidden_states=torch.randn(rows, 8, cfg.joint_attention_dim, generator=g),
+        pooled_projections=torch.randn(rows, cfg.pooled_projection_dim, generator=g),
+        timestep=torch.rand(rows, generator=g), guidance=torch.full((rows,), 3.5),
+        img_ids=torch.zeros(tokens, 3), txt_ids=torch.zeros(8, 3),
+    )
+    return model, inputs, "joint_attention_kwargs"
+
+
+def unet_model(rows=len(ROWS)):
+    model = tiny_sd_pipeline().unet
+    add_random_lora_adapters(model)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(sample=torch.randn(rows, 4, 8, 8, generator=g), timestep=torch.randint(0, 1000, (rows,), generator=g),
+                  encoder_hidden_states=torch.randn(rows, 16, model.config.cross_attention_dim, generator=g))
+    return model, inputs, "cross_attention_kwargs"
+
+
+def plain_row(model, inputs, kwargs_name, row, adapters, scale):
+    one = {k: (v[row:row + 1] if k not in ("img_ids", "txt_ids") else v) for k, v in inputs.items()}
+    if adapters:
+        model.enable_lora()
+        model.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        model.disable_lora()
+    try:
+        return model(**one, **{kwargs_name: {"scale": scale}}, return_dict=False)[0]
+    finally:
+        model.enable_lora()
+
+
+@pytest.mark.parametrize("row_set", sorted(ROW_SETS))
+@pytest.mark.parametrize("build", [flux_model, unet_model], ids=["flux", "unet"])
+def test_rows_equal_set_adapters_per_row(build, row_set):
+    requests = ROW_SETS[row_set]
+    model, inputs, kwargs_name = build(len(requests))
+    rows = [{name: weight * scale for name, weight in adapters.items()} for adapters, scale in requests]
+    model.set_adapters(["c"], [2.0])  # the model's own active state must not leak into the per-row forward
+    with torch.no_grad():
+        with per_row_lora(model, rows):
+            batched = model(**inputs, return_dict=False)[0]
+        for row, (adapters, scale) in enumerate(requests):
+            expected = plain_row(model, inputs, kwargs_name, row, adapters, scale)
+            assert max_diff(batched[row:row + 1], expected) <= TOLERANCE, (row, adapters, scale)
+        lora_delta = max_diff(plain_row(model, inputs, kwargs_name, 0, {"a": 1.0}, 1.0),
+                              plain_row(model, inputs, kwargs_name, 0, {}, 1.0))
+    assert lora_delta > 1e-2  # the adapters change the output (random non-zero B)
+    assert all("forward" not in vars(m) and "forward" not in m._modules for m in model.modules())  # undone
+
+
+def test_per_token_weights_in_a_packed_input():
+    model, _, _ = flux_model()
+    layer = model.transformer_blocks[0].attn.to_q  # a LoRA layer of adapter "a"
+    g = torch.Generator().manual_seed(1)
+    lengths, rows = [5, 3, 7], [{"a": 1.0}, {}, {"a": 0.4, "c": 2.0}]
+    x = torch.randn(1, sum(lengths), layer.in_features, generator=g)
+    token_rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    per_request = torch.randn(len(lengths), layer.in_features, generator=g)  # e.g. a per-request embedding
+    with torch.no_grad():
+        with per_row_lora(model, rows, token_rows=token_rows):
+            packed, by_row = layer(x), layer(per_request)
+        start = 0
+        for row, (length, adapters) in enumerate(zip(lengths, rows)):
+            segment = x[:, start:start + length]
+            model.set_adapters(list(adapters) or ["a"], list(adapters.values()) or [0.0])
+            assert max_diff(packed[:, start:start + length], layer(segment)) <= TOLERANCE
+            assert max_diff(by_row[row], layer(per_request[row:row + 1])[0]) <= TOLERANCE
+            start += length
+
+
+def test_mismatched_input_shape_is_an_error():
+    model, inputs, _ = flux_model()
+    with torch.no_grad(), per_row_lora(model, [{"a": 1.0}] * 3):
+        with pytest.raises(RuntimeError, match="matches neither 3 rows"):
+            model(**inputs, return_dict=False)
+
+
+def test_streams_that_coincide_in_length_but_not_in_rows_are_refused():
+    from diffusers_stepbatch.adapters.lora import RowPlan, streams_ambiguous
+
+    same = torch.tensor([0, 0, 1])
+    assert not streams_ambiguous(2, [same, same.clone(), torch.tensor([0, 1, 1, 1])])
+    assert streams_ambiguous(2, [same, torch.tensor([0, 1, 1])])  # 3 tokens each, different rows
+    assert streams_ambiguous(2, [torch.tensor([1, 0])])  # as long as the rows, in another order
+    with pytest.raises(ValueError, match="can't be told apart by shape"):
+        RowPlan([{}, {}], [same, torch.tensor([0, 1, 1])])
