@@ -7,7 +7,8 @@ Each round submits N requests at once (closed loop) whose sizes cycle through th
 aspect ratios. Sides, each on its own `StepBatched` that is kept warm across rounds (as a server's would be):
 - sequential: the unwrapped pipeline, one request after another;
 - per-size: `StepBatched(pipe, mixed_resolution=False)`: one batched forward per size;
-- packed: `StepBatched(pipe)`: the engine packs sizes into one forward where it measured that to pay.
+- packed: `StepBatched(pipe)`: the engine packs sizes into one forward where it measured that to pay;
+- packed-always: `SchedulerConfig(cost_aware=False)`: every group of sizes packs (the mechanism alone).
 Rounds interleave the sides; every side runs its model calls off the main thread and at each of `--threads`
 intra-op thread counts, and the best count per side is reported. Ratios are what to read, not seconds.
 """
@@ -89,6 +90,7 @@ def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int
     engines = {
         "per-size": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n), mixed_resolution=False),
         "packed": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n)),
+        "packed-always": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n, cost_aware=False)),
     }
     runs: dict[tuple[str, int], list[dict]] = {}
     details: dict[str, dict] = {}
@@ -107,7 +109,7 @@ def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int
         sb.close()
 
     result = {"workload": workload_name, "sizes": sizes, "concurrency": n, "steps": steps, "sides": {}}
-    for side in ("sequential", "per-size", "packed"):
+    for side in ("sequential", "per-size", "packed", "packed-always"):
         per_count = {}
         for count in threads:
             walls = [r["wall_s"] for r in runs[(side, count)]]
@@ -124,21 +126,24 @@ def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int
                                     / sides["per-size"]["throughput_images_per_s"])
     result["packed_vs_sequential"] = (sides["packed"]["throughput_images_per_s"]
                                       / sides["sequential"]["throughput_images_per_s"])
+    result["packed_always_vs_per_size"] = (sides["packed-always"]["throughput_images_per_s"]
+                                           / sides["per-size"]["throughput_images_per_s"])
     return result
 
 
 def print_result(result: dict) -> None:
     print(f"\n{result['workload']}: {result['concurrency']} requests x {result['steps']} steps over sizes "
           f"{', '.join(f'{h}x{w}' for h, w in result['sizes'])}")
-    print(f"{'side':<11} {'threads':>7} {'images/s':>9} {'p50 s':>7} {'p95 s':>7} {'calls':>6} {'rows/call':>9} "
+    print(f"{'side':<13} {'threads':>7} {'images/s':>9} {'p50 s':>7} {'p95 s':>7} {'calls':>6} {'rows/call':>9} "
           f"{'packed':>6} {'tokens/packed':>13}")
     for side, row in result["sides"].items():
-        print(f"{side:<11} {row['best_threads']:>7} {row['throughput_images_per_s']:>9.2f} "
+        print(f"{side:<13} {row['best_threads']:>7} {row['throughput_images_per_s']:>9.2f} "
               f"{row['latency_p50_s']:>7.3f} {row['latency_p95_s']:>7.3f} {row.get('denoise_calls', '-'):>6} "
               f"{row.get('rows_per_call', 0):>9.2f} {row.get('packed_calls', '-'):>6} "
               f"{row.get('tokens_per_packed_call', 0):>13.0f}")
     print(f"packed / per-size: {result['packed_vs_per_size']:.2f}x   "
-          f"packed / sequential: {result['packed_vs_sequential']:.2f}x")
+          f"packed / sequential: {result['packed_vs_sequential']:.2f}x   "
+          f"packed-always / per-size: {result['packed_always_vs_per_size']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> dict:

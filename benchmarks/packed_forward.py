@@ -1,0 +1,89 @@
+"""The packed Flux forward alone: rows of several sizes in one packed call vs one forward per size.
+
+    python benchmarks/packed_forward.py
+
+Times only the transformer (no engine, no text encoders, no VAE), interleaved, in a worker thread at one
+intra-op thread, for the two Flux workloads of `throughput.py` with four sizes of two rows each. Prints the
+ratio per workload and writes JSON; what the engine's cost model weighs when it chooses packed or per-size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from throughput import WORKLOADS, in_worker_thread  # noqa: E402
+
+from diffusers_stepbatch.packed.flux import FluxPart, flux_packed_forward  # noqa: E402
+from diffusers_stepbatch.testing import tiny_flux_transformer  # noqa: E402
+
+GRIDS = {"overhead-bound": [(16, 16), (8, 8), (12, 20), (20, 12)],
+         "compute-bound": [(32, 32), (16, 16), (24, 40), (40, 24)]}
+
+
+def image_ids(height: int, width: int) -> torch.Tensor:
+    ids = torch.zeros(height, width, 3)
+    ids[..., 1] = torch.arange(height)[:, None]
+    ids[..., 2] = torch.arange(width)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def bench(name: str, rows: int, repeats: int) -> dict:
+    size = WORKLOADS[name].size
+    transformer = tiny_flux_transformer(size, guidance_embeds=True)
+    parts = [FluxPart(torch.randn(rows, h * w, size.in_channels), torch.randn(rows, 32, size.joint_attention_dim),
+                      torch.randn(rows, size.pooled_projection_dim), torch.rand(rows), torch.rand(rows),
+                      torch.zeros(32, 3), image_ids(h, w)) for h, w in GRIDS[name]]
+
+    def per_size():
+        for p in parts:
+            transformer(hidden_states=p.hidden_states, encoder_hidden_states=p.encoder_hidden_states,
+                        pooled_projections=p.pooled_projections, timestep=p.timestep, guidance=p.guidance,
+                        txt_ids=p.txt_ids, img_ids=p.img_ids, return_dict=False)
+
+    def packed():
+        flux_packed_forward(transformer, parts)
+
+    def measure():
+        torch.set_num_threads(1)
+        times = {"per-size": [], "packed": []}
+        with torch.no_grad():
+            per_size(), packed()  # warm-up
+            for _ in range(repeats):
+                for side, fn in (("per-size", per_size), ("packed", packed)):
+                    start = time.perf_counter()
+                    fn()
+                    times[side].append(time.perf_counter() - start)
+        return {side: statistics.median(values) for side, values in times.items()}
+
+    medians = in_worker_thread(measure)
+    return {"workload": name, "grids": GRIDS[name], "rows_per_size": rows, "per_size_ms": 1000 * medians["per-size"],
+            "packed_ms": 1000 * medians["packed"], "packed_speedup": medians["per-size"] / medians["packed"]}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "packed_forward.json")
+    args = parser.parse_args(argv)
+    results = [bench(name, args.rows, args.repeats) for name in GRIDS]
+    for r in results:
+        print(f"{r['workload']:<15} 4 sizes x {r['rows_per_size']} rows: per-size {r['per_size_ms']:8.2f} ms, "
+              f"packed {r['packed_ms']:8.2f} ms -> packed {r['packed_speedup']:.2f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
