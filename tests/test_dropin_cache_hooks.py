@@ -83,3 +83,28 @@ def test_cache_hooks_equal_the_plain_pipeline(family, hook):
             assert max_diff(image, want) <= TOLERANCE, (reader, kwargs)
         assert max(sizes) == 1  # one request and one branch per forward, as the plain pipeline runs them
     assert source["pipe"] is not pipe
+
+
+def test_generic_program_hooks_read_the_requests_timestep_through_the_wrapper():
+    """The generic program runs a hooked pipeline's whole call alone; PAB's callback reads `sb.current_timestep`
+    (a FluxPipeline subclass with its own __call__, as FluxKontextPipeline: served by the generic program)."""
+    from diffusers import FluxPipeline
+
+    from diffusers_stepbatch.programs import generic, program_for
+
+    class OwnCallFlux(FluxPipeline):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    pipe = OwnCallFlux(**build("flux").components)
+    pipe.set_progress_bar_config(disable=True)
+    assert program_for(pipe) is generic.plan_generic
+    source = {"pipe": pipe}
+    pipe.transformer.enable_cache(configs(lambda: source["pipe"].current_timestep)["pab"])
+    kwargs = requests("pab")[0]
+    expected = [run(pipe, kwargs), run(pipe, dict(kwargs, seed=1))]
+    with StepBatched(pipe) as sb:
+        source["pipe"] = sb
+        got = [future.result(timeout=300).images for future in
+               [sb.submit(**seeded(kwargs)), sb.submit(**seeded(dict(kwargs, seed=1)))]]
+    assert max_diff(got[0], expected[0]) <= TOLERANCE and max_diff(got[1], expected[1]) <= TOLERANCE

@@ -29,6 +29,7 @@ from diffusers.utils import BaseOutput
 from ..engine.batch import WorkItem
 from ..engine.ownership import current_owner, run_for
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
+from .request_state import active_view
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,8 @@ def _whole_call_program(view, positional: list, keywords: dict) -> Generator[Wor
 
 
 def _run_whole_call(view, positional, keywords, _holders):
-    _holders[0].output = view(*positional, **keywords)
+    with active_view(view):  # hooks and callbacks reading `sb.current_timestep` see this request's state
+        _holders[0].output = view(*positional, **keywords)
     return torch.zeros(1)
 
 
@@ -233,7 +235,7 @@ def _step_index(scheduler) -> int | None:
 
 def _run_in_helper(view, positional, keywords, handoff: _Handoff) -> None:
     try:
-        with torch.no_grad():
+        with torch.no_grad(), active_view(view):
             output = view(*positional, **keywords)
     except _Aborted:
         handoff.to_engine.put(("aborted", None))
