@@ -26,7 +26,7 @@ from throughput import WORKLOADS, in_worker_thread  # noqa: E402
 from diffusers_stepbatch.packed.flux import FluxPart, flux_packed_forward  # noqa: E402
 from diffusers_stepbatch.testing import tiny_flux_transformer  # noqa: E402
 
-GRIDS = {"overhead-bound": [(16, 16), (8, 8), (12, 20), (20, 12)],
+GRIDS = {"overhead-bound": [(4, 4), (2, 2), (3, 5), (5, 3)],
          "compute-bound": [(32, 32), (16, 16), (24, 40), (40, 24)]}
 
 
