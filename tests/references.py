@@ -1,6 +1,8 @@
 """Helpers shared by all tests: tiny offline pipelines (cached per config) and comparisons."""
 
 import functools
+import threading
+import time
 
 import torch
 
@@ -113,6 +115,22 @@ def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[d
     assert max(sizes) <= max_batch_size
 
 
+def call_with_delays(sb, calls: list[dict], delays_ms: list[int]) -> list:
+    """Each call from its own thread after its delay (arrivals in random order); returns the images in order."""
+    results = [None] * len(calls)
+
+    def call(i):
+        time.sleep(delays_ms[i] / 1000)
+        results[i] = sb(**seeded(calls[i])).images
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
 def in_lockstep(sb, calls):
     """Plan every call before the engine runs a step, then drive the engine here: the batches are deterministic.
 
@@ -142,7 +160,6 @@ def single_thread():
 
 
 import contextlib  # noqa: E402
-import threading  # noqa: E402
 
 
 @contextlib.contextmanager

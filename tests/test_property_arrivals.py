@@ -1,15 +1,13 @@
 """Property: whatever the arrival schedule and parameters, each request equals its own solo diffusers run."""
 
 import functools
-import threading
-import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffusers_stepbatch import StepBatched
 
-from .references import TOLERANCE, flux_pipe, max_diff, seeded
+from .references import TOLERANCE, call_with_delays, flux_pipe, max_diff, seeded
 
 request_params = st.fixed_dictionaries(
     {
@@ -44,17 +42,8 @@ def test_random_arrivals_equal_solo(name, max_batch_size, requests):
     keys = [(r["seed"], r["num_inference_steps"], r["guidance_scale"], r["true_cfg_scale"], r["prompt"])
             for r in requests]
     expected = [solo_reference(name, *key) for key in keys]
-    results = [None] * len(requests)
     with StepBatched(flux_pipe(name), max_batch_size=max_batch_size) as sb:
-        def call(i):
-            time.sleep(requests[i]["delay_ms"] / 1000)
-            results[i] = sb(**seeded(as_kwargs(*keys[i]))).images
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        results = call_with_delays(sb, [as_kwargs(*key) for key in keys], [r["delay_ms"] for r in requests])
     for got, want in zip(results, expected):
         assert max_diff(got, want) <= TOLERANCE
     assert max(sb.stats()["rows_histogram"]["denoise"]) <= max(max_batch_size, 2)

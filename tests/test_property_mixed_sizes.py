@@ -1,15 +1,13 @@
 """Property: whatever the mix of sizes and the arrival schedule, each request equals its own solo run."""
 
 import functools
-import threading
-import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 
-from .references import TOLERANCE, flux_pipe, max_diff, seeded
+from .references import TOLERANCE, call_with_delays, flux_pipe, max_diff, seeded
 
 SIZES = [(16, 16), (32, 48), (64, 64), (16, 64), (48, 32)]
 
@@ -46,16 +44,7 @@ def test_random_size_mixes_equal_solo(name, cost_aware, requests):
     keys = [(r["size"], r["seed"], r["num_inference_steps"], r["true_cfg_scale"], r["max_sequence_length"])
             for r in requests]
     expected = [solo_reference(name, *key) for key in keys]
-    results = [None] * len(requests)
     with StepBatched(flux_pipe(name), scheduler=SchedulerConfig(max_batch_size=8, cost_aware=cost_aware)) as sb:
-        def call(i):
-            time.sleep(requests[i]["delay_ms"] / 1000)
-            results[i] = sb(**seeded(as_kwargs(*keys[i]))).images
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        results = call_with_delays(sb, [as_kwargs(*key) for key in keys], [r["delay_ms"] for r in requests])
     for got, want in zip(results, expected):
         assert max_diff(got, want) <= TOLERANCE

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Hashable, Sequence
 
 
-def _partition(rows: Sequence[int], capacity: int) -> list[list[int]]:
+def partition(rows: Sequence[int], capacity: int) -> list[list[int]]:
     """Consecutive items grouped into chunks of at most `capacity` rows (a larger item stays whole)."""
     chunks: list[list[int]] = []
     current: list[int] = []
@@ -39,7 +39,7 @@ def _halving_options(item_rows: Sequence[int]) -> list[list[list[int]]]:
     options: list[list[list[int]]] = []
     capacity = sum(item_rows)
     while True:
-        option = _partition(item_rows, capacity)
+        option = partition(item_rows, capacity)
         if not options or option != options[-1]:
             options.append(option)
         if capacity == 1:

@@ -18,6 +18,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .costs import partition
+
 
 class BatchRowMismatch(RuntimeError):
     """A batched call returned another number of rows than it was given."""
@@ -111,17 +113,6 @@ class RowCaps:
     def split(self, key: Hashable, item_rows: Sequence[int]) -> list[list[int]]:
         """Consecutive items in chunks within the key's cap (an item larger than the cap runs alone)."""
         limit = self.limit(key)
-        if limit is None or sum(item_rows) <= limit:
+        if limit is None:
             return [list(range(len(item_rows)))]
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        filled = 0
-        for index, size in enumerate(item_rows):
-            if current and filled + size > limit:
-                chunks.append(current)
-                current, filled = [], 0
-            current.append(index)
-            filled += size
-        if current:
-            chunks.append(current)
-        return chunks
+        return partition(item_rows, limit)

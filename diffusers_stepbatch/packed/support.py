@@ -29,6 +29,13 @@ def unsupported_reason(transformer, processor_class: type) -> str | None:
     return None
 
 
+def extra_attention_kwargs(kwargs: dict | None, name: str) -> str | None:
+    """A reason to keep sizes apart when attention kwargs hold more than the LoRA `scale` (they reach the
+    attention processor, which the packed forward does not call)."""
+    extra = set(kwargs or {}) - {"scale"}
+    return f"{name} {sorted(extra)} go to the attention processor" if extra else None
+
+
 def log_unpackable_once(family: str, reason: str) -> None:
     """One info line per (family, reason): the request runs in per-size batches instead of packed calls."""
     if (family, reason) not in _logged:

@@ -38,7 +38,7 @@ from ..packed.qwenimage import (
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
-from ..packed.support import log_unpackable_once
+from ..packed.support import extra_attention_kwargs, log_unpackable_once
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
@@ -258,8 +258,7 @@ def _encode_text(pipe, device, prompt):
 def _packable(transformer, attention_kwargs, shared_key, grid, tokens) -> Packable | None:
     """Rows of other image grids (and text lengths) may share this request's forwards, unless the model forbids."""
     reason = qwenimage_packing_unsupported(transformer)
-    if reason is None and set(attention_kwargs) - {"scale"}:
-        reason = f"attention_kwargs {sorted(attention_kwargs)} go to the attention processor"
+    reason = reason or extra_attention_kwargs(attention_kwargs, "attention_kwargs")
     if reason is not None:
         log_unpackable_once("QwenImagePipeline", reason)
         return None

@@ -35,7 +35,7 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
-from ..packed.support import log_unpackable_once
+from ..packed.support import extra_attention_kwargs, log_unpackable_once
 from .callbacks import run_step_callback
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -294,8 +294,7 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
 def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
     """Rows of other latent sizes and text lengths may share this request's forwards, unless the model forbids."""
     reason = sd3_packing_unsupported(transformer)
-    if reason is None and set(joint_attention_kwargs or {}) - {"scale"}:
-        reason = f"joint_attention_kwargs {sorted(joint_attention_kwargs)} go to the attention processor"
+    reason = reason or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
     if reason is not None:
         log_unpackable_once("StableDiffusion3Pipeline", reason)
         return None
