@@ -1,0 +1,1 @@
+"""Packed forwards: rows of different sizes in one transformer call (mixed resolutions; docs/families.md)."""
