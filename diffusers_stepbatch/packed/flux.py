@@ -120,7 +120,8 @@ def _modulation(norm, temb, token_rows, chunks):
 
 
 def _double_block(block, layout, hidden, encoder, temb, rotary):
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(block.norm1, temb, layout.token_rows[IMAGE], 6)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(
+        block.norm1, temb, layout.token_rows[IMAGE], 6)
     c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _modulation(
         block.norm1_context, temb, layout.token_rows[TEXT], 6)
     norm_hidden = block.norm1.norm(hidden) * (1 + scale_msa) + shift_msa

@@ -36,6 +36,14 @@ def extra_attention_kwargs(kwargs: dict | None, name: str) -> str | None:
     return f"{name} {sorted(extra)} go to the attention processor" if extra else None
 
 
+def packing_refused(family: str, reason: str | None) -> bool:
+    """True when `reason` keeps a request out of packed calls; says so in one info line per (family, reason)."""
+    if reason is None:
+        return False
+    log_unpackable_once(family, reason)
+    return True
+
+
 def log_unpackable_once(family: str, reason: str) -> None:
     """One info line per (family, reason): the request runs in per-size batches instead of packed calls."""
     if (family, reason) not in _logged:

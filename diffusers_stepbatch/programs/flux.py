@@ -40,7 +40,7 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
 from ..packed.layout import PackedLayout
-from ..packed.support import extra_attention_kwargs, log_unpackable_once
+from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .cfg import transformer_activation_bytes
@@ -366,12 +366,10 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
 
 def _packable(transformer, joint_attention_kwargs, shared_key, ids, tokens, call) -> Packable | None:
     """Rows of other image sizes and text lengths may share this request's forwards, unless the model forbids."""
-    reason = flux_packing_unsupported(transformer)
-    reason = reason or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
-    if reason is None and call.ip is not None:
-        reason = "IP-Adapter image tokens are not wired into packed forwards yet"
-    if reason is not None:
-        log_unpackable_once("FluxPipeline", reason)
+    reason = (flux_packing_unsupported(transformer)
+              or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
+              or ("IP-Adapter image tokens are not wired into packed forwards yet" if call.ip is not None else None))
+    if packing_refused("FluxPipeline", reason):
         return None
     run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
     return Packable(key=("flux.packed", *shared_key), run=run, context=ids, tokens=tokens)

@@ -38,7 +38,7 @@ from ..packed.qwenimage import (
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
-from ..packed.support import extra_attention_kwargs, log_unpackable_once
+from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
@@ -257,10 +257,8 @@ def _encode_text(pipe, device, prompt):
 
 def _packable(transformer, attention_kwargs, shared_key, grid, tokens) -> Packable | None:
     """Rows of other image grids (and text lengths) may share this request's forwards, unless the model forbids."""
-    reason = qwenimage_packing_unsupported(transformer)
-    reason = reason or extra_attention_kwargs(attention_kwargs, "attention_kwargs")
-    if reason is not None:
-        log_unpackable_once("QwenImagePipeline", reason)
+    reason = qwenimage_packing_unsupported(transformer) or extra_attention_kwargs(attention_kwargs, "attention_kwargs")
+    if packing_refused("QwenImagePipeline", reason):
         return None
     run = functools.partial(_packed_denoise, transformer, attention_kwargs)
     return Packable(key=("qwenimage.packed", *shared_key), run=run, context=grid, tokens=tokens)

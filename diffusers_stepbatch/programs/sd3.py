@@ -35,7 +35,7 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
-from ..packed.support import extra_attention_kwargs, log_unpackable_once
+from ..packed.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -293,10 +293,9 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
 
 def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
     """Rows of other latent sizes and text lengths may share this request's forwards, unless the model forbids."""
-    reason = sd3_packing_unsupported(transformer)
-    reason = reason or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
-    if reason is not None:
-        log_unpackable_once("StableDiffusion3Pipeline", reason)
+    reason = (sd3_packing_unsupported(transformer)
+              or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs"))
+    if packing_refused("StableDiffusion3Pipeline", reason):
         return None
     run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
     return Packable(key=("sd3.packed", *shared_key), run=run, tokens=tokens)
