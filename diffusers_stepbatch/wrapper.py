@@ -20,7 +20,7 @@ from .cache.prompt import PromptCache
 from .cache.teacache import TeaCacheConfig
 from .decoders.registry import resolve_decoder
 from .engine.core import EngineCore
-from .engine.request import Request, RequestHandle, next_request_id
+from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
 from .programs import program_for, registered_pipelines
 from .programs.call_checks import check_call_inputs
@@ -149,7 +149,13 @@ class StepBatched:
         if self.engine.in_engine_thread():
             raise RuntimeError("StepBatched cannot be called from its own engine thread (e.g. from a step callback)")
         request = self._make_request(args, kwargs, priority, deadline)
-        self.engine.submit(request)
+        if request.starts_in_caller:
+            start_in_caller(request)
+        try:
+            self.engine.submit(request)
+        except BaseException:  # closed or full: the started program holds nothing the engine must release
+            request.program.close()
+            raise
         return request.handle
 
     def _make_request(self, args: tuple, kwargs: dict, priority: int, deadline: float | None) -> Request:
@@ -182,6 +188,7 @@ class StepBatched:
             tokens_per_row=planned.tokens_per_row,
             priority=priority,
             deadline=None if deadline is None else time.time() + deadline,
+            starts_in_caller=planned.starts_in_caller,
         )
 
     async def agenerate(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> Any:
@@ -211,6 +218,10 @@ class StepBatched:
         return call_args
 
     # --------------------------------------------------------------------------------- lifecycle
+    def reset_stats(self) -> None:
+        """Zero the counters `stats()` reports (e.g. after a warm-up); what the engine has learned stays."""
+        self.engine.metrics.reset()
+
     def stats(self) -> dict:
         """Engine statistics: batch-size histograms per work kind, finished requests, recent request timings."""
         snapshot = self.engine.metrics.snapshot()

@@ -61,6 +61,8 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._cancel_on_close = False
+        self._step_model_seconds = 0.0
+        self._idle = True
 
     # ----------------------------------------------------------------------------------- caller side
     def submit(self, request: Request) -> None:
@@ -98,6 +100,12 @@ class EngineCore:
         if thread is None:  # never started: nothing runs, but queued requests still need an outcome
             self._resolve_leftovers()
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the engine has nothing to do (every step it started is over); False on timeout."""
+        with self._wakeup:
+            return self._wakeup.wait_for(lambda: self._thread is None or not self._thread.is_alive()
+                                         or (self._idle and not self._inbox), timeout)
+
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -109,6 +117,9 @@ class EngineCore:
             self._serve()
         finally:  # whatever ended the loop, every Future gets an outcome
             self._resolve_leftovers()
+            with self._wakeup:
+                self._idle = True
+                self._wakeup.notify_all()
 
     def _resolve_leftovers(self) -> None:
         with self._wakeup:
@@ -123,7 +134,10 @@ class EngineCore:
         while True:
             with self._wakeup:
                 while not self._inbox and not self.scheduler.has_work() and not self._closing:
+                    self._idle = True
+                    self._wakeup.notify_all()  # `wait_idle` callers
                     self._wakeup.wait()
+                self._idle = False
                 arrived, self._inbox = self._inbox, []
                 closing, cancel = self._closing, self._cancel_on_close
             for request in arrived:
@@ -147,6 +161,7 @@ class EngineCore:
             if request.handle.cancelled():
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
         step_started = time.perf_counter()
+        self._step_model_seconds = 0.0  # what this step's model calls take (`_record_call`)
         now = time.time()
         plan = self.scheduler.schedule(now)
         scheduled = time.perf_counter()
@@ -154,7 +169,10 @@ class EngineCore:
             self._finish(request, RequestStatus.FINISHED_ERROR, DeadlineUnmeetable(reason))
         for request in plan.admitted:
             request.stats.admitted_time = now
-            self._advance(request, None)
+            if not request.started:
+                self._advance(request, None)
+            elif request.pending is None:  # it finished while starting in its caller's thread
+                self._finish(request, RequestStatus.FINISHED_OK, request.early_result)
         grouping = time.perf_counter()
         groups: dict[Any, list[Request]] = defaultdict(list)
         for request in plan.running:
@@ -171,7 +189,7 @@ class EngineCore:
         if denoise_groups:
             largest = max(denoise_groups, key=lambda group_key: sum(r.num_rows for r in groups[group_key]))
             self._update_step_estimates(time.perf_counter() - step_started, largest)
-        self.metrics.record_engine_step(time.perf_counter() - step_started)
+        self.metrics.record_engine_step(time.perf_counter() - step_started, self._step_model_seconds)
 
     def _plan_calls(self, groups: dict[Any, list[Request]]) -> list[list[Request] | _PackedCall]:
         """Per group one call (or the cost model's split); groups of several shapes that can pack may share one."""
@@ -234,7 +252,7 @@ class EngineCore:
         self.row_caps.record_success((kind, batch.key), batch.num_rows)
         elapsed = self.timer.stop(timing, output,
                                   functools.partial(self.costs.observe, (kind, batch.key), batch.num_rows))
-        self.metrics.record_call(kind, batch.num_rows, elapsed)
+        self._record_call(kind, batch.num_rows, elapsed)
         self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
@@ -263,11 +281,15 @@ class EngineCore:
         elapsed = self.timer.stop(timing, outputs, functools.partial(self.packing.observe, call.pack_key, parts))
         rows = sum(batch.num_rows for batch in batches)
         tokens = sum(request.pending.rows * request.pending.pack.tokens for members in shapes for request in members)
-        self.metrics.record_call(first.kind, rows, elapsed)
+        self._record_call(first.kind, rows, elapsed)
         self.metrics.record_packed(rows, tokens, len(shapes))
         for members, batch, output in zip(shapes, batches, outputs):
             self._deliver(members, batch, output, elapsed, call_rows=rows)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
+
+    def _record_call(self, kind: str, rows: int, seconds: float) -> None:
+        self._step_model_seconds += seconds
+        self.metrics.record_call(kind, rows, seconds)
 
     def _deliver(self, members: list[Request], batch: Any, output: Any, elapsed: float,
                  call_rows: int | None = None) -> None:

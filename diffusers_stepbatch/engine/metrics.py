@@ -25,6 +25,16 @@ class EngineMetrics:
 
     def __init__(self, history: int = 10_000):
         self._lock = threading.Lock()
+        self._history = history
+        self._clear()
+
+    def reset(self) -> None:
+        """Start a new measurement window: every counter back to zero."""
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
+        history = self._history
         self.calls: deque[CallRecord] = deque(maxlen=history)
         self.rows_histogram: dict[str, Counter] = {}
         self.requests_finished: Counter = Counter()
@@ -34,6 +44,7 @@ class EngineMetrics:
         self.overhead_seconds = 0.0  # scheduling, make_batch and split: the engine's own cost
         self.engine_steps = 0
         self.step_seconds = 0.0  # wall time of engine steps: model calls + everything the engine does around them
+        self.outside_model_seconds = 0.0  # the part of the steps' wall time spent outside model calls
         self.started = time.time()
         self._recent_requests: deque[dict] = deque(maxlen=1000)
         self.packed_calls: deque[tuple[int, int, int]] = deque(maxlen=history)  # (rows, tokens, shapes)
@@ -55,11 +66,12 @@ class EngineMetrics:
         with self._lock:
             self.overhead_seconds += seconds
 
-    def record_engine_step(self, seconds: float = 0.0) -> None:
-        """One engine step of `seconds` wall time (model calls included)."""
+    def record_engine_step(self, seconds: float = 0.0, model_seconds: float = 0.0) -> None:
+        """One engine step of `seconds` wall time, `model_seconds` of which its model calls took."""
         with self._lock:
             self.engine_steps += 1
             self.step_seconds += seconds
+            self.outside_model_seconds += max(seconds - model_seconds, 0.0)
 
     def record_request(self, request: Request, status: RequestStatus) -> None:
         stats = request.stats
@@ -102,8 +114,7 @@ class EngineMetrics:
                 "engine_steps": self.engine_steps,
                 "overhead_ms_per_step": 1000 * self.overhead_seconds / max(self.engine_steps, 1),
                 # programs' own work between forwards (scheduler steps, CFG, callbacks) plus the engine's
-                "outside_model_ms_per_step": 1000 * max(self.step_seconds - self.busy_seconds, 0.0)
-                / max(self.engine_steps, 1),
+                "outside_model_ms_per_step": 1000 * self.outside_model_seconds / max(self.engine_steps, 1),
                 "requests": list(self._recent_requests),
                 "mixed": self._mixed(calls),
             }

@@ -90,10 +90,13 @@ class Request:
     tokens_per_row: int = 1
     priority: int = 0
     deadline: float | None = None
+    starts_in_caller: bool = False  # the program's prologue may run in the caller's thread (`start_in_caller`)
     status: RequestStatus = RequestStatus.WAITING
     pending: WorkItem | None = None
     steps_done: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
+    started: bool = False  # the program ran to its first work item already (`start_in_caller`)
+    early_result: Any = None  # what a program that finished while starting returned
 
     @property
     def arrival_time(self) -> float:
@@ -102,3 +105,20 @@ class Request:
     @property
     def remaining_steps(self) -> int:
         return max(self.num_steps - self.steps_done, 0)
+
+
+def start_in_caller(request: Request) -> None:
+    """Run a request's program up to its first work item, in the calling thread, before it is queued.
+
+    The prologue (the pipeline's device lookup, prompt-cache keys, latents, timesteps, checks of the inputs)
+    is per-request host work: run in the caller's thread it overlaps the engine's forwards instead of
+    delaying them, and whatever it raises reaches the caller directly.
+    """
+    import torch
+
+    with torch.no_grad():  # NOTE: as in the engine thread, where grad mode is off
+        try:
+            request.pending = request.program.send(None)
+        except StopIteration as stop:
+            request.early_result = stop.value
+    request.started = True

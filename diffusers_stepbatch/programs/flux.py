@@ -128,7 +128,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     rows = num_images * branches
     tokens = (latent_h // 2) * (latent_w // 2)
     program = flux_program(pipe, request_pipeline(pipe), call)
-    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
+                          starts_in_caller=True)
 
 
 def _check_second_prompts(args: dict[str, Any], name: str, name_2: str) -> None:
@@ -162,6 +163,11 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     device = pipe._execution_device
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = view._joint_attention_kwargs.get("scale")
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    attention_kwargs = without_lora_scale(view._joint_attention_kwargs)
+    # Module scans before the first work item, so that they run in the caller's thread (`start_in_caller`).
+    packing_reason = _packing_reason(pipe.transformer, attention_kwargs, call)
+    hooked = hooked_denoiser(pipe.transformer, view)
 
     # 1. Text: positive and negative prompts of this request are encoded in one batched call (or cached).
     embeds, pooled = yield from _encode(pipe, args, call.do_true_cfg, per_prompt, device, lora_scale,
@@ -199,8 +205,6 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
 
     text_dtype = pipe.text_encoder.dtype if pipe.text_encoder is not None else pipe.transformer.dtype
     text_ids = torch.zeros(embeds[0].shape[1], 3, device=device, dtype=text_dtype)
-    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
-    attention_kwargs = without_lora_scale(view._joint_attention_kwargs)
     denoise = functools.partial(_denoise, pipe.transformer, text_ids, image_ids, attention_kwargs, options.buffers)
     # NOTE: txt_ids/img_ids have no batch dim, so rows of one forward share image grid and text length.
     grid = (call.height // (pipe.vae_scale_factor * 2), call.width // (pipe.vae_scale_factor * 2))
@@ -209,8 +213,8 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     key = ("flux", grid, tuple(embeds[0].shape[1:]), *shared_key)
     if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
         key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in ip_embeds[0]))
-    pack = _packable(pipe.transformer, attention_kwargs, shared_key, (text_ids, image_ids),
-                     latents.shape[1] + embeds[0].shape[1], call)
+    pack = _packable(packing_reason, pipe.transformer, attention_kwargs, shared_key, (text_ids, image_ids),
+                     latents.shape[1] + embeds[0].shape[1])
 
     # 3. Denoising loop: one work item per step (two when the CFG policy splits the branches); the engine
     # batches it with other requests' items. Inputs are lists of row tensors: the batch is assembled once, in
@@ -228,7 +232,6 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                                                 latents.element_size())
     # NOTE: diffusers' cache hooks on the transformer: this request's forwards run alone, per branch, in its own
     # cache contexts (programs/cache_hooks.py).
-    hooked = hooked_denoiser(pipe.transformer, view)
     if hooked is not None:
         key = key + (hooked.key,)
     view.scheduler.set_begin_index(0)
@@ -364,11 +367,15 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
     return embeds, pooled
 
 
-def _packable(transformer, joint_attention_kwargs, shared_key, ids, tokens, call) -> Packable | None:
-    """Rows of other image sizes and text lengths may share this request's forwards, unless the model forbids."""
-    reason = (flux_packing_unsupported(transformer)
-              or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
-              or ("IP-Adapter image tokens are not wired into packed forwards yet" if call.ip is not None else None))
+def _packing_reason(transformer, joint_attention_kwargs, call) -> str | None:
+    """Why this request's forwards can't pack with other sizes, or None."""
+    return (flux_packing_unsupported(transformer)
+            or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
+            or ("IP-Adapter image tokens are not wired into packed forwards yet" if call.ip is not None else None))
+
+
+def _packable(reason, transformer, joint_attention_kwargs, shared_key, ids, tokens) -> Packable | None:
+    """Rows of other image sizes and text lengths may share this request's forwards, unless `reason` forbids."""
     if packing_refused("FluxPipeline", reason):
         return None
     run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)

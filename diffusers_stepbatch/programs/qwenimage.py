@@ -103,7 +103,8 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     rows = num_images * (2 if do_true_cfg else 1)
     program = qwenimage_program(pipe, request_pipeline(pipe), call)
     tokens = (latent_h // 2) * (latent_w // 2)
-    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
+                          starts_in_caller=True)
 
 
 def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
@@ -115,6 +116,12 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     view._interrupt = False
     device = pipe._execution_device
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    attention_kwargs = without_lora_scale(view._attention_kwargs)
+    # Module scans before the first work item, so that they run in the caller's thread (`start_in_caller`).
+    packing_reason = (qwenimage_packing_unsupported(pipe.transformer)
+                      or extra_attention_kwargs(attention_kwargs, "attention_kwargs"))
+    hooked = hooked_denoiser(pipe.transformer, view)
 
     # 1. Text: [positive] or [positive, negative] as (embeds, mask-or-None), as QwenImagePipeline.encode_prompt.
     texts = [("prompt", "prompt_embeds", "prompt_embeds_mask")]
@@ -150,18 +157,16 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     if pipe.transformer.config.guidance_embeds:
         guidance = torch.full([latents.shape[0]], args["guidance_scale"], device=device, dtype=torch.float32)
 
-    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
-    attention_kwargs = without_lora_scale(view._attention_kwargs)
     denoise = functools.partial(_denoise, pipe.transformer, grid, attention_kwargs)
     shared_key = (tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
                   freeze(attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
     key = ("qwenimage", grid, *shared_key)
     longest_text = max(embeds.shape[1] for embeds, _ in branches)
-    pack = _packable(pipe.transformer, attention_kwargs, shared_key, grid, latents.shape[1] + longest_text)
+    pack = _packable(packing_reason, pipe.transformer, attention_kwargs, shared_key, grid,
+                     latents.shape[1] + longest_text)
 
     # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images]. With diffusers'
     # cache hooks on the transformer, this request's forwards run alone, one per branch, in its own contexts.
-    hooked = hooked_denoiser(pipe.transformer, view)
     if hooked is not None:
         key = key + (hooked.key,)
         denoise = hooked.run(denoise, ["cond", "uncond"][:len(branches)])
@@ -255,9 +260,8 @@ def _encode_text(pipe, device, prompt):
     return pipe._get_qwen_prompt_embeds(prompt, device)
 
 
-def _packable(transformer, attention_kwargs, shared_key, grid, tokens) -> Packable | None:
-    """Rows of other image grids (and text lengths) may share this request's forwards, unless the model forbids."""
-    reason = qwenimage_packing_unsupported(transformer) or extra_attention_kwargs(attention_kwargs, "attention_kwargs")
+def _packable(reason, transformer, attention_kwargs, shared_key, grid, tokens) -> Packable | None:
+    """Rows of other image grids (and text lengths) may share this request's forwards, unless `reason` forbids."""
     if packing_refused("QwenImagePipeline", reason):
         return None
     run = functools.partial(_packed_denoise, transformer, attention_kwargs)

@@ -20,12 +20,15 @@ class PlannedRequest:
         num_rows: the most rows it adds to one batch (images x CFG branches).
         num_steps: denoising steps it will run.
         tokens_per_row: image tokens per row, the size a row's per-step cost scales with (for scheduling).
+        starts_in_caller: whether the program's prologue (up to its first work item) may run in the caller's
+            thread at submit; it must then touch no state of the engine thread.
     """
 
     program: Generator[WorkItem, Any, Any]
     num_rows: int
     num_steps: int
     tokens_per_row: int = 1
+    starts_in_caller: bool = False
 
 
 # plan(pipe, call_args) validates a call in the caller's thread and returns its PlannedRequest.

@@ -52,7 +52,7 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedReque
     rows = num_images * (2 if do_cfg else 1)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
     return PlannedRequest(program=sd_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,
-                          tokens_per_row=tokens)
+                          tokens_per_row=tokens, starts_in_caller=True)
 
 
 def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,

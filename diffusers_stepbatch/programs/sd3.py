@@ -109,7 +109,7 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
     return PlannedRequest(program=sd3_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,
-                          tokens_per_row=tokens)
+                          tokens_per_row=tokens, starts_in_caller=True)
 
 
 def _texts(value: str | list[str], count: int, name: str, repeat_str: bool = False) -> list[str]:
@@ -131,6 +131,11 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     device = pipe._execution_device
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = (view._joint_attention_kwargs or {}).get("scale")
+    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
+    jak = without_lora_scale(view._joint_attention_kwargs) or None
+    # A module scan before the first work item, so that it runs in the caller's thread (`start_in_caller`).
+    packing_reason = (sd3_packing_unsupported(pipe.transformer)
+                      or extra_attention_kwargs(jak, "joint_attention_kwargs"))
 
     # 1. Text: [positive] or [positive, negative], repeated for num_images_per_prompt.
     embeds, pooled = yield from _encode(pipe, call, per_prompt, device, lora_scale)
@@ -164,13 +169,11 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     if hasattr(view.scheduler, "set_begin_index") and (custom is None or list(custom).count(custom[0]) == 1):
         view.scheduler.set_begin_index(0)
 
-    # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
-    jak = without_lora_scale(view._joint_attention_kwargs) or None
     shared_key = (tuple(pooled_embeds.shape[1:]), freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
     key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), *shared_key)
     patch = pipe.transformer.config.patch_size
     tokens = (latents.shape[2] // patch) * (latents.shape[3] // patch) + prompt_embeds.shape[1]
-    pack = _packable(pipe.transformer, jak, shared_key, tokens)
+    pack = _packable(packing_reason, pipe.transformer, jak, shared_key, tokens)
     skip_layers = args["skip_guidance_layers"]
     denoise = functools.partial(_denoise, pipe.transformer, jak)
 
@@ -291,10 +294,8 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
     return embeds, pooled
 
 
-def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
-    """Rows of other latent sizes and text lengths may share this request's forwards, unless the model forbids."""
-    reason = (sd3_packing_unsupported(transformer)
-              or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs"))
+def _packable(reason, transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
+    """Rows of other latent sizes and text lengths may share this request's forwards, unless `reason` forbids."""
     if packing_refused("StableDiffusion3Pipeline", reason):
         return None
     run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)

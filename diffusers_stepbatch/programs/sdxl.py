@@ -110,7 +110,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
     rows = num_images * (2 if do_cfg else 1)
     program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
-    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
+                          starts_in_caller=True)
 
 
 def unet_adapters(pipe, args: dict[str, Any]) -> AdapterState | None:
