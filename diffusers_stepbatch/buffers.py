@@ -45,6 +45,16 @@ class LatentBuffers:
         torch.stack(list(rows), out=batch)
         return batch
 
+    def scratch(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A pooled tensor of `shape` for intermediate results (its contents are overwritten by the next use)."""
+        key = (name, tuple(shape[1:]), dtype, device)
+        pooled = self._pool.get(key)
+        if pooled is None or pooled.shape[0] < shape[0]:
+            capacity = max(shape[0], 2 * pooled.shape[0] if pooled is not None else 0)
+            pooled = self._pool[key] = torch.empty((capacity, *shape[1:]), dtype=dtype, device=device)
+            self.grows += 1
+        return pooled[: shape[0]]
+
     def workspace(self) -> StepWorkspace:
         return StepWorkspace()
 
@@ -82,6 +92,11 @@ class StepWorkspace:
             buffer = self._buffers[name] = torch.empty(like.shape, dtype=dtype, device=like.device)
         return buffer
 
+    def idle_latents(self, sample: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The ping-pong buffer that `sample` is not: where this request's next latents go."""
+        target = self._ping_pong[1] if self._buffers.get(self._ping_pong[0]) is sample else self._ping_pong[0]
+        return self._buffer(target, sample, dtype)
+
     def guide(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """`uncond + scale * (cond - uncond)`, computed in a reused buffer."""
         guided = self._buffer("guided", cond)
@@ -110,8 +125,7 @@ class StepWorkspace:
         # NOTE: the ops of FlowMatchEulerDiscreteScheduler.step, operands in the same order:
         # prev = sample.to(float32) + dt * model_output, then .to(model_output.dtype).
         delta = torch.mul(dt, model_output, out=self._buffer("delta", model_output))
-        target = self._ping_pong[1] if self._buffers.get(self._ping_pong[0]) is sample else self._ping_pong[0]
-        out = self._buffer(target, sample, model_output.dtype)
+        out = self.idle_latents(sample, model_output.dtype)
         if sample.dtype == torch.float32 and model_output.dtype == torch.float32:
             torch.add(sample, delta, out=out)
         else:

@@ -32,6 +32,9 @@ class WorkItem:
         run: called as `run(**batched_inputs)`; returns a tensor or a tuple of tensors with rows along dim 0.
         rows: the number of rows this item contributes to a batch.
         step: the denoising step this item belongs to (None for encode/decode); feeds progress and stats.
+        pack: how the item may share a call with items of other shapes (None: it can't).
+        immediate: cheap per-row arithmetic that completes the step of the call before it (e.g. the scheduler
+            update after a forward): the engine runs such items in the same engine step, right after its calls.
     """
 
     kind: str
@@ -41,6 +44,7 @@ class WorkItem:
     rows: int
     step: int | None = None
     pack: Packable | None = None
+    immediate: bool = False
 
 
 @dataclass(frozen=True)

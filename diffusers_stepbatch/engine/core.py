@@ -30,6 +30,10 @@ from .timing import CallTimer
 logger = logging.getLogger(__name__)
 
 
+# NOTE: a program yields at most a few immediate items in a row; any left over run in the next engine step.
+_IMMEDIATE_ROUNDS = 4
+
+
 class EngineClosedError(RuntimeError):
     """Raised when a request is submitted to an engine that was closed."""
 
@@ -185,6 +189,7 @@ class EngineCore:
                 self._execute_packed(call)
             else:
                 self._execute(call)
+        self._run_immediate(plan.running)
         denoise_groups = [group_key for group_key in groups if group_key[0] == "denoise"]
         if denoise_groups:
             largest = max(denoise_groups, key=lambda group_key: sum(r.num_rows for r in groups[group_key]))
@@ -208,6 +213,20 @@ class EngineCore:
             else:
                 calls.extend(chunk for group_key in group_keys for chunk in self._chunk(group_key, groups[group_key]))
         return calls
+
+    def _run_immediate(self, requests: list[Request]) -> None:
+        """Items marked `immediate` (e.g. every request's scheduler update after the forwards) run in this
+        engine step: one call per compatibility key, never split."""
+        for _ in range(_IMMEDIATE_ROUNDS):
+            groups: dict[Any, list[Request]] = defaultdict(list)
+            for request in requests:
+                item = request.pending
+                if item is not None and item.immediate and not request.status.is_finished:
+                    groups[(item.kind, item.key)].append(request)
+            if not groups:
+                return
+            for members in groups.values():
+                self._execute(members)
 
     def _chunk(self, group_key: Any, members: list[Request]) -> list[list[Request]]:
         """One forward for the group, or several when the cost model measured that to be faster."""
@@ -252,7 +271,7 @@ class EngineCore:
         self.row_caps.record_success((kind, batch.key), batch.num_rows)
         elapsed = self.timer.stop(timing, output,
                                   functools.partial(self.costs.observe, (kind, batch.key), batch.num_rows))
-        self._record_call(kind, batch.num_rows, elapsed)
+        self._record_call(kind, batch.num_rows, elapsed, members[0].pending.immediate)
         self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
@@ -287,8 +306,9 @@ class EngineCore:
             self._deliver(members, batch, output, elapsed, call_rows=rows)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
-    def _record_call(self, kind: str, rows: int, seconds: float) -> None:
-        self._step_model_seconds += seconds
+    def _record_call(self, kind: str, rows: int, seconds: float, immediate: bool = False) -> None:
+        if not immediate:  # NOTE: immediate items are the engine's arithmetic between model calls
+            self._step_model_seconds += seconds
         self.metrics.record_call(kind, rows, seconds)
 
     def _deliver(self, members: list[Request], batch: Any, output: Any, elapsed: float,

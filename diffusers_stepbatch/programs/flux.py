@@ -43,6 +43,7 @@ from ..packed.layout import PackedLayout
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
+from .fused_update import FusedEuler
 from .cfg import transformer_activation_bytes
 from .options import ProgramOptions, current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
@@ -235,6 +236,9 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     if hooked is not None:
         key = key + (hooked.key,)
     view.scheduler.set_begin_index(0)
+    # NOTE: the update after each forward (CFG combine + Euler step) runs batched with every other request's
+    # update of the engine step where the scheduler allows it (programs/fused_update.py).
+    fused = FusedEuler.for_scheduler(view.scheduler, latents, options.buffers, workspace)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
             if call.pid is not None and i == call.pid.exit_step:
@@ -264,15 +268,20 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                 }
                 run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
                 outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack)))
-            noise_pred = outputs[0]
+            noise_pred, uncond, scale = outputs[0], None, None
             if call.do_true_cfg:
-                cond, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
+                noise_pred, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
                 scale = args["true_cfg_scale"]
-                noise_pred = workspace.guide(cond, uncond, scale) if workspace else uncond + scale * (cond - uncond)
-            if workspace is not None:
-                latents = workspace.scheduler_step(view.scheduler, noise_pred, t, latents)
+            if fused is not None:
+                latents = yield from fused.step(t, latents, noise_pred, uncond, scale)
             else:
-                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                if uncond is not None:
+                    noise_pred = (workspace.guide(noise_pred, uncond, scale) if workspace
+                                  else uncond + scale * (noise_pred - uncond))
+                if workspace is not None:
+                    latents = workspace.scheduler_step(view.scheduler, noise_pred, t, latents)
+                else:
+                    latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": embeds[0]}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}

@@ -41,6 +41,7 @@ from ..packed.qwenimage import (
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
+from .fused_update import FusedEuler
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -172,6 +173,8 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
         denoise = hooked.run(denoise, ["cond", "uncond"][:len(branches)])
     view.scheduler.set_begin_index(0)
     callback = args["callback_on_step_end"]
+    # NOTE: the Euler step runs batched with the other requests' steps where the scheduler allows it.
+    fused = FusedEuler.for_scheduler(view.scheduler, latents)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
             if call.pid is not None and i == call.pid.exit_step:
@@ -199,7 +202,10 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                 cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
                 noise_norm = torch.norm(combined, dim=-1, keepdim=True)
                 noise_pred = combined * (cond_norm / noise_norm)
-            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if fused is not None:  # the Euler step, shared with the other requests of this engine step
+                latents = yield from fused.step(t, latents, noise_pred)
+            else:
+                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}

@@ -37,6 +37,7 @@ from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
+from .fused_update import FusedEuler
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -180,6 +181,8 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     # 3. Denoising loop: one work item per step; rows are [uncond, cond] under CFG, plus [cond, skipping
     # layers] while skip-layer guidance is active.
     callback = args["callback_on_step_end"]
+    # NOTE: the CFG combine and Euler step run batched with the other requests' where the scheduler allows it.
+    fused = FusedEuler.for_scheduler(view.scheduler, latents)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
             if call.pid is not None and i == call.pid.exit_step:
@@ -206,14 +209,21 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 "lora": [call.adapters] * len(skips),
             }
             output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack)
-            noise_pred = output
+            noise_pred, noise_uncond, scale = output, None, None
             if do_cfg:
-                noise_uncond, noise_text = output[:images], output[images:2 * images]
-                noise_pred = noise_uncond + view.guidance_scale * (noise_text - noise_uncond)
-                if skipping:
-                    noise_skip = output[2 * images:]
+                noise_uncond, noise_pred = output[:images], output[images:2 * images]
+                scale = view.guidance_scale
+                if skipping:  # the skip-layer term: combined here, only the Euler step is shared
+                    noise_text, noise_skip = noise_pred, output[2 * images:]
+                    noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
                     noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
-            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                    noise_uncond = scale = None
+            if fused is not None:
+                latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
+            else:
+                if noise_uncond is not None:
+                    noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
+                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if callback is not None:
                 tensors = {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_embeds}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}

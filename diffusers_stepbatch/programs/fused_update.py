@@ -1,0 +1,158 @@
+"""One scheduler update for all rows of an engine step: `x + dt * v` (and the CFG combine) as batched ops.
+
+After a denoising forward each request used to run its own `scheduler.step` (and CFG combine): a handful of
+tiny ops per request, hundreds of kernel launches per step at 32 requests. For a scheduler whose update is
+stateless per step (FlowMatchEulerDiscreteScheduler without stochastic sampling) the update is the same
+arithmetic for every row with its own sigmas, so the program yields it as an `immediate` work item: the engine
+runs the updates of all requests of the step as one call, right after the forwards.
+
+Bit-identical to each request's own `scheduler.step`: the same operations in the same order and precision,
+with per-row values standing in for the step's scalars; each request's scheduler still advances its step
+index. Where torch's handling of a scalar operand could differ from a per-row tensor (reduced precision), a
+one-time probe per (device, dtype) compares both forms bit for bit, and requests there keep their own step if
+they differ.
+
+>>> update = FusedEuler.for_scheduler(view.scheduler, latents, buffers)   # None: use scheduler.step
+>>> latents = yield from update.step(t, latents, cond, uncond, true_cfg_scale)
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from ..buffers import LatentBuffers, StepWorkspace
+from ..engine.batch import WorkItem
+
+_probe_lock = threading.Lock()
+
+
+class FusedEuler:
+    """One request's handle on the fused flow-matching Euler update."""
+
+    def __init__(self, scheduler: Any, buffers: LatentBuffers | None, workspace: StepWorkspace | None):
+        self.scheduler = scheduler
+        self.buffers = buffers
+        self.workspace = workspace
+        self._dts: torch.Tensor | None = None
+
+    @classmethod
+    def for_scheduler(cls, scheduler: Any, sample: torch.Tensor, buffers: LatentBuffers | None = None,
+                      workspace: StepWorkspace | None = None) -> FusedEuler | None:
+        """The fused update for this scheduler and latents, or None where the scheduler's own step must run."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if type(scheduler) is not FlowMatchEulerDiscreteScheduler or scheduler.config.stochastic_sampling:
+            return None
+        if not _rows_match_scalars(sample.device, sample.dtype):
+            return None
+        return cls(scheduler, buffers, workspace)
+
+    def step(self, timestep: torch.Tensor, sample: torch.Tensor, cond: torch.Tensor,
+             uncond: torch.Tensor | None = None, scale: float | None = None) -> Generator[WorkItem, Any, torch.Tensor]:
+        """`scheduler.step(guided, timestep, sample)[0]` with `guided = uncond + scale * (cond - uncond)` (or
+        `cond` alone), as an immediate work item shared with the other requests' updates of this step."""
+        scheduler = self.scheduler
+        if scheduler.step_index is None:
+            scheduler._init_step_index(timestep)
+        if self._dts is None or self._dts.device != scheduler.sigmas.device:
+            # NOTE: sigmas[i + 1] - sigmas[i] for all i at once: the scheduler's own fp32 subtraction
+            self._dts = scheduler.sigmas[1:] - scheduler.sigmas[:-1]
+        dt = self._dts[scheduler.step_index]
+        images = sample.shape[0]
+        guided = uncond is not None
+        buffer = targets = None
+        if self.workspace is not None:  # write into this request's idle ping-pong buffer: no allocation
+            buffer = self.workspace.idle_latents(sample, cond.dtype)
+            targets = list(buffer)
+        key = ("fused-euler", guided, sample.dtype, cond.dtype, tuple(sample.shape[1:]), str(sample.device),
+               id(self.buffers), targets is not None)
+        inputs = {
+            "sample": list(sample), "cond": list(cond), "uncond": list(uncond) if guided else None,
+            "dt": [dt] * images, "scale": [float(scale)] * images if guided else None, "target": targets,
+        }
+        run = functools.partial(_fused_flow_euler, self.buffers)
+        prev = yield WorkItem("update", key, inputs, run, rows=images, immediate=True)
+        scheduler._step_index += 1
+        return buffer if buffer is not None else prev
+
+
+def _fused_flow_euler(buffers: LatentBuffers | None, sample, cond, uncond, dt, scale, target) -> torch.Tensor:
+    """All rows' `sample.to(float32) + dt * guided`, then `.to(guided.dtype)`, as FlowMatchEuler computes it."""
+    pool = _Pool(buffers)
+    sample, cond = pool.stack("update.sample", sample), pool.stack("update.cond", cond)
+    per_row = (-1,) + (1,) * (sample.dim() - 1)
+    # NOTE: a CPU 0-dim operand with device tensors rounds like a Python number
+    dt_like_number = dt[0].device.type == "cpu" and sample.device.type != "cpu"
+    dt = pool.stack("update.dt", dt).to(sample.device, non_blocking=True).view(per_row)
+    noise = cond
+    if uncond is not None:
+        uncond = pool.stack("update.uncond", uncond)
+        scale = torch.tensor(scale, dtype=torch.float32).to(cond.device, non_blocking=True).view(per_row)
+        # NOTE: uncond + scale * (cond - uncond), the order of FluxPipeline's and the workspace's combine
+        difference = torch.sub(cond, uncond, out=pool.like("update.guided", cond))
+        scaled = _times_scalar(difference, scale, like_number=True, out=difference)
+        noise = torch.add(uncond, scaled, out=difference)
+    delta = _times_scalar(noise, dt, like_number=dt_like_number, out=pool.like("update.delta", noise))
+    if sample.dtype == torch.float32 and noise.dtype == torch.float32:
+        prev = torch.add(sample, delta, out=pool.like("update.prev", sample))
+    else:
+        prev = (sample.to(torch.float32) + delta).to(noise.dtype)
+    if target is not None:
+        torch._foreach_copy_(list(target), list(prev.unbind(0)))
+    return prev if target is not None or buffers is None else prev.clone()
+
+
+class _Pool:
+    """Pooled scratch tensors when the engine has latent buffers, fresh ones otherwise."""
+
+    def __init__(self, buffers: LatentBuffers | None):
+        self.buffers = buffers
+
+    def stack(self, name: str, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.buffers.stack(name, rows) if self.buffers is not None else torch.stack(list(rows))
+
+    def like(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.buffers is None:
+            return torch.empty_like(tensor)
+        return self.buffers.scratch(name, tensor.shape, tensor.dtype, tensor.device)
+
+
+def _times_scalar(x: torch.Tensor, per_row: torch.Tensor, like_number: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """`s * x` for each row's own scalar s, rounded as torch rounds that scalar operand in a reduced-precision op:
+    a Python number (or a CPU 0-dim tensor with a device tensor, `like_number`) enters at float32; a 0-dim
+    tensor on x's device is first cast to x's dtype. float32 needs neither."""
+    if x.dtype == torch.float32:
+        return torch.mul(per_row, x, out=out)
+    product = x.to(torch.float32) * per_row if like_number else per_row.to(x.dtype) * x
+    return product.to(x.dtype) if out is None else out.copy_(product)
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_match_scalars_cached(device: str, dtype: torch.dtype) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 257, generator=generator).to(device=device, dtype=dtype)
+    scalars = torch.rand(4, generator=generator) * 2 - 1
+    # (the operand as the scheduler or the pipeline passes it, whether it rounds like a number)
+    forms = [(float, True), (lambda s: s.to(device), False)]
+    if torch.device(device).type != "cpu":
+        forms.append((lambda s: s, True))  # a 0-dim CPU tensor with a device tensor
+    for operand, like_number in forms:
+        reference = torch.stack([operand(s) * row for s, row in zip(scalars, x)])
+        fused = _times_scalar(x, scalars.to(device).view(-1, 1), like_number)
+        if reference.dtype != fused.dtype or not torch.equal(reference, fused):  # NOTE: a host read, once
+            return False
+    return True
+
+
+def _rows_match_scalars(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether per-row scalars reproduce torch's scalar rounding bit for bit here (probed once)."""
+    if dtype == torch.float32:
+        return True
+    with _probe_lock:
+        return _rows_match_scalars_cached(str(device), dtype)
