@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import NamedKey, named_key
 
 _SCALES_LOCK = threading.Lock()  # submit-time reads vs a request's set_ip_adapter_scale (see bind_scale_setter)
 
@@ -99,6 +100,12 @@ def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool) -> IPAdapterS
     return IPAdapterState(processors, _snapshot_scales(processors, has_image), has_image)
 
 
+def ip_key_fields(state: IPAdapterState, embed_shapes: Sequence[tuple]) -> NamedKey:
+    """The denoise key's IP-Adapter part: rows of one forward share the IP processors and embedding shapes."""
+    return named_key(**{"ip_adapter: processors": tuple(map(id, state.processors)),
+                        "ip_adapter: image embedding shapes (images per adapter)": tuple(embed_shapes)})
+
+
 def bind_scale_setter(view: Any, pipe: Any, state: IPAdapterState) -> None:
     """`view.set_ip_adapter_scale(...)` (e.g. from `IPAdapterScaleCutoffCallback`) sets this request's scales."""
     view.__dict__["set_ip_adapter_scale"] = functools.partial(_set_request_scale, pipe, state)
@@ -139,12 +146,20 @@ def ip_image_embeds(pipe: Any, view: Any, state: IPAdapterState, args: dict[str,
         for single, layer in zip(images, layers):
             hidden = not isinstance(layer, ImageProjection)
             rows = single if isinstance(single, (torch.Tensor, list)) else [single]
-            key = ("unet.ip_image", hidden, type(single).__name__, str(device))
+            key = _image_key("unet.ip_image", rows, device, hidden)
             run = functools.partial(_encode_images, pipe, device, hidden)
             count = rows.shape[0] if isinstance(rows, torch.Tensor) else len(rows)
             positive, negative = yield WorkItem("encode", key, {"image": rows}, run, rows=count)
             embeds.append(torch.stack([negative, positive]) if do_cfg else positive[None])
     return view.prepare_ip_adapter_image_embeds(None, embeds, device, num_images, do_cfg)
+
+
+def _image_key(program: str, rows: Any, device: Any, hidden: bool = False) -> Any:
+    """Images of one kind (tensors, or a list of PIL images / arrays) go through the encoder together."""
+    kind = ("batched tensor" if isinstance(rows, torch.Tensor)
+            else "tensors" if isinstance(rows[0], torch.Tensor) else "images")
+    return named_key(program=program, **{"image encoder output (hidden states)": hidden, "image type": kind,
+                                         "device": str(device)})
 
 
 def _encode_images(pipe: Any, device: Any, output_hidden_states: bool, image: Any) -> tuple:
@@ -204,7 +219,7 @@ def flux_ip_image_embeds(pipe: Any, view: Any, state: IPAdapterState, args: dict
             for single in images:
                 rows = single if isinstance(single, (torch.Tensor, list)) else [single]
                 count = rows.shape[0] if isinstance(rows, torch.Tensor) else len(rows)
-                key = ("flux.ip_image", type(single).__name__, str(device))
+                key = _image_key("flux.ip_image", rows, device)
                 run = functools.partial(_encode_flux_images, pipe, device)
                 embeds.append((yield WorkItem("encode", key, {"image": rows}, run, rows=count))[None])
         sides.append(view.prepare_ip_adapter_image_embeds(None, embeds, device, num_images))

@@ -33,6 +33,7 @@ from ..adapters.state import (
 )
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..engine.split_reasons import named_key
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import extra_attention_kwargs, packing_refused
@@ -49,6 +50,8 @@ from .validation import (
 )
 
 _UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds")
+# names of the denoise key's fields shared with packed calls, for stats()["splits"]
+_SHARED_FIELDS = ("pooled text width", "joint_attention_kwargs", "latent dtype", "text dtype", "device")
 
 
 @dataclass
@@ -167,7 +170,9 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     jak = without_lora_scale(view._joint_attention_kwargs) or None
     shared_key = (tuple(pooled_embeds.shape[1:]), freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
-    key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), *shared_key)
+    key = named_key(program="sd3", **{"latent size": tuple(latents.shape[1:]),
+                                      "text length": tuple(prompt_embeds.shape[1:])},
+                    **dict(zip(_SHARED_FIELDS, shared_key)))
     patch = pipe.transformer.config.patch_size
     tokens = (latents.shape[2] // patch) * (latents.shape[3] // patch) + prompt_embeds.shape[1]
     pack = _packable(pipe.transformer, jak, shared_key, tokens)

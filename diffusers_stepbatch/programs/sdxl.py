@@ -24,12 +24,14 @@ from ..adapters.ip_adapter import (
     IPAdapterState,
     bind_scale_setter,
     ip_image_embeds,
+    ip_key_fields,
     per_row_ip_scales,
     plan_ip_adapter,
 )
 from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import named_key
 from .callbacks import run_step_callback
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -55,6 +57,11 @@ class UNetCall:
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py, SDXL only); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the UNet has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
+
+
+# names of the UNet inputs' (shape, dtype) fields in the denoise key, for stats()["splits"]
+_UNET_FIELDS = ("latent size", "timestep dtype", "text length", "pooled text width", "SDXL time ids",
+                "timestep_cond (guidance embedding)")
 
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
@@ -319,14 +326,15 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
                 "time_ids": conditioning.get("add_time_ids"),
                 "timestep_cond": None if timestep_cond is None else timestep_cond.repeat(branches, 1),
             }
-            key = ("unet",) + tuple(None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values())
-            key += (freeze(cross_attention_kwargs), str(model_input.device))
+            shapes = [None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values()]
+            key = named_key(program="unet", **dict(zip(_UNET_FIELDS, shapes)),
+                            cross_attention_kwargs=freeze(cross_attention_kwargs), device=str(model_input.device))
             inputs["lora"] = [call.adapters] * model_input.shape[0]
             image_embeds = conditioning.get("ip_image_embeds")
             if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
                 image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
             if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
-                key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in image_embeds))
+                key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in image_embeds])
             inputs["image_embeds"] = (None if image_embeds is None else
                                       [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
             inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
