@@ -490,3 +490,39 @@ def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4,
     model._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": attention}])
     processor = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
     pipe.register_modules(image_encoder=encoder, feature_extractor=processor)
+
+
+def add_random_sd3_ip_adapter(pipe: Any, tokens: int = 4, seed: int = 0) -> None:
+    """Load a random SD3 IP-Adapter (as `load_ip_adapter` would) and a tiny SigLIP image encoder into a
+    StableDiffusion3Pipeline.
+
+    The resampler (`IPAdapterTimeImageProjection`, 4 blocks of one 64-wide head, as the loader infers them) maps
+    the encoder's penultimate hidden states to `tokens` image tokens; each block gets an
+    `SD3IPAdapterJointAttnProcessor2_0`. Scale 0.5, as after `load_ip_adapter`.
+
+    >>> add_random_sd3_ip_adapter(pipe); pipe(prompt, ip_adapter_image=image)
+    """
+    from diffusers.models.attention_processor import SD3IPAdapterJointAttnProcessor2_0
+    from diffusers.models.embeddings import IPAdapterTimeImageProjection
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    model = pipe.transformer
+    inner = model.config.attention_head_dim * model.config.num_attention_heads
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = SiglipVisionModel(SiglipVisionConfig(
+            hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+            patch_size=8,
+        )).eval()
+        projection = IPAdapterTimeImageProjection(embed_dim=32, output_dim=inner, hidden_dim=64, heads=1,
+                                                  num_queries=tokens, timestep_in_dim=32)
+        attention = {}
+        for index in range(len(model.attn_processors)):
+            processor = SD3IPAdapterJointAttnProcessor2_0(hidden_size=inner, ip_hidden_states_dim=inner,
+                                                          head_dim=model.config.attention_head_dim,
+                                                          timesteps_emb_dim=64)
+            for name, value in processor.state_dict().items():  # NOTE: non-trivial norms, a visible image branch
+                attention[f"{index}.{name}"] = value + 0.3 * torch.randn_like(value)
+    model._load_ip_adapter_weights({"image_proj": projection.state_dict(), "ip_adapter": attention})
+    processor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    pipe.register_modules(image_encoder=encoder, feature_extractor=processor)

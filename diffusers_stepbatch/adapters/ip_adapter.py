@@ -1,4 +1,4 @@
-"""IP-Adapter (image prompts) for the SD, SDXL and Flux programs: image embeddings and scales are per-row inputs.
+"""IP-Adapter (image prompts) for the SD, SDXL and Flux programs (SD3: adapters/sd3_ip_adapter.py): image embeddings and scales are per-row inputs.
 
 diffusers keeps IP-Adapter scales on the UNet's attention processors (`pipe.set_ip_adapter_scale`), global
 state like LoRA weights. A request reads them at submit and keeps its own copy; `set_ip_adapter_scale` called on
@@ -44,11 +44,16 @@ def ip_processors(model: torch.nn.Module) -> tuple:
     return tuple(p for p in model.attn_processors.values() if isinstance(p, kinds))
 
 
+def _read_scale(processor: Any) -> Any:
+    """A processor's scale: a list (one entry per adapter; UNet and Flux) or one float (SD3)."""
+    return copy.deepcopy(list(processor.scale)) if isinstance(processor.scale, list) else float(processor.scale)
+
+
 def _snapshot_scales(processors: tuple, has_image: bool) -> list:
     if not has_image:  # NOTE: a request without an image prompt runs at scale 0 (zero embeddings)
-        return [[0.0] * len(p.scale) for p in processors]
+        return [[0.0] * len(p.scale) if isinstance(p.scale, list) else 0.0 for p in processors]
     with _SCALES_LOCK:
-        return [copy.deepcopy(list(p.scale)) for p in processors]
+        return [_read_scale(p) for p in processors]
 
 
 @dataclass
@@ -117,10 +122,10 @@ def _set_request_scale(pipe: Any, state: IPAdapterState, scale: Any) -> None:
     if not state.has_image:
         return  # a request without an image prompt stays at scale 0
     with _SCALES_LOCK:
-        saved = [list(p.scale) for p in state.processors]
+        saved = [_read_scale(p) for p in state.processors]
         try:
             type(pipe).set_ip_adapter_scale(pipe, scale)
-            state.scales = [copy.deepcopy(list(p.scale)) for p in state.processors]
+            state.scales = [_read_scale(p) for p in state.processors]
         finally:
             for processor, values in zip(state.processors, saved):
                 processor.scale = values
@@ -269,14 +274,20 @@ def per_row_ip_scales(rows: Sequence[tuple[tuple, list] | None]) -> Iterator[Non
         swapped = []
         try:
             for k, processor in enumerate(processors):
-                processor.scale = [_row_scale([row[1][k][i] for row in rows]) for i in range(len(saved[k]))]
+                if isinstance(saved[k], list):
+                    processor.scale = [_row_scale([row[1][k][i] for row in rows]) for i in range(len(saved[k]))]
+                else:  # SD3: one scale per processor
+                    processor.scale = _RowScale([row[1][k] for row in rows])
                 swapped.append(processor.scale)
             yield
         finally:
             # NOTE: diffusers' set_ip_adapter_scale writes items in place; one that ran meanwhile (from another
-            # thread) wrote into the stand-in list: keep what it wrote.
+            # thread) wrote into the stand-in list: keep what it wrote (SD3's replaces the float: keep that).
             for processor, values, stand_in in zip(processors, saved, swapped):
-                processor.scale = [old if _is_stand_in(new) else new for old, new in zip(values, stand_in)]
+                if isinstance(stand_in, list):
+                    processor.scale = [old if _is_stand_in(new) else new for old, new in zip(values, stand_in)]
+                elif _is_stand_in(processor.scale):
+                    processor.scale = values
             for processor, values in zip(processors[len(swapped):], saved[len(swapped):]):
                 processor.scale = values
 
