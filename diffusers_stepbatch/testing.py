@@ -445,13 +445,16 @@ def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("
     return names
 
 
-def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4, seed: int = 0) -> None:
+def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4, seed: int = 0,
+                          faceid: bool = False) -> None:
     """Load a random IP-Adapter (as `load_ip_adapter` would) and a tiny CLIP image encoder into an SD, SDXL or
     Flux pipeline.
 
     The adapter's key/value projections match each cross-attention layer (Flux: each double-stream block); its
     `ImageProjection` maps the image encoder's `image_embed_dim`-wide embedding to `tokens` tokens. Scale 1.0, as
-    after `load_ip_adapter`.
+    after `load_ip_adapter`. `faceid=True` (UNets): an IP-Adapter FaceID projection
+    (`IPAdapterFaceIDImageProjection`, face embeddings of `image_embed_dim`) and no image encoder: requests pass
+    `ip_adapter_image_embeds` of shape [2, 1, 1, image_embed_dim] under CFG.
 
     >>> add_random_ip_adapter(pipe); pipe(prompt, ip_adapter_image=image)
     """
@@ -479,15 +482,26 @@ def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4,
                 for projection in ("to_k_ip", "to_v_ip"):
                     attention[f"{key_id}.{projection}.weight"] = torch.randn(to_k.out_features, to_k.in_features) * 0.3
                 key_id += 2
-        sd = ImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
-                             num_image_text_embeds=tokens).state_dict()
-        projection = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
-                      "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+        if faceid:
+            from diffusers.models.embeddings import IPAdapterFaceIDImageProjection
+
+            sd = IPAdapterFaceIDImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
+                                                mult=2, num_tokens=tokens).state_dict()
+            projection = {"proj.0.weight": sd["ff.net.0.proj.weight"], "proj.0.bias": sd["ff.net.0.proj.bias"],
+                          "proj.2.weight": sd["ff.net.2.weight"], "proj.2.bias": sd["ff.net.2.bias"],
+                          "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+        else:
+            sd = ImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
+                                 num_image_text_embeds=tokens).state_dict()
+            projection = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
+                          "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
         encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
             hidden_size=32, projection_dim=image_embed_dim, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=37, image_size=32, patch_size=8,
         )).eval()
     model._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": attention}])
+    if faceid:  # NOTE: FaceID takes face embeddings (e.g. insightface's), never images
+        return
     processor = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
     pipe.register_modules(image_encoder=encoder, feature_extractor=processor)
 

@@ -64,16 +64,24 @@ class IPAdapterState:
     processors: tuple
     scales: list
     has_image: bool
+    masks: list | None = None  # UNet: `ip_adapter_masks`, one tensor (or None) per adapter (adapters/ip_masks.py)
 
     def row(self) -> tuple[tuple, list]:
         return self.processors, self.scales
 
 
-def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool) -> IPAdapterState | None:
+def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool, num_images: int = 1) -> IPAdapterState | None:
     """Validate a call's IP-Adapter inputs; None when the UNet has no IP-Adapter (and none was asked for)."""
+    from .ip_masks import plan_ip_masks
+
     images, embeds = args.get("ip_adapter_image"), args.get("ip_adapter_image_embeds")
     has_image = images is not None or embeds is not None
     processors = ip_processors(pipe.unet)
+    masks = plan_ip_masks(args, len(pipe.unet.encoder_hid_proj.image_projection_layers) if processors else 0,
+                          num_images * (2 if do_cfg else 1))
+    if masks is not None and not has_image:
+        raise ValueError("cross_attention_kwargs['ip_adapter_masks'] needs an image prompt: pass ip_adapter_image "
+                         "or ip_adapter_image_embeds")
     if not processors:
         if has_image:
             raise ValueError("ip_adapter_image / ip_adapter_image_embeds need an IP-Adapter on the UNet: "
@@ -102,7 +110,7 @@ def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool) -> IPAdapterS
         if not all(isinstance(layer, ImageProjection) for layer in layers):
             raise ValueError("this UNet's IP-Adapter needs an image prompt (diffusers raises without one): pass "
                              "ip_adapter_image or ip_adapter_image_embeds (with set_ip_adapter_scale(0.0))")
-    return IPAdapterState(processors, _snapshot_scales(processors, has_image), has_image)
+    return IPAdapterState(processors, _snapshot_scales(processors, has_image), has_image, masks)
 
 
 def ip_key_fields(state: IPAdapterState, embed_shapes: Sequence[tuple]) -> NamedKey:
