@@ -88,3 +88,20 @@ def test_sizes_that_cannot_pack_split_by_image_size():
     assert splits == {"denoise: image size": 2, "decode: latent size": 1}
     for kwargs, got in zip(cases, results):
         assert max_diff(got, pipe(**seeded(kwargs)).images) <= TOLERANCE
+
+
+def test_requests_on_a_hooked_denoiser_run_alone_and_say_why():
+    from diffusers import FirstBlockCacheConfig
+
+    pipe = tiny_flux_pipeline(guidance_embeds=True)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.8))
+    base = {"prompt": "a red circle", "height": 32, "width": 32, "num_inference_steps": 2, "output_type": "pt",
+            "max_sequence_length": 16}
+    cases = [dict(base, seed=0), dict(base, seed=1, prompt="a blue square")]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in cases]
+    results, splits = run_together(pipe, cases)
+    hooks = "denoise: diffusers cache hooks: a hooked request's forwards run alone"
+    # NOTE: FirstBlockCache keeps one state per model, so the requests take turns; they meet at least once
+    assert set(splits) == {hooks} and splits[hooks] >= 1
+    for got, want in zip(results, expected):
+        assert max_diff(got, want) <= TOLERANCE
