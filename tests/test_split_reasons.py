@@ -105,3 +105,19 @@ def test_requests_on_a_hooked_denoiser_run_alone_and_say_why():
     assert set(splits) == {hooks} and splits[hooks] >= 1
     for got, want in zip(results, expected):
         assert max_diff(got, want) <= TOLERANCE
+
+
+def test_split_reasons_are_exported_to_prometheus():
+    import prometheus_client
+
+    pipe = sd_ip_pipe()
+    base = {"prompt": "a red circle", "height": 32, "width": 32, "num_inference_steps": 2, "output_type": "pt"}
+    registry = prometheus_client.CollectorRegistry()
+    with StepBatched(pipe, max_batch_size=16) as sb:
+        sb.register_prometheus(registry)
+        with engine_held(sb, dict(base, num_inference_steps=1)):
+            futures = [sb.submit(**seeded(dict(base, seed=0, ip_adapter_image=image(0)))),
+                       sb.submit(**seeded(dict(base, seed=1, ip_adapter_image=[[image(1), image(2)]])))]
+        [future.result(300) for future in futures]
+        exposition = prometheus_client.generate_latest(registry).decode()
+    assert f'split_calls_total{{reason="denoise: {IP_SHAPES}"}} 2.0' in exposition
