@@ -20,7 +20,7 @@ BUILDERS = {"sd": tiny_sd_pipeline, "sdxl": tiny_sdxl_pipeline}
 MASKS = "denoise: ip_adapter: masks (shapes, or none)"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ip_pipe(family, faceid=False):
     pipe = BUILDERS[family]()
     add_random_ip_adapter(pipe, faceid=faceid)

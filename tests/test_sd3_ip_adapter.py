@@ -16,7 +16,7 @@ from diffusers_stepbatch.testing import add_random_sd3_ip_adapter, tiny_sd3_pipe
 from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ip_pipe():
     pipe = tiny_sd3_pipeline()
     add_random_sd3_ip_adapter(pipe)

@@ -42,7 +42,7 @@ def image(seed):
     return PIL.Image.fromarray((np.random.RandomState(seed).rand(32, 32, 3) * 255).astype("uint8"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sd_ip_pipe():
     pipe = tiny_sd_pipeline()
     add_random_ip_adapter(pipe)
