@@ -445,13 +445,16 @@ def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("
     return names
 
 
-def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4, seed: int = 0) -> None:
+def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4, seed: int = 0,
+                          faceid: bool = False) -> None:
     """Load a random IP-Adapter (as `load_ip_adapter` would) and a tiny CLIP image encoder into an SD, SDXL or
     Flux pipeline.
 
     The adapter's key/value projections match each cross-attention layer (Flux: each double-stream block); its
     `ImageProjection` maps the image encoder's `image_embed_dim`-wide embedding to `tokens` tokens. Scale 1.0, as
-    after `load_ip_adapter`.
+    after `load_ip_adapter`. `faceid=True` (UNets): an IP-Adapter FaceID projection
+    (`IPAdapterFaceIDImageProjection`, face embeddings of `image_embed_dim`) and no image encoder: requests pass
+    `ip_adapter_image_embeds` of shape [2, 1, 1, image_embed_dim] under CFG.
 
     >>> add_random_ip_adapter(pipe); pipe(prompt, ip_adapter_image=image)
     """
@@ -479,14 +482,61 @@ def add_random_ip_adapter(pipe: Any, image_embed_dim: int = 16, tokens: int = 4,
                 for projection in ("to_k_ip", "to_v_ip"):
                     attention[f"{key_id}.{projection}.weight"] = torch.randn(to_k.out_features, to_k.in_features) * 0.3
                 key_id += 2
-        sd = ImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
-                             num_image_text_embeds=tokens).state_dict()
-        projection = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
-                      "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+        if faceid:
+            from diffusers.models.embeddings import IPAdapterFaceIDImageProjection
+
+            sd = IPAdapterFaceIDImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
+                                                mult=2, num_tokens=tokens).state_dict()
+            projection = {"proj.0.weight": sd["ff.net.0.proj.weight"], "proj.0.bias": sd["ff.net.0.proj.bias"],
+                          "proj.2.weight": sd["ff.net.2.weight"], "proj.2.bias": sd["ff.net.2.bias"],
+                          "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+        else:
+            sd = ImageProjection(cross_attention_dim=cross_dim, image_embed_dim=image_embed_dim,
+                                 num_image_text_embeds=tokens).state_dict()
+            projection = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
+                          "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
         encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
             hidden_size=32, projection_dim=image_embed_dim, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=37, image_size=32, patch_size=8,
         )).eval()
     model._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": attention}])
+    if faceid:  # NOTE: FaceID takes face embeddings (e.g. insightface's), never images
+        return
     processor = CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
+    pipe.register_modules(image_encoder=encoder, feature_extractor=processor)
+
+
+def add_random_sd3_ip_adapter(pipe: Any, tokens: int = 4, seed: int = 0) -> None:
+    """Load a random SD3 IP-Adapter (as `load_ip_adapter` would) and a tiny SigLIP image encoder into a
+    StableDiffusion3Pipeline.
+
+    The resampler (`IPAdapterTimeImageProjection`, 4 blocks of one 64-wide head, as the loader infers them) maps
+    the encoder's penultimate hidden states to `tokens` image tokens; each block gets an
+    `SD3IPAdapterJointAttnProcessor2_0`. Scale 0.5, as after `load_ip_adapter`.
+
+    >>> add_random_sd3_ip_adapter(pipe); pipe(prompt, ip_adapter_image=image)
+    """
+    from diffusers.models.attention_processor import SD3IPAdapterJointAttnProcessor2_0
+    from diffusers.models.embeddings import IPAdapterTimeImageProjection
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    model = pipe.transformer
+    inner = model.config.attention_head_dim * model.config.num_attention_heads
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = SiglipVisionModel(SiglipVisionConfig(
+            hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+            patch_size=8,
+        )).eval()
+        projection = IPAdapterTimeImageProjection(embed_dim=32, output_dim=inner, hidden_dim=64, heads=1,
+                                                  num_queries=tokens, timestep_in_dim=32)
+        attention = {}
+        for index in range(len(model.attn_processors)):
+            processor = SD3IPAdapterJointAttnProcessor2_0(hidden_size=inner, ip_hidden_states_dim=inner,
+                                                          head_dim=model.config.attention_head_dim,
+                                                          timesteps_emb_dim=64)
+            for name, value in processor.state_dict().items():  # NOTE: non-trivial norms, a visible image branch
+                attention[f"{index}.{name}"] = value + 0.3 * torch.randn_like(value)
+    model._load_ip_adapter_weights({"image_proj": projection.state_dict(), "ip_adapter": attention})
+    processor = SiglipImageProcessor(size={"height": 32, "width": 32})
     pipe.register_modules(image_encoder=encoder, feature_extractor=processor)

@@ -1,4 +1,4 @@
-"""IP-Adapter (image prompts) for the SD, SDXL and Flux programs: image embeddings and scales are per-row inputs.
+"""IP-Adapter (image prompts) for the SD, SDXL and Flux programs (SD3: adapters/sd3_ip_adapter.py): image embeddings and scales are per-row inputs.
 
 diffusers keeps IP-Adapter scales on the UNet's attention processors (`pipe.set_ip_adapter_scale`), global
 state like LoRA weights. A request reads them at submit and keeps its own copy; `set_ip_adapter_scale` called on
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import NamedKey, named_key
 
 _SCALES_LOCK = threading.Lock()  # submit-time reads vs a request's set_ip_adapter_scale (see bind_scale_setter)
 
@@ -43,11 +44,16 @@ def ip_processors(model: torch.nn.Module) -> tuple:
     return tuple(p for p in model.attn_processors.values() if isinstance(p, kinds))
 
 
+def _read_scale(processor: Any) -> Any:
+    """A processor's scale: a list (one entry per adapter; UNet and Flux) or one float (SD3)."""
+    return copy.deepcopy(list(processor.scale)) if isinstance(processor.scale, list) else float(processor.scale)
+
+
 def _snapshot_scales(processors: tuple, has_image: bool) -> list:
     if not has_image:  # NOTE: a request without an image prompt runs at scale 0 (zero embeddings)
-        return [[0.0] * len(p.scale) for p in processors]
+        return [[0.0] * len(p.scale) if isinstance(p.scale, list) else 0.0 for p in processors]
     with _SCALES_LOCK:
-        return [copy.deepcopy(list(p.scale)) for p in processors]
+        return [_read_scale(p) for p in processors]
 
 
 @dataclass
@@ -58,16 +64,24 @@ class IPAdapterState:
     processors: tuple
     scales: list
     has_image: bool
+    masks: list | None = None  # UNet: `ip_adapter_masks`, one tensor (or None) per adapter (adapters/ip_masks.py)
 
     def row(self) -> tuple[tuple, list]:
         return self.processors, self.scales
 
 
-def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool) -> IPAdapterState | None:
+def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool, num_images: int = 1) -> IPAdapterState | None:
     """Validate a call's IP-Adapter inputs; None when the UNet has no IP-Adapter (and none was asked for)."""
+    from .ip_masks import plan_ip_masks
+
     images, embeds = args.get("ip_adapter_image"), args.get("ip_adapter_image_embeds")
     has_image = images is not None or embeds is not None
     processors = ip_processors(pipe.unet)
+    masks = plan_ip_masks(args, len(pipe.unet.encoder_hid_proj.image_projection_layers) if processors else 0,
+                          num_images * (2 if do_cfg else 1))
+    if masks is not None and not has_image:
+        raise ValueError("cross_attention_kwargs['ip_adapter_masks'] needs an image prompt: pass ip_adapter_image "
+                         "or ip_adapter_image_embeds")
     if not processors:
         if has_image:
             raise ValueError("ip_adapter_image / ip_adapter_image_embeds need an IP-Adapter on the UNet: "
@@ -96,7 +110,13 @@ def plan_ip_adapter(pipe: Any, args: dict[str, Any], do_cfg: bool) -> IPAdapterS
         if not all(isinstance(layer, ImageProjection) for layer in layers):
             raise ValueError("this UNet's IP-Adapter needs an image prompt (diffusers raises without one): pass "
                              "ip_adapter_image or ip_adapter_image_embeds (with set_ip_adapter_scale(0.0))")
-    return IPAdapterState(processors, _snapshot_scales(processors, has_image), has_image)
+    return IPAdapterState(processors, _snapshot_scales(processors, has_image), has_image, masks)
+
+
+def ip_key_fields(state: IPAdapterState, embed_shapes: Sequence[tuple]) -> NamedKey:
+    """The denoise key's IP-Adapter part: rows of one forward share the IP processors and embedding shapes."""
+    return named_key(**{"ip_adapter: processors": tuple(map(id, state.processors)),
+                        "ip_adapter: image embedding shapes (images per adapter)": tuple(embed_shapes)})
 
 
 def bind_scale_setter(view: Any, pipe: Any, state: IPAdapterState) -> None:
@@ -110,10 +130,10 @@ def _set_request_scale(pipe: Any, state: IPAdapterState, scale: Any) -> None:
     if not state.has_image:
         return  # a request without an image prompt stays at scale 0
     with _SCALES_LOCK:
-        saved = [list(p.scale) for p in state.processors]
+        saved = [_read_scale(p) for p in state.processors]
         try:
             type(pipe).set_ip_adapter_scale(pipe, scale)
-            state.scales = [copy.deepcopy(list(p.scale)) for p in state.processors]
+            state.scales = [_read_scale(p) for p in state.processors]
         finally:
             for processor, values in zip(state.processors, saved):
                 processor.scale = values
@@ -139,12 +159,20 @@ def ip_image_embeds(pipe: Any, view: Any, state: IPAdapterState, args: dict[str,
         for single, layer in zip(images, layers):
             hidden = not isinstance(layer, ImageProjection)
             rows = single if isinstance(single, (torch.Tensor, list)) else [single]
-            key = ("unet.ip_image", hidden, type(single).__name__, str(device))
+            key = _image_key("unet.ip_image", rows, device, hidden)
             run = functools.partial(_encode_images, pipe, device, hidden)
             count = rows.shape[0] if isinstance(rows, torch.Tensor) else len(rows)
             positive, negative = yield WorkItem("encode", key, {"image": rows}, run, rows=count)
             embeds.append(torch.stack([negative, positive]) if do_cfg else positive[None])
     return view.prepare_ip_adapter_image_embeds(None, embeds, device, num_images, do_cfg)
+
+
+def _image_key(program: str, rows: Any, device: Any, hidden: bool = False) -> Any:
+    """Images of one kind (tensors, or a list of PIL images / arrays) go through the encoder together."""
+    kind = ("batched tensor" if isinstance(rows, torch.Tensor)
+            else "tensors" if isinstance(rows[0], torch.Tensor) else "images")
+    return named_key(program=program, **{"image encoder output (hidden states)": hidden, "image type": kind,
+                                         "device": str(device)})
 
 
 def _encode_images(pipe: Any, device: Any, output_hidden_states: bool, image: Any) -> tuple:
@@ -204,7 +232,7 @@ def flux_ip_image_embeds(pipe: Any, view: Any, state: IPAdapterState, args: dict
             for single in images:
                 rows = single if isinstance(single, (torch.Tensor, list)) else [single]
                 count = rows.shape[0] if isinstance(rows, torch.Tensor) else len(rows)
-                key = ("flux.ip_image", type(single).__name__, str(device))
+                key = _image_key("flux.ip_image", rows, device)
                 run = functools.partial(_encode_flux_images, pipe, device)
                 embeds.append((yield WorkItem("encode", key, {"image": rows}, run, rows=count))[None])
         sides.append(view.prepare_ip_adapter_image_embeds(None, embeds, device, num_images))
@@ -254,14 +282,20 @@ def per_row_ip_scales(rows: Sequence[tuple[tuple, list] | None]) -> Iterator[Non
         swapped = []
         try:
             for k, processor in enumerate(processors):
-                processor.scale = [_row_scale([row[1][k][i] for row in rows]) for i in range(len(saved[k]))]
+                if isinstance(saved[k], list):
+                    processor.scale = [_row_scale([row[1][k][i] for row in rows]) for i in range(len(saved[k]))]
+                else:  # SD3: one scale per processor
+                    processor.scale = _RowScale([row[1][k] for row in rows])
                 swapped.append(processor.scale)
             yield
         finally:
             # NOTE: diffusers' set_ip_adapter_scale writes items in place; one that ran meanwhile (from another
-            # thread) wrote into the stand-in list: keep what it wrote.
+            # thread) wrote into the stand-in list: keep what it wrote (SD3's replaces the float: keep that).
             for processor, values, stand_in in zip(processors, saved, swapped):
-                processor.scale = [old if _is_stand_in(new) else new for old, new in zip(values, stand_in)]
+                if isinstance(stand_in, list):
+                    processor.scale = [old if _is_stand_in(new) else new for old, new in zip(values, stand_in)]
+                elif _is_stand_in(processor.scale):
+                    processor.scale = values
             for processor, values in zip(processors[len(swapped):], saved[len(swapped):]):
                 processor.scale = values
 

@@ -7,11 +7,13 @@ import functools
 import torch
 
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import named_key
 
 
 def vae_decode_item(vae, latents: torch.Tensor) -> WorkItem:
     """A batched `vae.decode` of VAE-layout latents [B, C, h, w] (already unscaled)."""
-    key = ("vae.decode", tuple(latents.shape[1:]), latents.dtype, str(latents.device))
+    key = named_key(program="vae.decode", **{"latent size": tuple(latents.shape[1:]), "latent dtype": latents.dtype,
+                                             "device": str(latents.device)})
     return WorkItem("decode", key, {"latents": latents}, functools.partial(_vae_decode, vae), rows=latents.shape[0])
 
 

@@ -183,6 +183,7 @@ class EngineCore:
             if request.pending is not None and not request.status.is_finished:
                 groups[(request.pending.kind, request.pending.key)].append(request)
         calls = self._plan_calls(groups)
+        self.metrics.splits.observe(calls)  # stats()["splits"]: why calls of one program ran apart
         self.metrics.record_overhead((scheduled - step_started) + (time.perf_counter() - grouping))
         for call in calls:
             if isinstance(call, _PackedCall):

@@ -8,6 +8,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from .request import Request, RequestStatus
+from .split_reasons import SplitCounter
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class EngineMetrics:
         self._recent_requests: deque[dict] = deque(maxlen=1000)
         self.packed_calls: deque[tuple[int, int, int]] = deque(maxlen=history)  # (rows, tokens, shapes)
         self.packed_total = 0
+        self.splits = SplitCounter()  # why calls of one program ran apart (engine/split_reasons.py)
 
     def record_call(self, kind: str, rows: int, seconds: float) -> None:
         with self._lock:
@@ -117,6 +119,7 @@ class EngineMetrics:
                 "outside_model_ms_per_step": 1000 * self.outside_model_seconds / max(self.engine_steps, 1),
                 "requests": list(self._recent_requests),
                 "mixed": self._mixed(calls),
+                "splits": self.splits.snapshot(),
             }
 
     def _mixed(self, denoise_calls: int) -> dict:

@@ -34,6 +34,12 @@ def register_collector(metrics: EngineMetrics, registry: Any = None, prefix: str
             for status, count in snapshot["requests_finished"].items():
                 finished.add_metric([status], count)
             yield finished
+            splits = CounterMetricFamily(f"{prefix}_split_calls", "Calls that ran apart from others of their program, "
+                                         "by the key fields that differed (engine/split_reasons.py)",
+                                         labels=["reason"])
+            for reason, count in snapshot["splits"].items():
+                splits.add_metric([reason], count)
+            yield splits
             yield GaugeMetricFamily(f"{prefix}_busy_fraction", "Share of wall time in model calls",
                                     value=snapshot["busy_fraction"])
             yield GaugeMetricFamily(f"{prefix}_mean_denoise_rows", "Mean rows per denoising forward",

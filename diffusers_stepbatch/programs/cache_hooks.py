@@ -12,7 +12,7 @@ batched path: per row, in shared forwards.
 
 >>> hooked = hooked_denoiser(pipe.transformer, view)       # None when the denoiser has no stateful hooks
 >>> yield from hooked.take_turn()                          # waits while another request holds the denoiser
->>> noise = yield WorkItem("denoise", key + (hooked.key,), inputs, hooked.run(forward, ["cond", "uncond"]), rows)
+>>> noise = yield WorkItem("denoise", key + hooked.key_field, inputs, hooked.run(forward, ["cond", "uncond"]), rows)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import NamedKey, named_key
 from .request_state import active_view
 
 _ids = itertools.count()
@@ -69,6 +70,11 @@ class HookedDenoiser:
         # NOTE: released when the program finishes, and also when it is closed (aborted) and this is collected.
         self._release = weakref.finalize(self, _release, model, self.key, self.names, exclusive)
 
+    @property
+    def key_field(self) -> NamedKey:
+        """The denoise key's part that keeps this request's forwards to itself (named for stats()["splits"])."""
+        return named_key(**{"diffusers cache hooks: a hooked request's forwards run alone": self.key})
+
     def context_name(self, branch: str) -> str:
         return f"{branch}@stepbatch-{self.key[1]}"
 
@@ -82,7 +88,7 @@ class HookedDenoiser:
             if current is None or current is self:
                 _turns[self.model] = (self.key, weakref.ref(self))
                 return
-            yield WorkItem("wait", ("cache-hooks.wait", self.key), {}, _idle, rows=1)
+            yield WorkItem("wait", named_key(program="cache-hooks.wait", turn=self.key), {}, _idle, rows=1)
 
     def run(self, forward: Callable[..., Any], branches: Sequence[str]) -> Callable[..., Any]:
         """A work item's `run`: the rows split into `branches` (equal parts, in order), one forward each."""

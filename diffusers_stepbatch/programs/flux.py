@@ -22,6 +22,7 @@ from ..adapters.ip_adapter import (
     IPAdapterState,
     bind_scale_setter,
     flux_ip_image_embeds,
+    ip_key_fields,
     per_row_ip_scales,
     plan_flux_ip_adapter,
 )
@@ -38,6 +39,7 @@ from ..cache.prompt import cached_encode, encoder_namespace
 from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..engine.split_reasons import named_key
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
 from ..packed.layout import PackedLayout
 from ..packed.support import extra_attention_kwargs, packing_refused
@@ -154,6 +156,11 @@ def _check_negative(args: dict[str, Any], num_prompts: int) -> None:
         )
 
 
+# names of the denoise key's fields shared with packed calls, for stats()["splits"]
+_SHARED_FIELDS = ("pooled text width", "guidance embedding", "joint_attention_kwargs", "latent dtype", "text dtype",
+                  "device")
+
+
 def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
     """`view` is the request's own view of `pipe` (made at submit, so it keeps the scheduler of that moment)."""
     args, options = call.args, call.options
@@ -211,9 +218,10 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     grid = (call.height // (pipe.vae_scale_factor * 2), call.width // (pipe.vae_scale_factor * 2))
     shared_key = (tuple(pooled[0].shape[1:]), guidance is not None, freeze(attention_kwargs),
                   latents.dtype, embeds[0].dtype, str(latents.device))
-    key = ("flux", grid, tuple(embeds[0].shape[1:]), *shared_key)
+    key = named_key(program="flux", **{"image size": grid, "text length": tuple(embeds[0].shape[1:])},
+                    **dict(zip(_SHARED_FIELDS, shared_key)))
     if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
-        key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in ip_embeds[0]))
+        key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in ip_embeds[0]])
     pack = _packable(packing_reason, pipe.transformer, attention_kwargs, shared_key, (text_ids, image_ids),
                      latents.shape[1] + embeds[0].shape[1])
 
@@ -234,7 +242,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     # NOTE: diffusers' cache hooks on the transformer: this request's forwards run alone, per branch, in its own
     # cache contexts (programs/cache_hooks.py).
     if hooked is not None:
-        key = key + (hooked.key,)
+        key = key + hooked.key_field
     view.scheduler.set_begin_index(0)
     # NOTE: the update after each forward (CFG combine + Euler step) runs batched with every other request's
     # update of the engine step where the scheduler allows it (programs/fused_update.py).

@@ -27,6 +27,7 @@ import torch
 
 from ..buffers import LatentBuffers, StepWorkspace
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import named_key
 
 _probe_lock = threading.Lock()
 
@@ -69,8 +70,10 @@ class FusedEuler:
         if self.workspace is not None:  # write into this request's idle ping-pong buffer: no allocation
             buffer = self.workspace.idle_latents(sample, cond.dtype)
             targets = list(buffer)
-        key = ("fused-euler", guided, sample.dtype, cond.dtype, tuple(sample.shape[1:]), str(sample.device),
-               id(self.buffers), targets is not None)
+        key = named_key(program="fused-euler", **{
+            "true CFG or not": guided, "latent dtype": sample.dtype, "prediction dtype": cond.dtype,
+            "latent size": tuple(sample.shape[1:]), "device": str(sample.device), "buffer pool": id(self.buffers),
+            "own latent buffers or not": targets is not None})
         inputs = {
             "sample": list(sample), "cond": list(cond), "uncond": list(uncond) if guided else None,
             "dt": [dt] * images, "scale": [float(scale)] * images if guided else None, "target": targets,

@@ -27,6 +27,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.utils import BaseOutput
 
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import named_key
 from ..engine.ownership import current_owner, run_for
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from .request_state import active_view
@@ -257,7 +258,10 @@ def denoiser_item(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[W
     template, signature = _describe((args, kwargs), rows, row_inputs)
     key = ("generic.denoise", id(module), signature)
     if rows is None or key in _not_rowwise:
-        key, rows = ("generic.alone", id(holder)), rows or 1
+        # NOTE: named for stats()["splits"]: such calls never share a forward
+        key = named_key(program="generic.alone", **{"generic program: the denoiser's inputs have no batch rows":
+                                                    id(holder)})
+        rows = rows or 1
     inputs = {f"row{i}": tensor for i, tensor in enumerate(row_inputs)}
     inputs[_HOLDERS] = [holder] * rows
     run = functools.partial(_merged_call, module, template, key)

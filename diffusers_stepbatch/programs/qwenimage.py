@@ -32,6 +32,7 @@ from ..adapters.state import (
 )
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..engine.split_reasons import named_key
 from ..packed.qwenimage import (
     QwenImagePart,
     packed_row_order,
@@ -51,6 +52,11 @@ from .validation import (
     check_num_images_per_prompt,
     freeze,
 )
+
+
+# names of the denoise key's fields shared with packed calls, for stats()["splits"]
+_SHARED_FIELDS = ("latent token width", "text width", "guidance embedding", "attention_kwargs", "latent dtype",
+                  "text dtype", "device")
 
 
 @dataclass
@@ -161,7 +167,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     denoise = functools.partial(_denoise, pipe.transformer, grid, attention_kwargs)
     shared_key = (tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
                   freeze(attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
-    key = ("qwenimage", grid, *shared_key)
+    key = named_key(program="qwenimage", **{"image size": grid}, **dict(zip(_SHARED_FIELDS, shared_key)))
     longest_text = max(embeds.shape[1] for embeds, _ in branches)
     pack = _packable(packing_reason, pipe.transformer, attention_kwargs, shared_key, grid,
                      latents.shape[1] + longest_text)
@@ -169,7 +175,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images]. With diffusers'
     # cache hooks on the transformer, this request's forwards run alone, one per branch, in its own contexts.
     if hooked is not None:
-        key = key + (hooked.key,)
+        key = key + hooked.key_field
         denoise = hooked.run(denoise, ["cond", "uncond"][:len(branches)])
     view.scheduler.set_begin_index(0)
     callback = args["callback_on_step_end"]

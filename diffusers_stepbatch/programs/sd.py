@@ -48,7 +48,7 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedReque
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
     call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg,
-                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg))
+                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg, num_images))
     rows = num_images * (2 if do_cfg else 1)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
     return PlannedRequest(program=sd_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,

@@ -23,7 +23,9 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
 
+from ..adapters.ip_adapter import IPAdapterState, bind_scale_setter, ip_key_fields, per_row_ip_scales
 from ..adapters.lora import lora_layers, streams_ambiguous
+from ..adapters.sd3_ip_adapter import plan_sd3_ip_adapter, sd3_ip_image_embeds
 from ..adapters.state import (
     AdapterState,
     lora_rows,
@@ -33,6 +35,7 @@ from ..adapters.state import (
 )
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..engine.split_reasons import named_key
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import extra_attention_kwargs, packing_refused
@@ -45,11 +48,11 @@ from .validation import (
     check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
-    check_unsupported,
     freeze,
 )
 
-_UNSUPPORTED = ("ip_adapter_image", "ip_adapter_image_embeds")
+# names of the denoise key's fields shared with packed calls, for stats()["splits"]
+_SHARED_FIELDS = ("pooled text width", "joint_attention_kwargs", "latent dtype", "text dtype", "device")
 
 
 @dataclass
@@ -65,12 +68,12 @@ class SD3Call:
     do_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
+    ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/sd3_ip_adapter.py); None: none loaded
 
 
 @register_program(StableDiffusion3Pipeline, features=("adapters",))
 def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedRequest:
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
-    check_unsupported(args, _UNSUPPORTED, "SD3")
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
     pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
@@ -105,7 +108,8 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
     adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
-    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid, adapters=adapters)
+    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid, adapters=adapters,
+                   ip=plan_sd3_ip_adapter(pipe, args, do_cfg))
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
@@ -135,7 +139,9 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     jak = without_lora_scale(view._joint_attention_kwargs) or None
     # A module scan before the first work item, so that it runs in the caller's thread (`start_in_caller`).
-    packing_reason = (sd3_packing_unsupported(pipe.transformer)
+    packing_reason = (("an IP-Adapter is loaded (its image tokens are not wired into packed forwards)"
+                       if call.ip is not None else None)
+                      or sd3_packing_unsupported(pipe.transformer)
                       or extra_attention_kwargs(jak, "joint_attention_kwargs"))
 
     # 1. Text: [positive] or [positive, negative], repeated for num_images_per_prompt.
@@ -144,6 +150,12 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     if call.do_cfg:
         prompt_embeds = torch.cat([embeds[1], embeds[0]], dim=0)
         pooled_embeds = torch.cat([pooled[1], pooled[0]], dim=0)
+
+    # 1b. Image prompt (IP-Adapter): embeddings per row; the image is encoded in a batched work item.
+    ip_embeds = None
+    if call.ip is not None:
+        bind_scale_setter(view, pipe, call.ip)
+        ip_embeds = yield from sd3_ip_image_embeds(pipe, view, call.ip, args, device, call.num_images, call.do_cfg)
 
     # 2. Latents, this request's own scheduler and timesteps (as StableDiffusion3Pipeline.__call__ does).
     latents = view.prepare_latents(
@@ -171,9 +183,13 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
         view.scheduler.set_begin_index(0)
 
     shared_key = (tuple(pooled_embeds.shape[1:]), freeze(jak), latents.dtype, prompt_embeds.dtype, str(latents.device))
-    key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), *shared_key)
+    key = named_key(program="sd3", **{"latent size": tuple(latents.shape[1:]),
+                                      "text length": tuple(prompt_embeds.shape[1:])},
+                    **dict(zip(_SHARED_FIELDS, shared_key)))
     patch = pipe.transformer.config.patch_size
     tokens = (latents.shape[2] // patch) * (latents.shape[3] // patch) + prompt_embeds.shape[1]
+    if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
+        key += ip_key_fields(call.ip, [tuple(ip_embeds.shape[1:])])
     pack = _packable(packing_reason, pipe.transformer, jak, shared_key, tokens)
     skip_layers = args["skip_guidance_layers"]
     denoise = functools.partial(_denoise, pipe.transformer, jak)
@@ -207,6 +223,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 "pooled_projections": torch.cat(text_pooled),
                 "skip_layers": skips,
                 "lora": [call.adapters] * len(skips),
+                **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
             }
             output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack)
             noise_pred, noise_uncond, scale = output, None, None
@@ -304,6 +321,17 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
     return embeds, pooled
 
 
+def _ip_rows(call: SD3Call, ip_embeds: torch.Tensor | None, do_cfg: bool, images: int, rows: int) -> dict[str, Any]:
+    """Each row's IP-Adapter image embeddings and scales (None without an IP-Adapter)."""
+    if ip_embeds is None:
+        return {"ip_embeds": None, "ip_scales": [None] * rows}
+    if call.do_cfg and not do_cfg:  # a CFG cutoff kept the conditional rows
+        ip_embeds = ip_embeds[images:]
+    if rows > ip_embeds.shape[0]:  # skip-layer rows (only without an image prompt: zero embeddings at scale 0)
+        ip_embeds = torch.cat([ip_embeds, ip_embeds[-images:]])
+    return {"ip_embeds": ip_embeds, "ip_scales": [call.ip.row()] * rows}
+
+
 def _packable(reason, transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
     """Rows of other latent sizes and text lengths may share this request's forwards, unless `reason` forbids."""
     if packing_refused("StableDiffusion3Pipeline", reason):
@@ -350,7 +378,7 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
 
 
 def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encoder_hidden_states, pooled_projections,
-             skip_layers, lora):
+             skip_layers, lora, ip_embeds=None, ip_scales=None):
     """One forward per distinct skip set among the rows (`skip_layers` holds each row's set, None: no skipping)."""
     outputs = None
     for skip in dict.fromkeys(skip_layers):
@@ -358,11 +386,15 @@ def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encod
         whole = len(rows) == len(skip_layers)
         index = None if whole else torch.tensor(rows, device=hidden_states.device)
         pick = (lambda x: x) if whole else (lambda x: x.index_select(0, index))  # noqa: E731
-        with lora_rows(transformer, [lora[r] for r in rows]):
+        kwargs = joint_attention_kwargs
+        if ip_embeds is not None:  # the transformer projects each row's embeddings at that row's timestep
+            kwargs = dict(joint_attention_kwargs or {}, ip_adapter_image_embeds=pick(ip_embeds))
+        scales = per_row_ip_scales([ip_scales[r] for r in rows] if ip_scales is not None else [])
+        with lora_rows(transformer, [lora[r] for r in rows]), scales:
             output = transformer(
                 hidden_states=pick(hidden_states), timestep=pick(timestep),
                 encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
-                joint_attention_kwargs=joint_attention_kwargs, return_dict=False,
+                joint_attention_kwargs=kwargs, return_dict=False,
                 skip_layers=None if skip is None else list(skip),
             )[0]
         if whole:

@@ -24,12 +24,15 @@ from ..adapters.ip_adapter import (
     IPAdapterState,
     bind_scale_setter,
     ip_image_embeds,
+    ip_key_fields,
     per_row_ip_scales,
     plan_ip_adapter,
 )
+from ..adapters.ip_masks import batched_masks, mask_key, mask_rows, without_masks
 from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
+from ..engine.split_reasons import named_key
 from .callbacks import run_step_callback
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -55,6 +58,11 @@ class UNetCall:
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py, SDXL only); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the UNet has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
+
+
+# names of the UNet inputs' (shape, dtype) fields in the denoise key, for stats()["splits"]
+_UNET_FIELDS = ("latent size", "timestep dtype", "text length", "pooled text width", "SDXL time ids",
+                "timestep_cond (guidance embedding)")
 
 
 def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
@@ -106,7 +114,7 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
     call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid,
-                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg))
+                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg, num_images))
     rows = num_images * (2 if do_cfg else 1)
     program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
@@ -294,7 +302,9 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
         timestep_cond = view.get_guidance_scale_embedding(scale, embedding_dim=pipe.unet.config.time_cond_proj_dim)
         timestep_cond = timestep_cond.to(device=latents.device, dtype=latents.dtype)
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
-    cross_attention_kwargs = without_lora_scale(args["cross_attention_kwargs"]) or None
+    # NOTE: IP-Adapter masks are per-row inputs too (adapters/ip_masks.py).
+    cross_attention_kwargs = without_masks(without_lora_scale(args["cross_attention_kwargs"])) or None
+    masks = None if call.ip is None else call.ip.masks
     run = functools.partial(_denoise, pipe.unet, cross_attention_kwargs)
     if hasattr(view.scheduler, "set_begin_index"):
         view.scheduler.set_begin_index(0)
@@ -320,17 +330,21 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
                 "time_ids": conditioning.get("add_time_ids"),
                 "timestep_cond": None if timestep_cond is None else timestep_cond.repeat(branches, 1),
             }
-            key = ("unet",) + tuple(None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values())
-            key += (freeze(cross_attention_kwargs), str(model_input.device))
+            shapes = [None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values()]
+            key = named_key(program="unet", **dict(zip(_UNET_FIELDS, shapes)),
+                            cross_attention_kwargs=freeze(cross_attention_kwargs), device=str(model_input.device))
             inputs["lora"] = [call.adapters] * model_input.shape[0]
             image_embeds = conditioning.get("ip_image_embeds")
             if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
                 image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
             if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
-                key += (tuple(map(id, call.ip.processors)), tuple(tuple(e.shape[1:]) for e in image_embeds))
+                key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in image_embeds])
+                key += named_key(**{"ip_adapter: masks (shapes, or none)": mask_key(masks)})
             inputs["image_embeds"] = (None if image_embeds is None else
                                       [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
             inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
+            first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
+            inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
             if do_cfg:
                 noise_uncond, noise_text = noise_pred.chunk(2)
@@ -349,10 +363,13 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
 
 
 def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_states, text_embeds, time_ids,
-             timestep_cond, lora, image_embeds, ip_scales):
+             timestep_cond, lora, image_embeds, ip_scales, ip_masks):
     added = None if text_embeds is None else {"text_embeds": text_embeds, "time_ids": time_ids}
     if image_embeds is not None:
         added = dict(added or {}, image_embeds=[torch.stack(rows) for rows in zip(*image_embeds)])
+    masks = batched_masks(ip_masks)
+    if masks is not None:
+        cross_attention_kwargs = dict(cross_attention_kwargs or {}, ip_adapter_masks=masks)
     with lora_rows(unet, lora), per_row_ip_scales(ip_scales):
         return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
                     cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
