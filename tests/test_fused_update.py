@@ -3,7 +3,7 @@ bit-identical to each request's own `scheduler.step`."""
 
 import pytest
 import torch
-from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.buffers import LatentBuffers
@@ -14,9 +14,14 @@ from diffusers_stepbatch.programs.fused_update import FusedEuler
 from .references import family_pipe, family_size, flux_pipe, in_lockstep
 
 
-def _scheduler(steps: int, mu: float) -> FlowMatchEulerDiscreteScheduler:
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
-    scheduler.set_timesteps(steps, mu=mu)
+def _scheduler(steps: int, mu: float, kind: str = "flow"):
+    """A flow-matching scheduler (`mu`: its shift) or an Euler one (`mu` picks Karras sigmas or not)."""
+    if kind == "flow":
+        scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+        scheduler.set_timesteps(steps, mu=mu)
+    else:
+        scheduler = EulerDiscreteScheduler(use_karras_sigmas=mu > 0.7, timestep_spacing="trailing")
+        scheduler.set_timesteps(steps)
     scheduler.set_begin_index(0)
     return scheduler
 
@@ -36,17 +41,18 @@ def _run_together(generators):
     return results
 
 
+@pytest.mark.parametrize("kind", ["flow", "euler"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("guided", [False, True])
 @pytest.mark.parametrize("shape, pooled", [((2, 16, 8), False), ((1, 6, 64), True), ((3, 5, 4, 4), True)])
-def test_fused_update_is_each_schedulers_own_step_bit_for_bit(dtype, guided, shape, pooled):
+def test_fused_update_is_each_schedulers_own_step_bit_for_bit(kind, dtype, guided, shape, pooled):
     generator = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
     buffers = LatentBuffers() if pooled else None
     # four requests at different steps of different schedules, each with its own CFG scale
     plans = [(4, 0.5, 0), (7, 1.1, 3), (5, 0.8, 4), (9, 0.3, 1)]
     generators, expected, schedulers, references = [], [], [], []
     for steps, mu, index in plans:
-        scheduler, reference = _scheduler(steps, mu), _scheduler(steps, mu)
+        scheduler, reference = _scheduler(steps, mu, kind), _scheduler(steps, mu, kind)
         scheduler._step_index = reference._step_index = index  # both at the same step
         sample = torch.randn(shape, generator=generator).to(dtype)
         cond = torch.randn(shape, generator=generator).to(dtype)
@@ -86,7 +92,9 @@ def test_schedulers_without_a_stateless_step_keep_their_own():
     sample = torch.zeros(1, 4, 4)
     stochastic = FlowMatchEulerDiscreteScheduler(stochastic_sampling=True)
     assert FusedEuler.for_scheduler(stochastic, sample) is None
-    assert FusedEuler.for_scheduler(EulerDiscreteScheduler(), sample) is None
+    assert FusedEuler.for_scheduler(EulerDiscreteScheduler(prediction_type="v_prediction"), sample) is None
+    assert FusedEuler.for_scheduler(DPMSolverMultistepScheduler(), sample) is None  # keeps a history
+    assert FusedEuler.for_scheduler(EulerDiscreteScheduler(), sample) is not None
 
     class Custom(FlowMatchEulerDiscreteScheduler):  # a subclass may change `step`
         pass
@@ -95,7 +103,7 @@ def test_schedulers_without_a_stateless_step_keep_their_own():
 
 
 def test_a_dtype_whose_rounding_differs_falls_back(monkeypatch):
-    monkeypatch.setattr(fused_update, "_rows_match_scalars_cached", lambda device, dtype: False)
+    monkeypatch.setattr(fused_update, "_rows_match_scalars_cached", lambda device, dtype, kind: False)
     assert FusedEuler.for_scheduler(_scheduler(4, 0.5), torch.zeros(1, 4, 4, dtype=torch.bfloat16)) is None
     assert FusedEuler.for_scheduler(_scheduler(4, 0.5), torch.zeros(1, 4, 4)) is not None  # fp32 needs no probe
 
@@ -115,6 +123,13 @@ def _flux_calls(steps):
 def _family_calls(name, steps):
     height, width = family_size(name)
     base = dict(height=height, width=width, output_type="pt")
+    if name.startswith("sd-") or name.startswith("sdxl"):
+        return [dict(base, prompt="a", seed=1, num_inference_steps=steps, guidance_scale=5.0),
+                dict(base, prompt="b", seed=2, num_inference_steps=steps + 1, guidance_scale=1.0),
+                dict(base, prompt="c", seed=3, num_inference_steps=steps + 2, guidance_scale=7.0,
+                     guidance_rescale=0.5),
+                dict(base, prompt="d", seed=4, num_inference_steps=steps, guidance_scale=3.0,
+                     num_images_per_prompt=2)]
     if name.startswith("sd3"):
         return [dict(base, prompt="a", seed=1, num_inference_steps=steps, guidance_scale=5.0),
                 dict(base, prompt="b", seed=2, num_inference_steps=steps + 1, guidance_scale=1.0),
@@ -150,8 +165,8 @@ def test_flux_requests_share_one_update_per_step_bit_identical(monkeypatch, flux
     assert update_rows[3] == steps and update_rows[2] >= steps, update_rows
 
 
-@pytest.mark.parametrize("name", ["sd3-tiny", "sd3-patch2", "qwen-tiny", "qwen-wide"])
-def test_sd3_and_qwenimage_requests_share_one_update_per_step_bit_identical(monkeypatch, name):
+@pytest.mark.parametrize("name", ["sd3-tiny", "sd3-patch2", "qwen-tiny", "qwen-wide", "sdxl-euler", "sd-euler"])
+def test_other_families_requests_share_one_update_per_step_bit_identical(monkeypatch, name):
     calls = _family_calls(name, 2)
     fused, alone, update_rows = _outputs_with_and_without_fusion(monkeypatch, family_pipe(name), calls)
     for a, b in zip(fused, alone):

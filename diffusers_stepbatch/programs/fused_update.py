@@ -35,8 +35,9 @@ _probe_lock = threading.Lock()
 class FusedEuler:
     """One request's handle on the fused flow-matching Euler update."""
 
-    def __init__(self, scheduler: Any, buffers: LatentBuffers | None, workspace: StepWorkspace | None):
+    def __init__(self, scheduler: Any, kind: str, buffers: LatentBuffers | None, workspace: StepWorkspace | None):
         self.scheduler = scheduler
+        self.kind = kind  # "flow" (FlowMatchEulerDiscreteScheduler) or "euler" (EulerDiscreteScheduler, epsilon)
         self.buffers = buffers
         self.workspace = workspace
         self._dts: torch.Tensor | None = None
@@ -45,13 +46,17 @@ class FusedEuler:
     def for_scheduler(cls, scheduler: Any, sample: torch.Tensor, buffers: LatentBuffers | None = None,
                       workspace: StepWorkspace | None = None) -> FusedEuler | None:
         """The fused update for this scheduler and latents, or None where the scheduler's own step must run."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
-        if type(scheduler) is not FlowMatchEulerDiscreteScheduler or scheduler.config.stochastic_sampling:
+        if type(scheduler) is FlowMatchEulerDiscreteScheduler and not scheduler.config.stochastic_sampling:
+            kind = "flow"
+        elif type(scheduler) is EulerDiscreteScheduler and scheduler.config.prediction_type == "epsilon":
+            kind = "euler"  # NOTE: the programs call its step without s_churn, so it adds no noise
+        else:
             return None
-        if not _rows_match_scalars(sample.device, sample.dtype):
+        if not _rows_match_scalars(sample.device, sample.dtype, kind):
             return None
-        return cls(scheduler, buffers, workspace)
+        return cls(scheduler, kind, buffers, workspace)
 
     def step(self, timestep: torch.Tensor, sample: torch.Tensor, cond: torch.Tensor,
              uncond: torch.Tensor | None = None, scale: float | None = None) -> Generator[WorkItem, Any, torch.Tensor]:
@@ -60,32 +65,39 @@ class FusedEuler:
         scheduler = self.scheduler
         if scheduler.step_index is None:
             scheduler._init_step_index(timestep)
-        if self._dts is None or self._dts.device != scheduler.sigmas.device:
-            # NOTE: sigmas[i + 1] - sigmas[i] for all i at once: the scheduler's own fp32 subtraction
-            self._dts = scheduler.sigmas[1:] - scheduler.sigmas[:-1]
-        dt = self._dts[scheduler.step_index]
+        sigma = None
+        if self.kind == "flow":
+            if self._dts is None or self._dts.device != scheduler.sigmas.device:
+                # NOTE: sigmas[i + 1] - sigmas[i] for all i at once: the scheduler's own fp32 subtraction
+                self._dts = scheduler.sigmas[1:] - scheduler.sigmas[:-1]
+            dt = self._dts[scheduler.step_index]
+        else:  # EulerDiscreteScheduler.step with gamma = 0: sigma_hat = sigma * (0 + 1), dt = next - sigma_hat
+            sigma = scheduler.sigmas[scheduler.step_index] * 1.0
+            dt = scheduler.sigmas[scheduler.step_index + 1] - sigma
         images = sample.shape[0]
         guided = uncond is not None
         buffer = targets = None
         if self.workspace is not None:  # write into this request's idle ping-pong buffer: no allocation
             buffer = self.workspace.idle_latents(sample, cond.dtype)
             targets = list(buffer)
-        key = named_key(program="fused-euler", **{
+        key = named_key(program=f"fused-{self.kind}", **{
             "true CFG or not": guided, "latent dtype": sample.dtype, "prediction dtype": cond.dtype,
             "latent size": tuple(sample.shape[1:]), "device": str(sample.device), "buffer pool": id(self.buffers),
             "own latent buffers or not": targets is not None})
         inputs = {
             "sample": list(sample), "cond": list(cond), "uncond": list(uncond) if guided else None,
-            "dt": [dt] * images, "scale": [float(scale)] * images if guided else None, "target": targets,
+            "dt": [dt] * images, "sigma": None if sigma is None else [sigma] * images, "scale": [float(scale)] * images if guided else None, "target": targets,
         }
-        run = functools.partial(_fused_flow_euler, self.buffers)
+        run = functools.partial(_fused_euler, self.buffers)
         prev = yield WorkItem("update", key, inputs, run, rows=images, immediate=True)
         scheduler._step_index += 1
         return buffer if buffer is not None else prev
 
 
-def _fused_flow_euler(buffers: LatentBuffers | None, sample, cond, uncond, dt, scale, target) -> torch.Tensor:
-    """All rows' `sample.to(float32) + dt * guided`, then `.to(guided.dtype)`, as FlowMatchEuler computes it."""
+def _fused_euler(buffers: LatentBuffers | None, sample, cond, uncond, dt, sigma, scale, target) -> torch.Tensor:
+    """All rows' Euler step on the guided prediction, as the scheduler computes it: flow matching (`sigma` None)
+    `sample.to(float32) + dt * guided`; Euler (epsilon) `s + (s - (s - sigma * guided)) / sigma * dt` with
+    `s = sample.to(float32)`; then `.to(guided.dtype)`."""
     pool = _Pool(buffers)
     sample, cond = pool.stack("update.sample", sample), pool.stack("update.cond", cond)
     per_row = (-1,) + (1,) * (sample.dim() - 1)
@@ -100,7 +112,14 @@ def _fused_flow_euler(buffers: LatentBuffers | None, sample, cond, uncond, dt, s
         difference = torch.sub(cond, uncond, out=pool.like("update.guided", cond))
         scaled = _times_scalar(difference, scale, like_number=True, out=difference)
         noise = torch.add(uncond, scaled, out=difference)
-    delta = _times_scalar(noise, dt, like_number=dt_like_number, out=pool.like("update.delta", noise))
+    if sigma is None:
+        delta = _times_scalar(noise, dt, like_number=dt_like_number, out=pool.like("update.delta", noise))
+    else:
+        sigma = torch.stack(sigma).to(sample.device, non_blocking=True).view(per_row)
+        upcast = sample.to(torch.float32)
+        original = upcast - _times_scalar(noise, sigma, like_number=dt_like_number)
+        derivative = _divided_by_scalar(upcast - original, sigma, like_number=dt_like_number)
+        delta = derivative * dt
     if sample.dtype == torch.float32 and noise.dtype == torch.float32:
         prev = torch.add(sample, delta, out=pool.like("update.prev", sample))
     else:
@@ -136,8 +155,14 @@ def _times_scalar(x: torch.Tensor, per_row: torch.Tensor, like_number: bool,
     return product.to(x.dtype) if out is None else out.copy_(product)
 
 
+def _divided_by_scalar(x: torch.Tensor, per_row: torch.Tensor, like_number: bool) -> torch.Tensor:
+    """`x / s` (float32) for each row's own s, as torch divides by that scalar: by a CPU scalar a device kernel
+    multiplies by its reciprocal; otherwise a true division."""
+    return x * torch.reciprocal(per_row) if like_number else x / per_row
+
+
 @functools.lru_cache(maxsize=None)
-def _rows_match_scalars_cached(device: str, dtype: torch.dtype) -> bool:
+def _rows_match_scalars_cached(device: str, dtype: torch.dtype, kind: str) -> bool:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, 257, generator=generator).to(device=device, dtype=dtype)
     scalars = torch.rand(4, generator=generator) * 2 - 1
@@ -150,12 +175,18 @@ def _rows_match_scalars_cached(device: str, dtype: torch.dtype) -> bool:
         fused = _times_scalar(x, scalars.to(device).view(-1, 1), like_number)
         if reference.dtype != fused.dtype or not torch.equal(reference, fused):  # NOTE: a host read, once
             return False
+    if kind == "euler":  # float32 divisions by each row's sigma
+        wide = x.to(torch.float32)
+        for operand, like_number in forms[1:]:
+            reference = torch.stack([row / operand(s) for s, row in zip(scalars, wide)])
+            if not torch.equal(reference, _divided_by_scalar(wide, scalars.to(device).view(-1, 1), like_number)):
+                return False
     return True
 
 
-def _rows_match_scalars(device: torch.device, dtype: torch.dtype) -> bool:
+def _rows_match_scalars(device: torch.device, dtype: torch.dtype, kind: str) -> bool:
     """Whether per-row scalars reproduce torch's scalar rounding bit for bit here (probed once)."""
-    if dtype == torch.float32:
+    if dtype == torch.float32 and kind == "flow":
         return True
     with _probe_lock:
-        return _rows_match_scalars_cached(str(device), dtype)
+        return _rows_match_scalars_cached(str(device), dtype, kind)

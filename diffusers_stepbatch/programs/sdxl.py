@@ -34,6 +34,7 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from .callbacks import run_step_callback
+from .fused_update import FusedEuler
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -309,6 +310,8 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
     if hasattr(view.scheduler, "set_begin_index"):
         view.scheduler.set_begin_index(0)
     callback = args["callback_on_step_end"]
+    # NOTE: the CFG combine and Euler step run batched with the other requests' where the scheduler allows it.
+    fused = FusedEuler.for_scheduler(view.scheduler, latents)
     with view.progress_bar(total=len(timesteps)) as progress_bar:
         for i, t in enumerate(timesteps):
             if view._interrupt:
@@ -346,12 +349,20 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
             inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
+            noise_uncond = scale = None
             if do_cfg:
-                noise_uncond, noise_text = noise_pred.chunk(2)
-                noise_pred = noise_uncond + view.guidance_scale * (noise_text - noise_uncond)
-                if view.guidance_rescale > 0.0:
-                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
-            latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
+                noise_uncond, noise_pred = noise_pred.chunk(2)
+                scale = view.guidance_scale
+                if view.guidance_rescale > 0.0 or fused is None:  # combined here; the Euler step may be shared
+                    noise_text = noise_pred
+                    noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
+                    if view.guidance_rescale > 0.0:
+                        noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
+                    noise_uncond = scale = None
+            if fused is not None:
+                latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
+            else:
+                latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
             if callback is not None:
                 tensors = {"latents": latents, **conditioning}
                 callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
