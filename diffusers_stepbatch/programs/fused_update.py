@@ -2,7 +2,8 @@
 
 After a denoising forward each request used to run its own `scheduler.step` (and CFG combine): a handful of
 tiny ops per request, hundreds of kernel launches per step at 32 requests. For a scheduler whose update is
-stateless per step (FlowMatchEulerDiscreteScheduler without stochastic sampling) the update is the same
+stateless per step (FlowMatchEulerDiscreteScheduler without stochastic sampling; EulerDiscreteScheduler with
+epsilon prediction, called without churn) the update is the same
 arithmetic for every row with its own sigmas, so the program yields it as an `immediate` work item: the engine
 runs the updates of all requests of the step as one call, right after the forwards.
 
