@@ -153,3 +153,26 @@ def test_teacache_reads_one_value_per_decision(monkeypatch):
     # first and last steps always compute without looking; every step between reads one distance per request
     assert host_sync.reads - before == requests * (steps - 2)
     assert dict(reads.sites) == {"__float__": requests * (steps - 2)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (set_sync_debug_mode is a CUDA feature)")
+@pytest.mark.parametrize("true_cfg", [False, True])
+def test_the_denoising_loop_never_syncs_on_cuda(true_cfg):
+    pipe = flux_pipe().to("cuda")
+    steps = 4
+
+    def sync_checks(pipeline, i, t, tensors):
+        # from the end of step 0 to the end of the last step, any host-device sync raises in the engine thread
+        torch.cuda.set_sync_debug_mode("error" if i < steps - 1 else "default")
+        return tensors
+
+    extra = dict(negative_prompt="noise", true_cfg_scale=2.0) if true_cfg else {}
+    calls = [dict(prompt=f"a shape {i}", height=32, width=32, num_inference_steps=steps, max_sequence_length=16,
+                  output_type="latent", callback_on_step_end=sync_checks, **extra) for i in range(3)]
+    try:
+        with StepBatched(pipe) as sb:
+            outputs = [future.result(timeout=120) for future in [sb.submit(**kwargs) for kwargs in calls]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        pipe.to("cpu")
+    assert all(output.images.device.type == "cuda" for output in outputs)
