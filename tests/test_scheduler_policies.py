@@ -156,3 +156,16 @@ def test_new_group_sizes_use_estimates_once_exploration_concluded():
     feed(costs, "tiny", lambda rows: 0.010 + 0.001 * rows, rounds=4)
     assert costs.chunk("tiny", [1] * 7) == [list(range(7))]  # no new trial split for 7 rows
     assert costs.chunk("tiny", [1] * 5) == [list(range(5))]
+
+
+@pytest.mark.parametrize("split_gain, splits", [(0.02, False), (0.04, False), (0.15, True), (0.30, True)])
+def test_a_split_must_beat_the_whole_group_by_more_than_noise(split_gain, splits):
+    costs = BatchCostModel(explore_every=0, split_margin=0.05)
+    # halves are `split_gain` cheaper in total than the whole group; quarters and below are slower again
+    whole = 0.080
+
+    def seconds(rows):
+        return {8: whole, 4: whole * (1 - split_gain) / 2}.get(rows, whole * rows / 4)
+
+    decisions = feed(costs, "noisy", seconds)
+    assert set(decisions[-6:]) == ({(4, 4)} if splits else {(8,)})

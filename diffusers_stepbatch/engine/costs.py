@@ -55,9 +55,12 @@ class BatchCostModel:
     >>> costs.chunk("flux-64x64", [1, 1, 2, 1, 1, 1, 1])   # index lists, one per forward
     """
 
-    def __init__(self, window: int = 5, explore_every: int = 50):
+    def __init__(self, window: int = 5, explore_every: int = 50, split_margin: float = 0.05):
         self.window = window
         self.explore_every = explore_every
+        # NOTE: a split must be estimated this much faster than fewer forwards to be chosen: on a noisy (shared)
+        # machine, differences within measurement noise otherwise flip groups into needless splits.
+        self.split_margin = split_margin
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
@@ -108,11 +111,12 @@ class BatchCostModel:
                     if k <= 1 or measured[k - 1] < measured[k - 2]:
                         return options[k]
                     break
-                if k >= 1 and cost >= measured[k - 1]:
+                if k >= 1 and cost >= measured[k - 1] * (1 - self.split_margin):
                     break
             self._concluded.add(key)
         estimates = [sum(self.estimate(key, size) for size in _sizes(item_rows, option)) for option in options]
-        best = min(range(len(options)), key=lambda k: (estimates[k], k))
+        fastest = min(estimates)
+        best = next(k for k, estimate in enumerate(estimates) if estimate <= fastest * (1 + self.split_margin))
         if self.explore_every and decision % self.explore_every == self.explore_every - 1:
             # re-measure a neighbour of the best option so the choice follows the machine's current load
             neighbours = [k for k in (best - 1, best + 1) if 0 <= k < len(options)]
