@@ -68,7 +68,8 @@ class StepBatched:
             `register_decoder` ("pid": the released checkpoint for the pipeline). A call for `height` x `width`
             then runs the main model at 1/sr_scale of that size and PiD returns the requested size (docs/pid.md).
         pid_exit_step: with `decoder`, the main-model steps before PiD takes over: a step index K in [1, N], a
-            fraction of the N steps, or None for N - 2.
+            fraction of the N steps, or None for N - 2. A call may pass `decoder=None` to be decoded by the VAE
+            at its full size instead (its denoise steps still batch and pack with the early-exit requests').
         mixed_resolution: let requests of different sizes share one transformer call (Flux, SD3, Qwen-Image:
             their tokens are packed, attention stays inside each request) where the engine measured that to
             pay; False runs one call per size.
@@ -170,10 +171,21 @@ class StepBatched:
         adapters = kwargs.pop("adapters", NOT_GIVEN)
         if adapters is not NOT_GIVEN:
             check_feature(self.pipe, "adapters", "adapters=")
+        pid = self.pid
+        decoder = kwargs.pop("decoder", _DEFAULT)
+        if decoder is not _DEFAULT:
+            if decoder is not None:
+                shown = repr(decoder) if isinstance(decoder, str) else f"<{type(decoder).__name__}>"
+                raise ValueError(
+                    f"decoder={shown} in a call: a call can only turn the engine's PiD decoding off "
+                    "(decoder=None: the VAE decodes at the requested size); for another decoder build another "
+                    "StepBatched(pipe, decoder=...)"
+                )
+            pid = None
         call_args = self._bind(args, kwargs)
         check_call_inputs(self.pipe, call_args, self.engine.config.max_pixels,
                           family_program=self._plan is not plan_generic)
-        with (planning_with(options), planning_with_pid(self.pid), planning_with_adapters(adapters),
+        with (planning_with(options), planning_with_pid(pid), planning_with_adapters(adapters),
               capturing_views() as views):
             planned = self._plan(self.pipe, call_args)
         request_id = next_request_id()
