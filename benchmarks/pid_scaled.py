@@ -11,7 +11,8 @@ Here every linear size is 1/4 (output 512 px, main model 128 px), so every token
 widths and depths are cut until the parameter ratio is the real one (main 5.63M, PiD 0.644M: 8.74x). What is
 kept: both architectures, FLUX's 1:2 double:single block ratio (5 + 10 blocks, 2 heads x 64), PiD's patch size
 16, sr 4, 16-channel latent at 1/8 and its adapter layout (3 patch blocks, 1 pixel block, hidden 40), FLUX's VAE
-layout (4 levels, 2 layers per block, 16 latent channels, mid attention) at 1/16 of its widths (or 1/4), and FLUX's
+layout (4 levels, 2 layers per block, 16 latent channels, mid attention) with its widths divided by 4 or by 32
+(`VAE_SIZINGS`: the first keeps its activations relative to PiD's, the second its share of the FLOPs), and FLUX's
 dynamic-shift schedule with its sequence lengths scaled by 1/16. What shifts: PiD's pixel stream cannot be
 narrower than 4 (its sin/cos embedding), so its pixel block holds 50% of the small PiD's parameters
 against 7.7% in the real one; FLOPs still follow parameters x tokens. PiD reads the pipeline's T5 embeddings
@@ -19,10 +20,12 @@ against 7.7% in the real one; FLOPs still follow parameters x tokens. PiD reads 
 
 >>> pipe, decoder = build_scaled_pair()
 >>> counts = parameter_counts()       # the real and the scaled pair, counted from their configs
+>>> vae_divisor("flops"), flop_counts(real=True)["vae_share_of_full_side"]     # 32, 0.0041
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 OUTPUT_SIZE = 512  # the real comparison's 2048 px at 1/4
@@ -49,14 +52,88 @@ REAL_FLUX_VAE = dict(
     latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
     scaling_factor=0.3611, shift_factor=0.1159,
 )  # fmt: skip
-VAE_WIDTH_DIVISOR = 16  # default: the VAE decode costs ~10% of side (a) here (real: a few %)
+# How the VAE is shrunk. A VAE cannot keep both its share of side (a)'s time (FLOPs grow with its widths squared)
+# and its activations relative to PiD's (they grow with its widths), so each is sized from the real configs:
+# "activations": its widths divided as PiD's per-pixel width is (the released 16 -> 4 here), so the VAE decode's
+#     activation peak stands to PiD's as in the real pair (`pid_memory.py` measures both);
+# "flops": the divisor whose VAE decode takes the share of side (a)'s FLOPs nearest the real pair's (0.41%).
+VAE_SIZINGS = ("activations", "flops")
+# NOTE: at 32 FLUX's widths are (4, 8, 16, 16): no narrower than PiD's pixel stream, which cannot go below 4.
+VAE_DIVISOR_CANDIDATES = (4, 8, 16, 32)
 
 
-def scaled_vae_config(width_divisor: int = VAE_WIDTH_DIVISOR) -> dict[str, Any]:
-    """FLUX's VAE with every width divided by `width_divisor` (4 keeps the real VAE : PiD per-pixel width ratio,
-    128 : 16, as 32 : 4; 16 keeps its share of side (a)'s time closer to the real one)."""
+def scaled_vae_config(width_divisor: int) -> dict[str, Any]:
+    """FLUX's VAE with every width divided by `width_divisor` (`vae_divisor(sizing)` picks it)."""
     widths = tuple(c // width_divisor for c in REAL_FLUX_VAE["block_out_channels"])
     return dict(REAL_FLUX_VAE, block_out_channels=widths, norm_num_groups=min(widths[0], 32))
+
+
+def vae_divisor(sizing: str) -> int:
+    """The VAE width divisor of a sizing in `VAE_SIZINGS`, from the real and the scaled configs."""
+    if sizing == "activations":
+        from diffusers_stepbatch.decoders.pid.configs import get_official_config
+
+        real = get_official_config(PID_CHECKPOINT).constructor["pixel_hidden_size"]
+        return real // SCALED_PID_OVERRIDES["pixel_hidden_size"]
+    if sizing == "flops":
+        import math
+
+        real = flop_counts(real=True)["vae_share_of_full_side"]
+        return min(VAE_DIVISOR_CANDIDATES,
+                   key=lambda d: abs(math.log(flop_counts(False, d)["vae_share_of_full_side"] / real)))  # fmt: skip
+    raise ValueError(f"sizing={sizing!r} must be one of {VAE_SIZINGS}")
+
+
+@functools.cache
+def flop_counts(real: bool, vae_width_divisor: int = 1, steps: int = 28, exit_step: int = 24) -> dict[str, float]:
+    """FLOPs of one forward of each network at the benchmark's sizes (real: 2048 px output), counted by
+    `torch.utils.flop_counter` on the meta device (nothing allocated), and each decode's share of its side."""
+    import torch
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from diffusers_stepbatch.decoders.pid import PiDDecoder
+    from diffusers_stepbatch.decoders.pid.configs import get_official_config
+
+    flux = REAL_FLUX_TRANSFORMER if real else SCALED_FLUX_TRANSFORMER
+    vae_config = REAL_FLUX_VAE if real else scaled_vae_config(vae_width_divisor)
+    pid_config = get_official_config(PID_CHECKPOINT).constructor if real else scaled_pid_config()
+    output = OUTPUT_SIZE * (4 if real else 1)
+    text = MAX_SEQUENCE_LENGTH * (16 if real else 1)
+
+    def count(run) -> float:
+        with torch.device("meta"), torch.no_grad(), FlopCounterMode(display=False) as counter:
+            run()
+        return float(counter.get_total_flops())
+
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**flux).eval()
+        vae = AutoencoderKL(**vae_config).eval()
+        pid = PiDDecoder(**pid_config).eval()
+
+    def main_forward(size: int):
+        n = (size // 16) ** 2
+        return lambda: transformer(
+            hidden_states=torch.randn(1, n, 64), encoder_hidden_states=torch.randn(1, text, flux["joint_attention_dim"]),
+            pooled_projections=torch.randn(1, flux["pooled_projection_dim"]), timestep=torch.full((1,), 0.5),
+            guidance=torch.full((1,), 3.5), img_ids=torch.zeros(n, 3), txt_ids=torch.zeros(text, 3))  # fmt: skip
+
+    counts = {
+        "main_full": count(main_forward(output)),
+        "main_low": count(main_forward(output // SR_SCALE)),
+        "vae_decode": count(lambda: vae.decode(torch.randn(1, 16, output // 8, output // 8))),
+        "pid_forward": count(lambda: pid(
+            torch.randn(1, 3, output, output), torch.full((1,), 500.0),
+            torch.randn(1, pid_config["txt_max_length"], pid_config["txt_embed_dim"]),
+            lq_latent=torch.randn(1, 16, output // 32, output // 32), degrade_sigma=torch.full((1,), 0.2))),
+    }  # fmt: skip
+    full = steps * counts["main_full"] + counts["vae_decode"]
+    pid_side = exit_step * counts["main_low"] + 4 * counts["pid_forward"]  # the 4-step distilled sampler
+    return {**counts, "full_side": full, "pid_side": pid_side, "full_over_pid": full / pid_side,
+            "vae_share_of_full_side": counts["vae_decode"] / full,
+            "pid_share_of_pid_side": 4 * counts["pid_forward"] / pid_side}  # fmt: skip
+
+
 # FLUX.1-dev's scheduler, its sequence lengths at 1/16 so each size gets the real size's shift.
 SCHEDULER_CONFIG = dict(
     num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256 // 16,
@@ -98,8 +175,9 @@ def token_counts(output_size: int = OUTPUT_SIZE, text_tokens: int = MAX_SEQUENCE
             "pid": (output_size // 16) ** 2 + pid_text_tokens}  # fmt: skip
 
 
-def build_scaled_pair(seed: int = 0, vae_width_divisor: int = VAE_WIDTH_DIVISOR):
-    """(FluxPipeline with random weights, PiDDecoder with random weights), both float32 in eval mode."""
+def build_scaled_pair(seed: int = 0, vae_width_divisor: int | None = None):
+    """(FluxPipeline with random weights, PiDDecoder with random weights), both float32 in eval mode; the VAE's
+    widths divided by `vae_width_divisor` (default: the "activations" sizing)."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -121,7 +199,8 @@ def build_scaled_pair(seed: int = 0, vae_width_divisor: int = VAE_WIDTH_DIVISOR)
         num_layers=2, num_heads=4, pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
         decoder_start_token_id=0,
     )).eval()  # fmt: skip
-    vae = AutoencoderKL(**scaled_vae_config(vae_width_divisor)).eval()
+    divisor = vae_width_divisor or vae_divisor("activations")
+    vae = AutoencoderKL(**scaled_vae_config(divisor)).eval()
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae, text_encoder=text_encoder,
         tokenizer=clip_tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=t5_tokenizer, transformer=transformer,
