@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .programs.request_state import copy_call_state
+from .programs.request_state import active_view_of, copy_call_state
 from .signature import signed, wrapper_signature
 
 _ENGINE = "_stepbatch_engine"  # in the pipeline's instance dict while hook mode is on
@@ -65,9 +65,31 @@ def _hooked_class(pipeline_class: type) -> type:
                 copy_call_state(self, view)
 
     namespace = {
+        **_call_state_properties(pipeline_class),
         "__call__": signed(__call__, wrapper_signature(pipeline_class.__call__), pipeline_class.__call__.__doc__),
         "_stepbatch_original_class": pipeline_class,
         "__module__": pipeline_class.__module__, "__qualname__": pipeline_class.__qualname__,
         "__doc__": pipeline_class.__doc__,
     }
     return type(pipeline_class.__name__, (pipeline_class,), namespace)
+
+
+def _call_state_properties(pipeline_class: type) -> dict[str, property]:
+    """The family's per-call properties (`current_timestep`, `guidance_scale`, ...), read from the request's view
+    while one runs in this thread (a step callback, or a forward of its rows: cache hooks read
+    `pipe.current_timestep` there), else from the pipeline as before."""
+    from diffusers import DiffusionPipeline
+
+    def state_property(name: str, original: property) -> property:
+        def get(self):
+            view = active_view_of(self)
+            return getattr(view, name) if view is not None else original.__get__(self, type(self))
+
+        return property(get, original.fset, original.fdel, original.__doc__)
+
+    properties = {}
+    for klass in reversed(pipeline_class.__mro__):
+        for name, value in vars(klass).items():
+            if isinstance(value, property) and not hasattr(DiffusionPipeline, name):
+                properties[name] = state_property(name, value)
+    return properties

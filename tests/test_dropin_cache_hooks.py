@@ -13,7 +13,7 @@ from diffusers import (
     TaylorSeerCacheConfig,
 )
 
-from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch import StepBatched, disable_step_batching, enable_step_batching
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline, tiny_qwenimage_pipeline
 
 from .dropin_helpers import run
@@ -85,9 +85,11 @@ def test_cache_hooks_equal_the_plain_pipeline(family, hook):
     assert source["pipe"] is not pipe
 
 
-def test_generic_program_hooks_read_the_requests_timestep_through_the_wrapper():
+@pytest.mark.parametrize("mode", ["wrapped", "hook"])
+def test_generic_program_hooks_read_the_requests_timestep_through_the_wrapper(mode):
     """The generic program runs a hooked pipeline's whole call alone; PAB's callback reads `sb.current_timestep`
-    (a FluxPipeline subclass with its own __call__, as FluxKontextPipeline: served by the generic program)."""
+    (a FluxPipeline subclass with its own __call__, as FluxKontextPipeline: served by the generic program); in
+    hook mode it reads `pipe.current_timestep` of the pipeline itself."""
     from diffusers import FluxPipeline
 
     from diffusers_stepbatch.programs import generic, program_for
@@ -103,8 +105,17 @@ def test_generic_program_hooks_read_the_requests_timestep_through_the_wrapper():
     pipe.transformer.enable_cache(configs(lambda: source["pipe"].current_timestep)["pab"])
     kwargs = requests("pab")[0]
     expected = [run(pipe, kwargs), run(pipe, dict(kwargs, seed=1))]
-    with StepBatched(pipe) as sb:
-        source["pipe"] = sb
-        got = [future.result(timeout=300).images for future in
-               [sb.submit(**seeded(kwargs)), sb.submit(**seeded(dict(kwargs, seed=1)))]]
+    if mode == "hook":
+        sb = enable_step_batching(pipe)
+        try:
+            got = [future.result(timeout=300).images for future in
+                   [sb.submit(**seeded(kwargs)), sb.submit(**seeded(dict(kwargs, seed=1)))]]
+            got[0] = run(pipe, kwargs)  # and a plain call of the hooked pipeline
+        finally:
+            disable_step_batching(pipe)
+    else:
+        with StepBatched(pipe) as sb:
+            source["pipe"] = sb
+            got = [future.result(timeout=300).images for future in
+                   [sb.submit(**seeded(kwargs)), sb.submit(**seeded(dict(kwargs, seed=1)))]]
     assert max_diff(got[0], expected[0]) <= TOLERANCE and max_diff(got[1], expected[1]) <= TOLERANCE

@@ -256,3 +256,26 @@ def test_lora_adapter_switches_change_the_key():
     layer.disable_adapters = True
     disabled = encoder_namespace(pipe, encoders, "flux")
     assert len({plain, loaded, rescaled, disabled}) == 4
+
+
+def test_an_encoder_in_training_mode_is_not_cached():
+    """A text encoder built from a config (as diffusers' own tests build theirs) is in training mode: its dropout
+    gives the plain pipeline new embeddings every call, drawn from the global RNG; wrapped calls draw the same."""
+    pipe = tiny_flux_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    pipe.text_encoder_2.train()  # T5's dropout_rate: 0.1
+    expected = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        expected.append(call(pipe, "a red circle").images)
+    assert max_diff(expected[0], expected[1]) > 1e-3  # dropout really changes the plain output
+    cache = PromptCache()
+    with StepBatched(pipe, prompt_cache=cache) as sb:
+        for global_seed, want in zip((1, 2), expected):
+            torch.manual_seed(global_seed)
+            assert max_diff(call(sb, "a red circle").images, want) <= TOLERANCE
+    assert len(cache) == 0
+    pipe.text_encoder_2.eval()
+    with StepBatched(pipe, prompt_cache=cache) as sb:
+        call(sb, "a red circle")
+    assert len(cache) == 1  # in eval mode it caches again

@@ -246,6 +246,15 @@ def encoder_namespace(
     )
 
 
+def encoders_are_deterministic(encoders: Sequence[torch.nn.Module | None]) -> bool:
+    """Whether the encoders give the same embedding for the same text on every call: not in training mode.
+
+    A text encoder left in training mode (a model built from a config rather than `from_pretrained`) runs its
+    dropout, so the plain pipeline draws new embeddings every call; a cached embedding would differ from them.
+    """
+    return not any(encoder is not None and encoder.training for encoder in encoders)
+
+
 def _describe_tokenizer(tokenizer: Any) -> tuple | None:
     if tokenizer is None:
         return None

@@ -35,7 +35,7 @@ from ..adapters.state import (
     without_lora_scale,
 )
 from ..buffers import stack_rows
-from ..cache.prompt import cached_encode, encoder_namespace
+from ..cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
 from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
@@ -348,9 +348,12 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
             return WorkItem("encode", key, inputs, run, rows=len(pairs))
 
         namespace = None
+        encoders = [pipe.text_encoder, pipe.text_encoder_2]
+        if not encoders_are_deterministic(encoders):
+            cache = None  # NOTE: an encoder in training mode (dropout on) gives new embeddings every call
         if cache is not None:
             namespace = encoder_namespace(
-                pipe, [pipe.text_encoder, pipe.text_encoder_2], "flux", [pipe.tokenizer, pipe.tokenizer_2],
+                pipe, encoders, "flux", [pipe.tokenizer, pipe.tokenizer_2],
                 execution_device=device, max_sequence_length=max_sequence_length, lora_scale=lora_scale,
             )
         encoded_embeds, encoded_pooled = yield from cached_encode(cache, namespace, texts, make_item)
