@@ -9,6 +9,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
+from diffusers_stepbatch.packed import layout as layout_module
 from diffusers_stepbatch.packed.flux import FluxPart, flux_packed_forward
 from diffusers_stepbatch.packed.sd3 import SD3Part, sd3_packed_forward
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_transformer
@@ -35,7 +36,11 @@ PART_SHAPES = [(2, (2, 2), 8), (1, (2, 8), 5), (3, (8, 8), 8), (1, (4, 2), 3)]
               pooled_projection_dim=40, in_channels=8), False),
     (FluxSize(num_layers=1, num_single_layers=3, attention_head_dim=8, num_attention_heads=3), True),
 ])
-def test_flux_packed_forward_equals_the_model_per_shape(size, guidance):
+@pytest.mark.parametrize("broadcast", [False, True])
+@pytest.mark.parametrize("packed_attention", ["recover_scatter", "flex"])
+def test_flux_packed_forward_equals_the_model_per_shape(size, guidance, broadcast, packed_attention, monkeypatch):
+    # NOTE: per-token AdaLN values (the tiny shapes' default) and per-part broadcasts (long rows' default)
+    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
     transformer = tiny_flux_transformer(size, guidance_embeds=guidance, seed=3)
     generator = torch.Generator().manual_seed(0)
     parts = [
@@ -48,7 +53,7 @@ def test_flux_packed_forward_equals_the_model_per_shape(size, guidance):
         for rows, (h, w), text in PART_SHAPES
     ]
     with torch.no_grad():
-        packed = flux_packed_forward(transformer, parts)
+        packed = flux_packed_forward(transformer, parts, packed_attention=packed_attention)
         for part, got in zip(parts, packed):
             want = transformer(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
                                pooled_projections=part.pooled_projections, timestep=part.timestep,

@@ -20,6 +20,18 @@ from dataclasses import dataclass
 import torch
 
 
+# NOTE: mean tokens per part (in one stream) from which row values broadcast per part rather than per token.
+_BROADCAST_MIN_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class RowValues:
+    """Per-row values [rows, dim] and, where the layout gathers them, their per-token copy [tokens, dim]."""
+
+    per_row: torch.Tensor
+    per_token: torch.Tensor | None
+
+
 @dataclass(frozen=True)
 class _Span:
     start: int  # first token of the part in its stream
@@ -82,6 +94,42 @@ class PackedLayout:
         """Row values [rows, ...] repeated for every token of one stream: [tokens, ...]."""
         return per_row.index_select(0, self.token_rows[stream])
 
+    def row_values(self, stream: int, per_row: torch.Tensor, chunks: int = 1) -> list[RowValues]:
+        """Row values [rows, chunks * dim], split in `chunks`, as one stream's tokens see them (for `modulate`
+        and `gated_add`)."""
+        per_token = None if self.broadcasts(stream) else self.per_token(stream, per_row).chunk(chunks, dim=1)
+        return [RowValues(values, None if per_token is None else per_token[i])
+                for i, values in enumerate(per_row.chunk(chunks, dim=1))]
+
+    def broadcasts(self, stream: int) -> bool:
+        """Whether row values reach this stream's tokens as a broadcast over each part's [rows, length] view.
+
+        NOTE: a per-token copy of the AdaLN values is one kernel for all parts but a [tokens, dim] tensor per
+        value (6 per block); with long rows those copies cost more (memory, fresh pages) than one kernel per part.
+        """
+        return self.tokens(stream) >= _BROADCAST_MIN_TOKENS * self.num_parts
+
+    def modulate(self, stream: int, x: torch.Tensor, scale1: RowValues, shift: RowValues) -> torch.Tensor:
+        """AdaLN's `x * (1 + scale) + shift` per row, `scale1` holding 1 + scale: [tokens, dim]."""
+        return self._addcmul(stream, shift, x, scale1, row_first=True)
+
+    def gated_add(self, stream: int, residual: torch.Tensor, gate: RowValues, update: torch.Tensor) -> torch.Tensor:
+        """The gated residual `residual + gate * update` per row: [tokens, dim]."""
+        return self._addcmul(stream, residual, update, gate, row_first=False)
+
+    def _addcmul(self, stream, first, tokens, row, row_first):
+        # NOTE: `first + tokens * row` in one fused op; `first` is row values too when `row_first`.
+        if row.per_token is not None:
+            return torch.addcmul(first.per_token if row_first else first, tokens, row.per_token)
+        out = torch.empty_like(tokens)
+        for part, (part_rows, row_start) in enumerate(zip(self.rows, self.row_starts)):
+            span = self.row_tokens(stream, part, 0, part_rows)
+            view = (part_rows, self.spans[part][stream].length, -1)
+            rows = slice(row_start, row_start + part_rows)
+            base = first.per_row[rows, None] if row_first else first[span].view(view)
+            torch.addcmul(base, tokens[span].view(view), row.per_row[rows, None], out=out[span].view(view))
+        return out
+
     def row_tokens(self, stream: int, part: int, first: int, end: int) -> slice:
         """The packed tokens of rows [first, end) of `part` (indices inside the part) in one stream."""
         span = self.spans[part][stream]
@@ -118,12 +166,17 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
-           values: Sequence[torch.Tensor], attention: AttentionFn) -> list[torch.Tensor]:
-    """Self-attention inside each row over its streams' tokens, in stream order (recover-scatter).
+           values: Sequence[torch.Tensor], attention: AttentionFn, method: str = "recover_scatter") -> list[torch.Tensor]:
+    """Self-attention inside each row over its streams' tokens, in stream order.
 
     `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's packed output
-    [tokens, heads * head_dim]. The rows of one part attend as one batch; no token sees another row's.
+    [tokens, heads * head_dim]. No token sees another row's. With "recover_scatter" the rows of one part attend
+    as one batch through `attention`; "flex" and "varlen" attend all tokens as one sequence (`attention.py`).
     """
+    if method != "recover_scatter":
+        from .attention import flat_attend
+
+        return flat_attend(layout, queries, keys, values, method)
     outputs = [q.new_empty(q.shape[0], q.shape[1] * q.shape[2]) for q in queries]
     for part_rows, spans in zip(layout.rows, layout.spans):
         gathered = []

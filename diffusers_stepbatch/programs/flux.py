@@ -38,8 +38,7 @@ from ..cache.prompt import cached_encode, encoder_namespace
 from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
-from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
-from ..packed.layout import PackedLayout
+from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -371,11 +370,12 @@ def _packable(transformer, joint_attention_kwargs, shared_key, ids, tokens, call
               or ("IP-Adapter image tokens are not wired into packed forwards yet" if call.ip is not None else None))
     if packing_refused("FluxPipeline", reason):
         return None
-    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
-    return Packable(key=("flux.packed", *shared_key), run=run, context=ids, tokens=tokens)
+    method = call.options.packed_attention
+    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs, method)
+    return Packable(key=("flux.packed", method, *shared_key), run=run, context=ids, tokens=tokens)
 
 
-def _packed_denoise(transformer, joint_attention_kwargs, shapes):
+def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
     parts = [
         FluxPart(
             hidden_states=torch.stack(inputs["hidden_states"]),
@@ -387,12 +387,12 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
         )
         for (txt_ids, img_ids), inputs in shapes
     ]
+    forward = functools.partial(flux_packed_forward, transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                                packed_attention=packed_attention)
     if not lora_layers(transformer):
-        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+        return forward()
     # Per-row LoRA over the packed streams (text, image, and the single blocks' joint text + image tokens).
-    layout = PackedLayout(rows=[p.hidden_states.shape[0] for p in parts],
-                          lengths=[(p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts])
-    streams = [*layout.token_rows, torch.cat(layout.token_rows)]
+    streams = flux_token_streams(parts)
     lora = [row for _, inputs in shapes for row in inputs["lora"]]
     teacache = any(state is not None for part in parts for state in part.teacache or ())
     if teacache or streams_ambiguous(len(lora), streams):
@@ -401,7 +401,7 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
         return [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
                 for (txt_ids, img_ids), inputs in shapes]
     with lora_rows(transformer, lora, token_rows=streams):
-        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+        return forward()
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
