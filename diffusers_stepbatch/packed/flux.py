@@ -19,6 +19,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.utils import apply_lora_scale
 
+from ..adapters.lora import lora_layers
 from ..cache.teacache import TeaCacheState, _row_groups
 from .attention import resolve
 from .layout import PackedLayout, attend
@@ -156,7 +157,7 @@ def _modulation(layout, stream, norm, temb, chunks):
     return layout.row_values(stream, torch.cat(pieces, dim=1), chunks)
 
 
-def _double_block(block, layout, hidden, encoder, temb, rotary, method):
+def _double_block(block, layout, hidden, encoder, temb, rotary, method, split):
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(
         layout, IMAGE, block.norm1, temb, 6)
     c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _modulation(
@@ -181,28 +182,33 @@ def _double_block(block, layout, hidden, encoder, temb, rotary, method):
 
     hidden = layout.gated_add(IMAGE, hidden, gate_msa, attn_output)
     norm_hidden = layout.modulate(IMAGE, block.norm2(hidden), scale_mlp, shift_mlp)
-    hidden = layout.gated_add(IMAGE, hidden, gate_mlp, block.ff(norm_hidden))
+    hidden = layout.gated_apply(IMAGE, hidden, gate_mlp, block.ff, norm_hidden, split)
 
     encoder = layout.gated_add(TEXT, encoder, c_gate_msa, context_attn_output)
     norm_encoder = layout.modulate(TEXT, block.norm2_context(encoder), c_scale_mlp, c_shift_mlp)
-    encoder = layout.gated_add(TEXT, encoder, c_gate_mlp, block.ff_context(norm_encoder))
+    encoder = layout.gated_apply(TEXT, encoder, c_gate_mlp, block.ff_context, norm_encoder, split)
     if encoder.dtype == torch.float16:
         encoder = encoder.clip(-65504, 65504)
     return encoder, hidden
 
 
-def _single_block(block, joint_layout, joint, temb, rotary, method):
-    """`joint` holds each row's text then image tokens (`_joint_layout`), as FluxSingleTransformerBlock sees it."""
+def _single_block(block, joint_layout, joint, temb, rotary, method, split, mixed):
+    """`joint` holds each row's text then image tokens (`_joint_layout`), as FluxSingleTransformerBlock sees it.
+
+    `mixed` is a [tokens, attention dim + mlp dim] workspace for the model's torch.cat([attn_output, mlp]).
+    """
     shift, scale, gate = _modulation(joint_layout, 0, block.norm, temb, 3)
     norm = joint_layout.modulate(0, block.norm.norm(joint), scale, shift)
-    mlp = block.act_mlp(block.proj_mlp(norm))
     attn = block.attn
+    inner = attn.heads * attn.head_dim
+    # NOTE: one workspace for all single blocks, written in place of the cat: with long rows a fresh
+    # [tokens, attention + mlp dim] tensor per block is fresh memory pages per block.
+    joint_layout.apply_into(0, lambda x: block.act_mlp(block.proj_mlp(x)), norm, mixed[:, inner:], split)
     query = _rope(attn.norm_q(_heads(attn, attn.to_q(norm))), rotary)
     key = _rope(attn.norm_k(_heads(attn, attn.to_k(norm))), rotary)
     value = _heads(attn, attn.to_v(norm))
-    (attn_output,) = attend(joint_layout, [query], [key], [value], _attention_fn(attn), method)
-    joint = joint_layout.gated_add(0, joint, gate, block.proj_out(torch.cat([attn_output.to(query.dtype), mlp],
-                                                                            dim=1)))
+    attend(joint_layout, [query], [key], [value], _attention_fn(attn), method, out=[mixed[:, :inner]])
+    joint = joint_layout.gated_add(0, joint, gate, block.proj_out(mixed))
     if joint.dtype == torch.float16:
         joint = joint.clip(-65504, 65504)
     return joint
@@ -210,8 +216,11 @@ def _single_block(block, joint_layout, joint, temb, rotary, method):
 
 def _blocks(transformer, layout, hidden, encoder, temb, part_rotary, method):
     rotary = _stream_rotary(layout, part_rotary)
+    # NOTE: MLPs may run per part (temporaries of one part's size) unless per-row LoRA maps their inputs to
+    # rows by token count, which a part's slice would not match.
+    split = not lora_layers(transformer)
     for block in transformer.transformer_blocks:
-        encoder, hidden = _double_block(block, layout, hidden, encoder, temb, rotary, method)
+        encoder, hidden = _double_block(block, layout, hidden, encoder, temb, rotary, method, split)
     if len(transformer.single_transformer_blocks):
         joint_layout = _joint_layout(layout)
         joint = hidden.new_empty(joint_layout.tokens(0), hidden.shape[1])
@@ -220,8 +229,10 @@ def _blocks(transformer, layout, hidden, encoder, temb, part_rotary, method):
             joint_part[:, :text.shape[1]] = text
             joint_part[:, text.shape[1]:] = image
         joint_rotary = _joint_rotary(layout, part_rotary)
+        first = transformer.single_transformer_blocks[0]
+        mixed = joint.new_empty(joint.shape[0], first.proj_out.in_features)
         for block in transformer.single_transformer_blocks:
-            joint = _single_block(block, joint_layout, joint, temb, joint_rotary, method)
+            joint = _single_block(block, joint_layout, joint, temb, joint_rotary, method, split, mixed)
         hidden = layout.pack(IMAGE, [part[:, text_len:] for part, (text_len, _) in
                                      zip(joint_layout.unpack(0, joint), layout.lengths)])
     return hidden

@@ -117,6 +117,29 @@ class PackedLayout:
         """The gated residual `residual + gate * update` per row: [tokens, dim]."""
         return self._addcmul(stream, residual, update, gate, row_first=False)
 
+    def gated_apply(self, stream: int, residual: torch.Tensor, gate: RowValues, fn: Callable, x: torch.Tensor,
+                    split: bool = True) -> torch.Tensor:
+        """`residual + gate * fn(x)` per row, for a token-wise `fn` (an MLP); with `split` and long rows `fn`
+        runs per part, so its temporaries stay the size of one part's."""
+        if gate.per_token is not None or not split:
+            return self.gated_add(stream, residual, gate, fn(x))
+        out = torch.empty_like(residual)
+        for part, (part_rows, row_start) in enumerate(zip(self.rows, self.row_starts)):
+            span = self.row_tokens(stream, part, 0, part_rows)
+            view = (part_rows, self.spans[part][stream].length, -1)
+            torch.addcmul(residual[span].view(view), fn(x[span]).view(view),
+                          gate.per_row[row_start:row_start + part_rows, None], out=out[span].view(view))
+        return out
+
+    def apply_into(self, stream: int, fn: Callable, x: torch.Tensor, out: torch.Tensor, split: bool = True) -> None:
+        """`out[:] = fn(x)` for a token-wise `fn`; with `split` and long rows per part, as `gated_apply`."""
+        if not (split and self.broadcasts(stream)):
+            out.copy_(fn(x))
+            return
+        for part, part_rows in enumerate(self.rows):
+            span = self.row_tokens(stream, part, 0, part_rows)
+            out[span] = fn(x[span])
+
     def _addcmul(self, stream, first, tokens, row, row_first):
         # NOTE: `first + tokens * row` in one fused op; `first` is row values too when `row_first`.
         if row.per_token is not None:
@@ -166,18 +189,25 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
-           values: Sequence[torch.Tensor], attention: AttentionFn, method: str = "recover_scatter") -> list[torch.Tensor]:
+           values: Sequence[torch.Tensor], attention: AttentionFn, method: str = "recover_scatter",
+           out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Self-attention inside each row over its streams' tokens, in stream order.
 
     `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's packed output
-    [tokens, heads * head_dim]. No token sees another row's. With "recover_scatter" the rows of one part attend
-    as one batch through `attention`; "flex" and "varlen" attend all tokens as one sequence (`attention.py`).
+    [tokens, heads * head_dim], written into `out[k]` when given. No token sees another row's. With
+    "recover_scatter" the rows of one part attend as one batch through `attention`; "flex" and "varlen" attend
+    all tokens as one sequence (`attention.py`).
     """
     if method != "recover_scatter":
         from .attention import flat_attend
 
-        return flat_attend(layout, queries, keys, values, method)
-    outputs = [q.new_empty(q.shape[0], q.shape[1] * q.shape[2]) for q in queries]
+        outputs = flat_attend(layout, queries, keys, values, method)
+        if out is None:
+            return outputs
+        for target, output in zip(out, outputs):
+            target.copy_(output)
+        return list(out)
+    outputs = list(out) if out is not None else [q.new_empty(q.shape[0], q.shape[1] * q.shape[2]) for q in queries]
     for part_rows, spans in zip(layout.rows, layout.spans):
         gathered = []
         for tensors in (queries, keys, values):
