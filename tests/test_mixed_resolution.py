@@ -147,6 +147,19 @@ def test_flux_requests_of_different_sizes_share_calls_and_equal_solo(flux_name):
     assert max(calls.tokens) > largest, "the largest packed call did not hold more than the largest size's rows"
 
 
+def test_flux_packed_calls_with_flex_attention_equal_solo():
+    pipe = flux_pipe("dev-tiny")
+    assert_packed_equals_solo(pipe, flux_requests("dev-tiny")[:5], packed_attention="flex")
+    with pytest.raises(ValueError, match="packed_attention='sdpa' is not one of"):
+        StepBatched(pipe, packed_attention="sdpa")
+    sb = StepBatched(pipe, scheduler=PACK_ALWAYS, packed_attention="varlen")
+    try:
+        with pytest.raises(ValueError, match="needs CUDA"):  # the model is on the CPU: refused at submit
+            sb.submit(**seeded(flux_requests("dev-tiny")[0]))
+    finally:
+        sb.close()
+
+
 def sd3_requests(name, skip_layer_guidance):
     sizes = [(16, 16), (64, 64), (32, 48), (16, 64), (48, 32), (16, 16)]
     requests = []

@@ -22,7 +22,7 @@ from diffusers.utils import apply_lora_scale
 from ..adapters.lora import lora_layers
 from ..cache.teacache import TeaCacheState, _row_groups
 from .attention import resolve
-from .layout import PackedLayout, attend
+from .layout import PackedLayout, adaln_values, attend
 from .support import unsupported_reason
 
 TEXT, IMAGE = 0, 1
@@ -151,10 +151,7 @@ def _heads(attn, x):
 
 def _modulation(layout, stream, norm, temb, chunks):
     """An AdaLN-Zero layer's (shift, 1 + scale, gate) chunks per row, as `stream`'s tokens see them."""
-    pieces = list(norm.linear(norm.silu(temb)).chunk(chunks, dim=1))
-    for scale in range(1, chunks, 3):
-        pieces[scale] = 1 + pieces[scale]
-    return layout.row_values(stream, torch.cat(pieces, dim=1), chunks)
+    return adaln_values(layout, stream, norm.linear(norm.silu(temb)), chunks)
 
 
 def _double_block(block, layout, hidden, encoder, temb, rotary, method, split):

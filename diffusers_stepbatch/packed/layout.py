@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # NOTE: mean tokens per part (in one stream) from which row values broadcast per part rather than per token.
 _BROADCAST_MIN_TOKENS = 256
 
@@ -182,6 +181,15 @@ class PackedLayout:
         device = self.token_rows[0].device
         index = [torch.cat(parts).to(device) for parts in indices]
         return PackedLayout(kept_rows, kept_lengths, device=device), index
+
+
+def adaln_values(layout: PackedLayout, stream: int, emb: torch.Tensor, chunks: int) -> list[RowValues]:
+    """AdaLN-Zero's per-row (shift, scale, gate, ...) chunks of `emb` [rows, chunks * dim] as `stream`'s tokens
+    see them, each scale (every third chunk from the second) as 1 + scale, ready for `modulate`."""
+    pieces = list(emb.chunk(chunks, dim=1))
+    for scale in range(1, chunks, 3):
+        pieces[scale] = 1 + pieces[scale]
+    return layout.row_values(stream, torch.cat(pieces, dim=1), chunks)
 
 
 # attention(query, key, value) on [rows, sequence, heads, head_dim] tensors -> [rows, sequence, heads, head_dim]

@@ -38,6 +38,7 @@ from ..cache.prompt import cached_encode, encoder_namespace
 from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..packed.attention import resolve as resolve_packed_attention
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
@@ -111,6 +112,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
         _check_second_prompts(args, "negative_prompt", "negative_prompt_2")
 
     options = current_options()
+    # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
+    resolve_packed_attention(options.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
     branches = 2 if do_true_cfg else 1
     teacache = options.teacache.states("flux", steps, branches) if options.teacache is not None else None
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:

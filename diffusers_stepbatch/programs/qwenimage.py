@@ -32,6 +32,7 @@ from ..adapters.state import (
 )
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..packed.attention import resolve as resolve_packed_attention
 from ..packed.qwenimage import (
     QwenImagePart,
     packed_row_order,
@@ -41,6 +42,7 @@ from ..packed.qwenimage import (
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
+from .options import current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -64,6 +66,7 @@ class QwenImageCall:
     do_true_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
+    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
 
 
 @register_program(QwenImagePipeline, features=("adapters",))
@@ -99,7 +102,10 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
     adapters = request_adapters(pipe.transformer, lora_scale=(args["attention_kwargs"] or {}).get("scale"))
-    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters)
+    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters,
+                         packed_attention=current_options().packed_attention)
+    # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
+    resolve_packed_attention(call.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
     rows = num_images * (2 if do_true_cfg else 1)
     program = qwenimage_program(pipe, request_pipeline(pipe), call)
     tokens = (latent_h // 2) * (latent_w // 2)
@@ -157,7 +163,8 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                   freeze(attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
     key = ("qwenimage", grid, *shared_key)
     longest_text = max(embeds.shape[1] for embeds, _ in branches)
-    pack = _packable(pipe.transformer, attention_kwargs, shared_key, grid, latents.shape[1] + longest_text)
+    pack = _packable(pipe.transformer, attention_kwargs, shared_key, grid, latents.shape[1] + longest_text,
+                     call.packed_attention)
 
     # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images]. With diffusers'
     # cache hooks on the transformer, this request's forwards run alone, one per branch, in its own contexts.
@@ -255,16 +262,16 @@ def _encode_text(pipe, device, prompt):
     return pipe._get_qwen_prompt_embeds(prompt, device)
 
 
-def _packable(transformer, attention_kwargs, shared_key, grid, tokens) -> Packable | None:
+def _packable(transformer, attention_kwargs, shared_key, grid, tokens, packed_attention) -> Packable | None:
     """Rows of other image grids (and text lengths) may share this request's forwards, unless the model forbids."""
     reason = qwenimage_packing_unsupported(transformer) or extra_attention_kwargs(attention_kwargs, "attention_kwargs")
     if packing_refused("QwenImagePipeline", reason):
         return None
-    run = functools.partial(_packed_denoise, transformer, attention_kwargs)
-    return Packable(key=("qwenimage.packed", *shared_key), run=run, context=grid, tokens=tokens)
+    run = functools.partial(_packed_denoise, transformer, attention_kwargs, packed_attention)
+    return Packable(key=("qwenimage.packed", packed_attention, *shared_key), run=run, context=grid, tokens=tokens)
 
 
-def _packed_denoise(transformer, attention_kwargs, shapes):
+def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
     """One packed forward for several grids' batches; text padding is dropped per row, not masked."""
     parts = [
         QwenImagePart(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], text=inputs["text"],
@@ -272,7 +279,8 @@ def _packed_denoise(transformer, attention_kwargs, shapes):
         for grid, inputs in shapes
     ]
     if not lora_layers(transformer):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
+                                        packed_attention=packed_attention)
     # Per-row LoRA over the packed streams: the packed forward orders the rows itself (packed_row_order).
     lora = [row for _, inputs in shapes for row in inputs["lora"]]
     order, tokens = packed_row_order(parts)
@@ -280,7 +288,8 @@ def _packed_denoise(transformer, attention_kwargs, shapes):
     if streams_ambiguous(len(lora), streams):  # NOTE: shapes can't tell these streams apart: one call per grid
         return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
     with lora_rows(transformer, [lora[r] for r in order], token_rows=streams):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
+                                        packed_attention=packed_attention)
 
 
 def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora):

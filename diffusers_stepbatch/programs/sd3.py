@@ -33,10 +33,12 @@ from ..adapters.state import (
 )
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
+from ..packed.attention import resolve as resolve_packed_attention
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
+from .options import current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -64,6 +66,7 @@ class SD3Call:
     do_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
+    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
 
 
 @register_program(StableDiffusion3Pipeline, features=("adapters",))
@@ -104,7 +107,10 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
     adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
-    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid, adapters=adapters)
+    call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid, adapters=adapters,
+                   packed_attention=current_options().packed_attention)
+    # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
+    resolve_packed_attention(call.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
@@ -170,7 +176,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     key = ("sd3", tuple(latents.shape[1:]), tuple(prompt_embeds.shape[1:]), *shared_key)
     patch = pipe.transformer.config.patch_size
     tokens = (latents.shape[2] // patch) * (latents.shape[3] // patch) + prompt_embeds.shape[1]
-    pack = _packable(pipe.transformer, jak, shared_key, tokens)
+    pack = _packable(pipe.transformer, jak, shared_key, tokens, call.packed_attention)
     skip_layers = args["skip_guidance_layers"]
     denoise = functools.partial(_denoise, pipe.transformer, jak)
 
@@ -291,17 +297,17 @@ def _encode_text(pipe, device, max_sequence_length, clip_skip, lora_scale, promp
     return embeds, pooled
 
 
-def _packable(transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
+def _packable(transformer, joint_attention_kwargs, shared_key, tokens, packed_attention) -> Packable | None:
     """Rows of other latent sizes and text lengths may share this request's forwards, unless the model forbids."""
     reason = (sd3_packing_unsupported(transformer)
               or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs"))
     if packing_refused("StableDiffusion3Pipeline", reason):
         return None
-    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
-    return Packable(key=("sd3.packed", *shared_key), run=run, tokens=tokens)
+    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs, packed_attention)
+    return Packable(key=("sd3.packed", packed_attention, *shared_key), run=run, tokens=tokens)
 
 
-def _packed_denoise(transformer, joint_attention_kwargs, shapes):
+def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
     """One packed forward per distinct skip set, each over that set's rows of every shape."""
     layers = lora_layers(transformer)
     if any(layer in layers for layer in transformer.pos_embed.modules()):
@@ -330,7 +336,8 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
             return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
         with lora_rows(transformer, lora, token_rows=layout.token_rows):  # streams: image, then text tokens
             results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
-                                         skip_layers=None if skip is None else list(skip))
+                                         skip_layers=None if skip is None else list(skip),
+                                         packed_attention=packed_attention)
         for (index, rows_index, total), result in zip(picked, results):
             if outputs[index] is None:
                 outputs[index] = result.new_empty((total, *result.shape[1:]))
