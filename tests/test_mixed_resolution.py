@@ -69,7 +69,10 @@ def test_flux_packed_forward_equals_the_model_per_shape(size, guidance, broadcas
          dual_attention_layers=(0, 1), qk_norm="rms_norm"),
 ])
 @pytest.mark.parametrize("skip_layers", [None, [1]])
-def test_sd3_packed_forward_equals_the_model_per_shape(config, skip_layers):
+@pytest.mark.parametrize("broadcast, packed_attention", [(False, "recover_scatter"), (True, "recover_scatter"),
+                                                         (True, "flex")])
+def test_sd3_packed_forward_equals_the_model_per_shape(config, skip_layers, broadcast, packed_attention, monkeypatch):
+    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
     torch.manual_seed(1)
     transformer = SD3Transformer2DModel(sample_size=32, out_channels=config["in_channels"], joint_attention_dim=32,
                                         caption_projection_dim=16, pooled_projection_dim=32, **config).eval()
@@ -82,7 +85,7 @@ def test_sd3_packed_forward_equals_the_model_per_shape(config, skip_layers):
         for rows, (h, w), text in PART_SHAPES
     ]
     with torch.no_grad():
-        packed = sd3_packed_forward(transformer, parts, skip_layers=skip_layers)
+        packed = sd3_packed_forward(transformer, parts, skip_layers=skip_layers, packed_attention=packed_attention)
         for part, got in zip(parts, packed):
             want = transformer(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
                                pooled_projections=part.pooled_projections, timestep=part.timestep,

@@ -105,6 +105,14 @@ def _qkv(attn, x, q, k, v, norm_q, norm_k):
     return query, key, value
 
 
+def _image_only(layout: PackedLayout) -> PackedLayout:
+    # NOTE: one per packed call (its blocks share it, and with flex attention its block mask).
+    if "_image_only" not in layout.__dict__:
+        layout.__dict__["_image_only"] = PackedLayout(layout.rows, [(lengths[IMAGE],) for lengths in layout.lengths],
+                                                      device=layout.token_rows[0].device)
+    return layout.__dict__["_image_only"]
+
+
 def _block(block, layout, hidden, encoder, temb, method, split):
     norm1 = block.norm1
     emb = norm1.linear(norm1.silu(temb))
@@ -139,7 +147,7 @@ def _block(block, layout, hidden, encoder, temb, method, split):
         attn2 = block.attn2
         query2, key2, value2 = _qkv(attn2, norm_hidden2, attn2.to_q, attn2.to_k, attn2.to_v, attn2.norm_q,
                                     attn2.norm_k)
-        image_only = PackedLayout(layout.rows, [(lengths[IMAGE],) for lengths in layout.lengths], device=hidden.device)
+        image_only = _image_only(layout)
         (out2,) = attend(image_only, [query2], [key2], [value2], _sdpa, method)
         hidden = layout.gated_add(IMAGE, hidden, gate_msa2, attn2.to_out[1](attn2.to_out[0](out2.to(query2.dtype))))
 
