@@ -75,7 +75,7 @@ class StepBatched:
             pay; False runs one call per size.
         packed_attention: how a packed call keeps attention inside each request: "auto" (the fastest measured
             on the device), "recover_scatter" (SDPA per size), "flex" (flex_attention, block-diagonal mask) or
-            "varlen" (CUDA, float16/bfloat16); same outputs (docs/mixed_resolution.md).
+            "varlen" (CUDA, float16/bfloat16); same outputs (docs/families.md, "Mixed resolutions").
     """
 
     def __init__(

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusers_stepbatch.engine.costs import BatchCostModel, PackingCostModel
+from diffusers_stepbatch.packed import layout as layout_module
 from diffusers_stepbatch.packed.attention import AUTO_CHOICE, check_packed_attention, resolve
 from diffusers_stepbatch.packed.layout import PackedLayout, attend
 
@@ -130,3 +131,22 @@ def test_varlen_attention_equals_recover_scatter_on_cuda(rows, lengths):
     want = attend(layout, *streams, sdpa)
     got = attend(layout, *streams, sdpa, method="varlen")
     assert all((g.float() - w.float()).abs().max() <= 2e-2 for g, w in zip(got, want))  # bfloat16 flash vs SDPA
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_row_values_reach_only_their_rows_tokens(broadcast, monkeypatch):
+    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
+    layout = PackedLayout([2, 1, 3], [(3, 4), (5, 16), (2, 9)])
+    assert layout.broadcasts(1) is broadcast
+    generator = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(layout.tokens(1), 6, generator=generator) for _ in range(2))
+    emb = torch.randn(layout.num_rows, 3 * 6, generator=generator)
+    shift, scale1, gate = layout_module.adaln_values(layout, 1, emb, 3)
+    per_token = emb.index_select(0, layout.token_rows[1]).chunk(3, dim=1)
+    assert torch.allclose(layout.modulate(1, x, scale1, shift), x * (1 + per_token[1]) + per_token[0], atol=1e-6)
+    want = residual + per_token[2] * torch.tanh(x)
+    assert torch.allclose(layout.gated_add(1, residual, gate, torch.tanh(x)), want, atol=1e-6)
+    assert torch.allclose(layout.gated_apply(1, residual, gate, torch.tanh, x), want, atol=1e-6)
+    out = torch.empty(layout.tokens(1), 12)
+    layout.apply_into(1, lambda t: torch.cat([t, -t], dim=1), x, out)
+    assert torch.equal(out, torch.cat([x, -x], dim=1))

@@ -122,11 +122,11 @@ class PackedLayout:
         runs per part, so its temporaries stay the size of one part's."""
         if gate.per_token is not None or not split:
             return self.gated_add(stream, residual, gate, fn(x))
-        out = torch.empty_like(residual)
+        out = residual.new_empty(residual.shape)  # NOTE: contiguous, so each part's span is a view
         for part, (part_rows, row_start) in enumerate(zip(self.rows, self.row_starts)):
             span = self.row_tokens(stream, part, 0, part_rows)
             view = (part_rows, self.spans[part][stream].length, -1)
-            torch.addcmul(residual[span].view(view), fn(x[span]).view(view),
+            torch.addcmul(residual[span].reshape(view), fn(x[span]).reshape(view),
                           gate.per_row[row_start:row_start + part_rows, None], out=out[span].view(view))
         return out
 
@@ -143,13 +143,13 @@ class PackedLayout:
         # NOTE: `first + tokens * row` in one fused op; `first` is row values too when `row_first`.
         if row.per_token is not None:
             return torch.addcmul(first.per_token if row_first else first, tokens, row.per_token)
-        out = torch.empty_like(tokens)
+        out = tokens.new_empty(tokens.shape)  # NOTE: contiguous, so each part's span is a view
         for part, (part_rows, row_start) in enumerate(zip(self.rows, self.row_starts)):
             span = self.row_tokens(stream, part, 0, part_rows)
             view = (part_rows, self.spans[part][stream].length, -1)
             rows = slice(row_start, row_start + part_rows)
-            base = first.per_row[rows, None] if row_first else first[span].view(view)
-            torch.addcmul(base, tokens[span].view(view), row.per_row[rows, None], out=out[span].view(view))
+            base = first.per_row[rows, None] if row_first else first[span].reshape(view)
+            torch.addcmul(base, tokens[span].reshape(view), row.per_row[rows, None], out=out[span].view(view))
         return out
 
     def row_tokens(self, stream: int, part: int, first: int, end: int) -> slice:
