@@ -3,8 +3,10 @@
     python benchmarks/packed_forward.py
 
 Times only the transformer (no engine, no text encoders, no VAE), interleaved, in a worker thread at one
-intra-op thread, for the two Flux workloads of `throughput.py` with four sizes of two rows each. Prints the
-ratio per workload and writes JSON; what the engine's cost model weighs when it chooses packed or per-size.
+intra-op thread, for the two Flux workloads of `throughput.py` with four sizes of two rows each: one forward
+per size, the packed forward with recover-scatter attention, and with flex attention (block-diagonal mask;
+eager on the CPU). Prints the ratios per workload and writes JSON; what the engine's cost model weighs when it
+chooses packed or per-size, and what `packed_attention="auto"` picks from.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -20,7 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import warnings  # noqa: E402
+
 import torch  # noqa: E402
+
+# NOTE: eager flex_attention warns once that it is unfused; that is the side being measured.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 from throughput import WORKLOADS, in_worker_thread  # noqa: E402
 
 from diffusers_stepbatch.packed.flux import FluxPart, flux_packed_forward  # noqa: E402
@@ -37,7 +45,12 @@ def image_ids(height: int, width: int) -> torch.Tensor:
     return ids.reshape(-1, 3)
 
 
-def bench(name: str, rows: int, repeats: int) -> dict:
+def thread_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bench(name: str, rows: int, repeats: int, flex_repeats: int) -> dict:
     size = WORKLOADS[name].size
     transformer = tiny_flux_transformer(size, guidance_embeds=True)
     parts = [FluxPart(torch.randn(rows, h * w, size.in_channels), torch.randn(rows, 32, size.joint_attention_dim),
@@ -50,36 +63,52 @@ def bench(name: str, rows: int, repeats: int) -> dict:
                         pooled_projections=p.pooled_projections, timestep=p.timestep, guidance=p.guidance,
                         txt_ids=p.txt_ids, img_ids=p.img_ids, return_dict=False)
 
-    def packed():
-        flux_packed_forward(transformer, parts)
+    sides = {"per-size": per_size,
+             "packed": lambda: flux_packed_forward(transformer, parts, packed_attention="recover_scatter"),
+             "packed-flex": lambda: flux_packed_forward(transformer, parts, packed_attention="flex")}
 
     def measure():
         torch.set_num_threads(1)
-        times = {"per-size": [], "packed": []}
+        times = {side: [] for side in sides}
+        cpu = {side: [] for side in sides}
         with torch.no_grad():
-            per_size(), packed()  # warm-up
-            for _ in range(repeats):
-                for side, fn in (("per-size", per_size), ("packed", packed)):
-                    start = time.perf_counter()
+            for fn in sides.values():  # warm-up
+                fn()
+            for repeat in range(repeats):
+                for side, fn in sides.items():
+                    if side == "packed-flex" and repeat >= flex_repeats:
+                        continue  # NOTE: eager flex is slow on the CPU; its first repeats only
+                    start, start_cpu = time.perf_counter(), thread_cpu_seconds()
                     fn()
                     times[side].append(time.perf_counter() - start)
-        return {side: statistics.median(values) for side, values in times.items()}
+                    cpu[side].append(thread_cpu_seconds() - start_cpu)
+        return ({side: statistics.median(values) for side, values in times.items()},
+                {side: statistics.median(values) for side, values in cpu.items()})
 
-    medians = in_worker_thread(measure)
+    medians, cpu_medians = in_worker_thread(measure)
     return {"workload": name, "grids": GRIDS[name], "rows_per_size": rows, "per_size_ms": 1000 * medians["per-size"],
-            "packed_ms": 1000 * medians["packed"], "packed_speedup": medians["per-size"] / medians["packed"]}
+            "packed_ms": 1000 * medians["packed"], "packed_speedup": medians["per-size"] / medians["packed"],
+            "packed_flex_ms": 1000 * medians["packed-flex"],
+            "packed_flex_speedup": medians["per-size"] / medians["packed-flex"],
+            # NOTE: this thread's CPU time (user + system, page faults included): on a shared machine the
+            # wall clock also counts time the thread waited for a core.
+            "cpu_ms": {side: 1000 * seconds for side, seconds in cpu_medians.items()},
+            "packed_cpu_speedup": cpu_medians["per-size"] / cpu_medians["packed"]}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--flex-repeats", type=int, default=2, help="repeats (of --repeats) that time packed-flex")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "packed_forward.json")
     args = parser.parse_args(argv)
-    results = [bench(name, args.rows, args.repeats) for name in GRIDS]
+    results = [bench(name, args.rows, args.repeats, args.flex_repeats) for name in GRIDS]
     for r in results:
         print(f"{r['workload']:<15} 4 sizes x {r['rows_per_size']} rows: per-size {r['per_size_ms']:8.2f} ms, "
-              f"packed {r['packed_ms']:8.2f} ms -> packed {r['packed_speedup']:.2f}x")
+              f"packed {r['packed_ms']:8.2f} ms, packed-flex {r['packed_flex_ms']:8.2f} ms -> packed "
+              f"{r['packed_speedup']:.2f}x, packed-flex {r['packed_flex_speedup']:.2f}x per-size "
+              f"(CPU time: packed {r['packed_cpu_speedup']:.2f}x)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     return results

@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 def live_peak(fn):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.no_grad():
-            out = fn()
+            out = fn()  # noqa: F841 (kept alive until the profile ends: its bytes count)
     ev = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nb in ev:

@@ -22,6 +22,7 @@ from .decoders.registry import resolve_decoder
 from .engine.core import EngineCore
 from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
+from .packed.attention import check_packed_attention
 from .programs import program_for, registered_pipelines
 from .programs.call_checks import check_call_inputs
 from .programs.cfg import CFGPolicy
@@ -73,6 +74,9 @@ class StepBatched:
         mixed_resolution: let requests of different sizes share one transformer call (Flux, SD3, Qwen-Image:
             their tokens are packed, attention stays inside each request) where the engine measured that to
             pay; False runs one call per size.
+        packed_attention: how a packed call keeps attention inside each request: "auto" (the fastest measured
+            on the device), "recover_scatter" (SDPA per size), "flex" (flex_attention, block-diagonal mask) or
+            "varlen" (CUDA, float16/bfloat16); same outputs (docs/families.md, "Mixed resolutions").
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class StepBatched:
         decoder: Any = None,
         pid_exit_step: int | float | None = None,
         mixed_resolution: bool = True,
+        packed_attention: str = "auto",
     ):
         plan = program_for(pipe)
         if plan is None:
@@ -115,6 +120,7 @@ class StepBatched:
             teacache=teacache,
             cfg_policy=cfg_policy or CFGPolicy(),
             buffers=LatentBuffers() if latent_buffers else None,
+            packed_attention=check_packed_attention(packed_attention),
         )
         config = scheduler or SchedulerConfig()
         if max_batch_size is not None:

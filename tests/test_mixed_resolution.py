@@ -9,6 +9,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
+from diffusers_stepbatch.packed import layout as layout_module
 from diffusers_stepbatch.packed.flux import FluxPart, flux_packed_forward
 from diffusers_stepbatch.packed.sd3 import SD3Part, sd3_packed_forward
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_transformer
@@ -35,7 +36,11 @@ PART_SHAPES = [(2, (2, 2), 8), (1, (2, 8), 5), (3, (8, 8), 8), (1, (4, 2), 3)]
               pooled_projection_dim=40, in_channels=8), False),
     (FluxSize(num_layers=1, num_single_layers=3, attention_head_dim=8, num_attention_heads=3), True),
 ])
-def test_flux_packed_forward_equals_the_model_per_shape(size, guidance):
+@pytest.mark.parametrize("broadcast", [False, True])
+@pytest.mark.parametrize("packed_attention", ["recover_scatter", "flex"])
+def test_flux_packed_forward_equals_the_model_per_shape(size, guidance, broadcast, packed_attention, monkeypatch):
+    # NOTE: per-token AdaLN values (the tiny shapes' default) and per-part broadcasts (long rows' default)
+    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
     transformer = tiny_flux_transformer(size, guidance_embeds=guidance, seed=3)
     generator = torch.Generator().manual_seed(0)
     parts = [
@@ -48,7 +53,7 @@ def test_flux_packed_forward_equals_the_model_per_shape(size, guidance):
         for rows, (h, w), text in PART_SHAPES
     ]
     with torch.no_grad():
-        packed = flux_packed_forward(transformer, parts)
+        packed = flux_packed_forward(transformer, parts, packed_attention=packed_attention)
         for part, got in zip(parts, packed):
             want = transformer(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
                                pooled_projections=part.pooled_projections, timestep=part.timestep,
@@ -64,7 +69,10 @@ def test_flux_packed_forward_equals_the_model_per_shape(size, guidance):
          dual_attention_layers=(0, 1), qk_norm="rms_norm"),
 ])
 @pytest.mark.parametrize("skip_layers", [None, [1]])
-def test_sd3_packed_forward_equals_the_model_per_shape(config, skip_layers):
+@pytest.mark.parametrize("broadcast, packed_attention", [(False, "recover_scatter"), (True, "recover_scatter"),
+                                                         (True, "flex")])
+def test_sd3_packed_forward_equals_the_model_per_shape(config, skip_layers, broadcast, packed_attention, monkeypatch):
+    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
     torch.manual_seed(1)
     transformer = SD3Transformer2DModel(sample_size=32, out_channels=config["in_channels"], joint_attention_dim=32,
                                         caption_projection_dim=16, pooled_projection_dim=32, **config).eval()
@@ -77,7 +85,7 @@ def test_sd3_packed_forward_equals_the_model_per_shape(config, skip_layers):
         for rows, (h, w), text in PART_SHAPES
     ]
     with torch.no_grad():
-        packed = sd3_packed_forward(transformer, parts, skip_layers=skip_layers)
+        packed = sd3_packed_forward(transformer, parts, skip_layers=skip_layers, packed_attention=packed_attention)
         for part, got in zip(parts, packed):
             want = transformer(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
                                pooled_projections=part.pooled_projections, timestep=part.timestep,
@@ -140,6 +148,19 @@ def test_flux_requests_of_different_sizes_share_calls_and_equal_solo(flux_name):
     calls = assert_packed_equals_solo(pipe, requests)
     largest = max(2 * (h // 16) * (w // 16) * 4 for h, w in ((64, 64),))  # two 64x64 requests' image tokens
     assert max(calls.tokens) > largest, "the largest packed call did not hold more than the largest size's rows"
+
+
+def test_flux_packed_calls_with_flex_attention_equal_solo():
+    pipe = flux_pipe("dev-tiny")
+    assert_packed_equals_solo(pipe, flux_requests("dev-tiny")[:5], packed_attention="flex")
+    with pytest.raises(ValueError, match="packed_attention='sdpa' is not one of"):
+        StepBatched(pipe, packed_attention="sdpa")
+    sb = StepBatched(pipe, scheduler=PACK_ALWAYS, packed_attention="varlen")
+    try:
+        with pytest.raises(ValueError, match="needs CUDA"):  # the model is on the CPU: refused at submit
+            sb.submit(**seeded(flux_requests("dev-tiny")[0]))
+    finally:
+        sb.close()
 
 
 def sd3_requests(name, skip_layer_guidance):

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
+from diffusers_stepbatch.packed import layout as layout_module
 from diffusers_stepbatch.packed.qwenimage import (
     QwenImagePart,
     qwenimage_packed_forward,
@@ -74,12 +75,16 @@ def model_forward(transformer, hidden, timestep, text, mask, grid):
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMERS))
+@pytest.mark.parametrize("broadcast, packed_attention", [(False, "recover_scatter"), (True, "recover_scatter"),
+                                                         (True, "flex")])
 @torch.no_grad()
-def test_packed_forward_equals_model_forward_per_part(name):
+def test_packed_forward_equals_model_forward_per_part(name, broadcast, packed_attention, monkeypatch):
+    # NOTE: per-token AdaLN values (the tiny shapes' default) and per-part broadcasts (long rows' default)
+    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
     transformer = tiny_transformer(name)
     generator = torch.Generator().manual_seed(1)
     parts = [random_part(transformer, grid, lengths, padded, generator) for grid, lengths, padded in PARTS]
-    got = qwenimage_packed_forward(transformer, parts)
+    got = qwenimage_packed_forward(transformer, parts, packed_attention=packed_attention)
     assert len(got) == len(parts)
     for part, output in zip(parts, got):
         want = model_forward(transformer, part.hidden_states, part.timestep, part.text, part.text_mask,

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from diffusers_stepbatch.engine.costs import BatchCostModel, PackingCostModel
+from diffusers_stepbatch.packed import layout as layout_module
+from diffusers_stepbatch.packed.attention import AUTO_CHOICE, check_packed_attention, resolve
 from diffusers_stepbatch.packed.layout import PackedLayout, attend
 
 
@@ -80,3 +82,71 @@ def test_unseen_mixes_are_estimated_from_the_measured_ratio_and_explored_again()
     assert packing.packed_estimate("flux", other) == pytest.approx(0.07 * 0.5)
     decisions = [packing.should_pack("flux", other) for _ in range(20)]
     assert decisions.count(False) == 2 and decisions[9] is False and decisions[19] is False
+
+
+SIZE_MIXES = [
+    ([2, 1], [(3, 4), (5, 16)]),
+    ([1, 3, 2], [(2, 1), (2, 9), (7, 4)]),
+    ([1, 1, 1, 1], [(4, 4), (4, 64), (2, 15), (6, 15)]),  # a 16x image-token ratio
+    ([3], [(5, 130)]),  # one part, rows longer than flex's 128-token blocks
+]
+
+
+def random_streams(layout, heads, dim, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(layout.tokens(k), heads, dim, generator=generator) for k in range(layout.num_streams)]
+            for _ in range(3)]
+
+
+@pytest.mark.parametrize("rows, lengths", SIZE_MIXES)
+@pytest.mark.parametrize("heads, dim", [(2, 4), (3, 16)])
+def test_flex_attention_equals_recover_scatter(rows, lengths, heads, dim):
+    layout = PackedLayout(rows, lengths)
+    streams = random_streams(layout, heads, dim)
+    want = attend(layout, *streams, sdpa)
+    got = attend(layout, *streams, sdpa, method="flex")
+    assert all(g.shape == w.shape and (g - w).abs().max() <= 1e-5 for g, w in zip(got, want))
+    joint = PackedLayout(rows, [(sum(part),) for part in lengths])  # one stream, already in row order
+    streams = random_streams(joint, heads, dim, seed=1)
+    out = [torch.empty(joint.tokens(0), heads * dim)]
+    attend(joint, *streams, sdpa, method="flex", out=out)
+    assert (out[0] - attend(joint, *streams, sdpa)[0]).abs().max() <= 1e-5
+
+
+def test_varlen_and_unknown_backends_are_refused_clearly():
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve("varlen", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="packed_attention='fast' is not one of"):
+        check_packed_attention("fast")
+    assert resolve("auto", torch.device("cpu"), torch.float32) == AUTO_CHOICE["cpu"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen attention (flash) needs CUDA")
+@pytest.mark.parametrize("rows, lengths", SIZE_MIXES)
+def test_varlen_attention_equals_recover_scatter_on_cuda(rows, lengths):
+    layout = PackedLayout(rows, lengths, device="cuda")
+    streams = [[t.to("cuda", torch.bfloat16) for t in s] for s in random_streams(layout, 2, 64)]
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        resolve("varlen", torch.device("cuda"), torch.float32)
+    want = attend(layout, *streams, sdpa)
+    got = attend(layout, *streams, sdpa, method="varlen")
+    assert all((g.float() - w.float()).abs().max() <= 2e-2 for g, w in zip(got, want))  # bfloat16 flash vs SDPA
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_row_values_reach_only_their_rows_tokens(broadcast, monkeypatch):
+    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
+    layout = PackedLayout([2, 1, 3], [(3, 4), (5, 16), (2, 9)])
+    assert layout.broadcasts(1) is broadcast
+    generator = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(layout.tokens(1), 6, generator=generator) for _ in range(2))
+    emb = torch.randn(layout.num_rows, 3 * 6, generator=generator)
+    shift, scale1, gate = layout_module.adaln_values(layout, 1, emb, 3)
+    per_token = emb.index_select(0, layout.token_rows[1]).chunk(3, dim=1)
+    assert torch.allclose(layout.modulate(1, x, scale1, shift), x * (1 + per_token[1]) + per_token[0], atol=1e-6)
+    want = residual + per_token[2] * torch.tanh(x)
+    assert torch.allclose(layout.gated_add(1, residual, gate, torch.tanh(x)), want, atol=1e-6)
+    assert torch.allclose(layout.gated_apply(1, residual, gate, torch.tanh, x), want, atol=1e-6)
+    out = torch.empty(layout.tokens(1), 12)
+    layout.apply_into(1, lambda t: torch.cat([t, -t], dim=1), x, out)
+    assert torch.equal(out, torch.cat([x, -x], dim=1))

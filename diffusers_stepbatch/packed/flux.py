@@ -19,8 +19,10 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.utils import apply_lora_scale
 
+from ..adapters.lora import lora_layers
 from ..cache.teacache import TeaCacheState, _row_groups
-from .layout import PackedLayout, attend
+from .attention import resolve
+from .layout import PackedLayout, adaln_values, attend
 from .support import unsupported_reason
 
 TEXT, IMAGE = 0, 1
@@ -45,21 +47,44 @@ def flux_packing_unsupported(transformer) -> str | None:
     return unsupported_reason(transformer, FluxAttnProcessor)
 
 
-def flux_packed_forward(transformer, parts: Sequence[FluxPart],
-                        joint_attention_kwargs: dict | None = None) -> list[torch.Tensor]:
-    """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part."""
-    return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+def flux_packed_forward(transformer, parts: Sequence[FluxPart], joint_attention_kwargs: dict | None = None,
+                        packed_attention: str = "auto") -> list[torch.Tensor]:
+    """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
+
+    `packed_attention` picks how attention stays inside each row (`packed/attention.py`).
+    """
+    return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                    packed_attention=packed_attention)
+
+
+def flux_token_streams(parts: Sequence[FluxPart]) -> list[torch.Tensor]:
+    """The row of every token in each packed stream the forward runs layers on: text, image, and the single
+    blocks' joint stream (each row's text then image tokens). Per-row LoRA maps layer inputs to rows with it."""
+    layout = _layout(parts)
+    return [*layout.token_rows, _joint_layout(layout).token_rows[0]]
+
+
+def _layout(parts):
+    return PackedLayout(
+        rows=[p.hidden_states.shape[0] for p in parts],
+        lengths=[(p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts],
+        device=parts[0].hidden_states.device,
+    )
+
+
+def _joint_layout(layout: PackedLayout) -> PackedLayout:
+    # NOTE: the single blocks' one stream: a row's text and image tokens side by side, as the model's
+    # torch.cat([encoder, hidden], dim=1) has them, so attention reads each part as a view.
+    return PackedLayout(layout.rows, [(text + image,) for text, image in layout.lengths],
+                        device=layout.token_rows[0].device)
 
 
 @apply_lora_scale("joint_attention_kwargs")
-def _forward(transformer, parts, joint_attention_kwargs=None):
+def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="auto"):
     first = parts[0]
-    layout = PackedLayout(
-        rows=[p.hidden_states.shape[0] for p in parts],
-        lengths=[(p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts],
-        device=first.hidden_states.device,
-    )
+    layout = _layout(parts)
     hidden = transformer.x_embedder(layout.pack(IMAGE, [p.hidden_states for p in parts]))
+    method = resolve(packed_attention, hidden.device, hidden.dtype)
     timestep = torch.cat([p.timestep for p in parts]).to(hidden.dtype) * 1000
     pooled = torch.cat([p.pooled_projections for p in parts])
     if first.guidance is not None:
@@ -68,31 +93,41 @@ def _forward(transformer, parts, joint_attention_kwargs=None):
     else:
         temb = transformer.time_text_embed(timestep, pooled)
     encoder = transformer.context_embedder(layout.pack(TEXT, [p.encoder_hidden_states for p in parts]))
-    rotary = _packed_rotary(transformer, layout, parts)
+    rotary = _part_rotary(transformer, parts)
 
     states = [s for p in parts for s in (p.teacache or [None] * p.hidden_states.shape[0])]
     if all(state is None for state in states):
-        out = _blocks(transformer, layout, hidden, encoder, temb, rotary)
+        out = _blocks(transformer, layout, hidden, encoder, temb, rotary, method)
     else:
-        out = _teacache_blocks(transformer, layout, states, hidden, encoder, temb, rotary)
+        out = _teacache_blocks(transformer, layout, states, hidden, encoder, temb, rotary, method)
 
     norm_out = transformer.norm_out
     emb = norm_out.linear(norm_out.silu(temb).to(out.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
-    out = norm_out.norm(out) * layout.per_token(IMAGE, 1 + scale) + layout.per_token(IMAGE, shift)
+    scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
+    out = layout.modulate(IMAGE, norm_out.norm(out), scale1, shift)
     return layout.unpack(IMAGE, transformer.proj_out(out))
 
 
-def _packed_rotary(transformer, layout, parts):
-    """Per-stream (cos, sin) for every packed token: each part's own positions, repeated for its rows."""
+def _part_rotary(transformer, parts):
+    """Per part, the model's (cos, sin) of its text then image positions (one row's worth)."""
+    return [transformer.pos_embed(torch.cat((part.txt_ids, part.img_ids), dim=0)) for part in parts]
+
+
+def _stream_rotary(layout, part_rotary):
+    """Per stream (text, image), (cos, sin) for every packed token: each part's positions, repeated per row."""
     per_stream = [([], []) for _ in range(2)]
-    for part_rows, part in zip(layout.rows, parts):
-        cos, sin = transformer.pos_embed(torch.cat((part.txt_ids, part.img_ids), dim=0))
-        text_len = part.txt_ids.shape[0]
+    for part_rows, (text_len, _), (cos, sin) in zip(layout.rows, layout.lengths, part_rotary):
         for stream, window in ((TEXT, slice(0, text_len)), (IMAGE, slice(text_len, None))):
             per_stream[stream][0].append(cos[window].repeat(part_rows, 1))
             per_stream[stream][1].append(sin[window].repeat(part_rows, 1))
     return [(torch.cat(cos), torch.cat(sin)) for cos, sin in per_stream]
+
+
+def _joint_rotary(layout, part_rotary):
+    """(cos, sin) for every token of the joint stream (`_joint_layout`)."""
+    return tuple(torch.cat([pair[i].repeat(part_rows, 1) for part_rows, pair in zip(layout.rows, part_rotary)])
+                 for i in range(2))
 
 
 def _rope(x: torch.Tensor, rotary) -> torch.Tensor:
@@ -114,18 +149,18 @@ def _heads(attn, x):
     return x.unflatten(-1, (-1, attn.head_dim))
 
 
-def _modulation(norm, temb, token_rows, chunks):
-    """An AdaLN-Zero layer's shift / scale / gate chunks, computed per row and repeated for the row's tokens."""
-    return norm.linear(norm.silu(temb)).index_select(0, token_rows).chunk(chunks, dim=1)
+def _modulation(layout, stream, norm, temb, chunks):
+    """An AdaLN-Zero layer's (shift, 1 + scale, gate) chunks per row, as `stream`'s tokens see them."""
+    return adaln_values(layout, stream, norm.linear(norm.silu(temb)), chunks)
 
 
-def _double_block(block, layout, hidden, encoder, temb, rotary):
+def _double_block(block, layout, hidden, encoder, temb, rotary, method, split):
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(
-        block.norm1, temb, layout.token_rows[IMAGE], 6)
+        layout, IMAGE, block.norm1, temb, 6)
     c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _modulation(
-        block.norm1_context, temb, layout.token_rows[TEXT], 6)
-    norm_hidden = block.norm1.norm(hidden) * (1 + scale_msa) + shift_msa
-    norm_encoder = block.norm1_context.norm(encoder) * (1 + c_scale_msa) + c_shift_msa
+        layout, TEXT, block.norm1_context, temb, 6)
+    norm_hidden = layout.modulate(IMAGE, block.norm1.norm(hidden), scale_msa, shift_msa)
+    norm_encoder = layout.modulate(TEXT, block.norm1_context.norm(encoder), c_scale_msa, c_shift_msa)
 
     attn = block.attn
     query, key, value = (attn.norm_q(_heads(attn, attn.to_q(norm_hidden))),
@@ -137,59 +172,75 @@ def _double_block(block, layout, hidden, encoder, temb, rotary):
         layout,
         [_rope(e_query, rotary[TEXT]), _rope(query, rotary[IMAGE])],
         [_rope(e_key, rotary[TEXT]), _rope(key, rotary[IMAGE])],
-        [e_value, value], _attention_fn(attn),
+        [e_value, value], _attention_fn(attn), method,
     )
     attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
     context_attn_output = attn.to_add_out(text_out.to(query.dtype))
 
-    hidden = hidden + gate_msa * attn_output
-    norm_hidden = block.norm2(hidden) * (1 + scale_mlp) + shift_mlp
-    hidden = hidden + gate_mlp * block.ff(norm_hidden)
+    hidden = layout.gated_add(IMAGE, hidden, gate_msa, attn_output)
+    norm_hidden = layout.modulate(IMAGE, block.norm2(hidden), scale_mlp, shift_mlp)
+    hidden = layout.gated_apply(IMAGE, hidden, gate_mlp, block.ff, norm_hidden, split)
 
-    encoder = encoder + c_gate_msa * context_attn_output
-    norm_encoder = block.norm2_context(encoder) * (1 + c_scale_mlp) + c_shift_mlp
-    encoder = encoder + c_gate_mlp * block.ff_context(norm_encoder)
+    encoder = layout.gated_add(TEXT, encoder, c_gate_msa, context_attn_output)
+    norm_encoder = layout.modulate(TEXT, block.norm2_context(encoder), c_scale_mlp, c_shift_mlp)
+    encoder = layout.gated_apply(TEXT, encoder, c_gate_mlp, block.ff_context, norm_encoder, split)
     if encoder.dtype == torch.float16:
         encoder = encoder.clip(-65504, 65504)
     return encoder, hidden
 
 
-def _single_block(block, layout, joint_rows, joint, temb, rotary):
-    """`joint` is [text tokens of all rows; image tokens of all rows], as FluxSingleTransformerBlock sees it."""
-    shift, scale, gate = _modulation(block.norm, temb, joint_rows, 3)
-    norm = block.norm.norm(joint) * (1 + scale) + shift
-    mlp = block.act_mlp(block.proj_mlp(norm))
+def _single_block(block, joint_layout, joint, temb, rotary, method, split, mixed):
+    """`joint` holds each row's text then image tokens (`_joint_layout`), as FluxSingleTransformerBlock sees it.
+
+    `mixed` is a [tokens, attention dim + mlp dim] workspace for the model's torch.cat([attn_output, mlp]).
+    """
+    shift, scale, gate = _modulation(joint_layout, 0, block.norm, temb, 3)
+    norm = joint_layout.modulate(0, block.norm.norm(joint), scale, shift)
     attn = block.attn
+    inner = attn.heads * attn.head_dim
+    # NOTE: one workspace for all single blocks, written in place of the cat: with long rows a fresh
+    # [tokens, attention + mlp dim] tensor per block is fresh memory pages per block.
+    joint_layout.apply_into(0, lambda x: block.act_mlp(block.proj_mlp(x)), norm, mixed[:, inner:], split)
     query = _rope(attn.norm_q(_heads(attn, attn.to_q(norm))), rotary)
     key = _rope(attn.norm_k(_heads(attn, attn.to_k(norm))), rotary)
     value = _heads(attn, attn.to_v(norm))
-    text_tokens = layout.tokens(TEXT)
-    streams = lambda x: [x[:text_tokens], x[text_tokens:]]  # noqa: E731
-    text_out, image_out = attend(layout, streams(query), streams(key), streams(value), _attention_fn(attn))
-    attn_output = torch.cat([text_out, image_out]).to(query.dtype)
-    joint = joint + gate * block.proj_out(torch.cat([attn_output, mlp], dim=1))
+    attend(joint_layout, [query], [key], [value], _attention_fn(attn), method, out=[mixed[:, :inner]])
+    joint = joint_layout.gated_add(0, joint, gate, block.proj_out(mixed))
     if joint.dtype == torch.float16:
         joint = joint.clip(-65504, 65504)
     return joint
 
 
-def _blocks(transformer, layout, hidden, encoder, temb, rotary):
+def _blocks(transformer, layout, hidden, encoder, temb, part_rotary, method):
+    rotary = _stream_rotary(layout, part_rotary)
+    # NOTE: MLPs may run per part (temporaries of one part's size) unless per-row LoRA maps their inputs to
+    # rows by token count, which a part's slice would not match.
+    split = not lora_layers(transformer)
     for block in transformer.transformer_blocks:
-        encoder, hidden = _double_block(block, layout, hidden, encoder, temb, rotary)
+        encoder, hidden = _double_block(block, layout, hidden, encoder, temb, rotary, method, split)
     if len(transformer.single_transformer_blocks):
-        joint = torch.cat([encoder, hidden])
-        joint_rotary = tuple(torch.cat([rotary[TEXT][i], rotary[IMAGE][i]]) for i in range(2))
-        joint_rows = torch.cat(layout.token_rows)
+        joint_layout = _joint_layout(layout)
+        joint = hidden.new_empty(joint_layout.tokens(0), hidden.shape[1])
+        joint_parts = joint_layout.unpack(0, joint)
+        for joint_part, text, image in zip(joint_parts, layout.unpack(TEXT, encoder), layout.unpack(IMAGE, hidden)):
+            joint_part[:, :text.shape[1]] = text
+            joint_part[:, text.shape[1]:] = image
+        joint_rotary = _joint_rotary(layout, part_rotary)
+        first = transformer.single_transformer_blocks[0]
+        mixed = joint.new_empty(joint.shape[0], first.proj_out.in_features)
         for block in transformer.single_transformer_blocks:
-            joint = _single_block(block, layout, joint_rows, joint, temb, joint_rotary)
-        hidden = joint[layout.tokens(TEXT):]
+            joint = _single_block(block, joint_layout, joint, temb, joint_rotary, method, split, mixed)
+        hidden = layout.pack(IMAGE, [part[:, text_len:] for part, (text_len, _) in
+                                     zip(joint_layout.unpack(0, joint), layout.lengths)])
     return hidden
 
 
-def _teacache_blocks(transformer, layout, states, hidden, encoder, temb, rotary):
+def _teacache_blocks(transformer, layout, states, hidden, encoder, temb, part_rotary, method):
     """`_blocks` with per-state TeaCache decisions: skipping rows add their cached residual instead."""
     norm1 = transformer.transformer_blocks[0].norm1
-    shift, scale = _modulation(norm1, temb, layout.token_rows[IMAGE], 6)[:2]
+    # NOTE: the signal op for op as TeaCache computes it on an ordinary call (mul, then add), so a request's
+    # decisions don't depend on whether its step ran packed.
+    shift, scale = norm1.linear(norm1.silu(temb)).index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
     signal = norm1.norm(hidden) * (1 + scale) + shift
 
     decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
@@ -205,11 +256,11 @@ def _teacache_blocks(transformer, layout, states, hidden, encoder, temb, rotary)
     residual = None
     if compute_rows:
         sub_layout, (text_index, image_index) = layout.select_rows(compute_rows)
-        sub_rotary = [tuple(t.index_select(0, index) for t in rotary[k]) for k, index in ((TEXT, text_index),
-                                                                                          (IMAGE, image_index))]
+        kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in compute_rows))  # select_rows' order
         sub_hidden = hidden.index_select(0, image_index)
         sub_out = _blocks(transformer, sub_layout, sub_hidden, encoder.index_select(0, text_index),
-                          temb.index_select(0, torch.tensor(compute_rows, device=temb.device)), sub_rotary)
+                          temb.index_select(0, torch.tensor(compute_rows, device=temb.device)),
+                          [part_rotary[part] for part in kept_parts], method)
         out[image_index] = sub_out
         residual = torch.empty_like(hidden)
         residual[image_index] = sub_out - sub_hidden

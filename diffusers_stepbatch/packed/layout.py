@@ -19,6 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
+# NOTE: mean tokens per part (in one stream) from which row values broadcast per part rather than per token.
+_BROADCAST_MIN_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class RowValues:
+    """Per-row values [rows, dim] and, where the layout gathers them, their per-token copy [tokens, dim]."""
+
+    per_row: torch.Tensor
+    per_token: torch.Tensor | None
+
 
 @dataclass(frozen=True)
 class _Span:
@@ -82,6 +93,65 @@ class PackedLayout:
         """Row values [rows, ...] repeated for every token of one stream: [tokens, ...]."""
         return per_row.index_select(0, self.token_rows[stream])
 
+    def row_values(self, stream: int, per_row: torch.Tensor, chunks: int = 1) -> list[RowValues]:
+        """Row values [rows, chunks * dim], split in `chunks`, as one stream's tokens see them (for `modulate`
+        and `gated_add`)."""
+        per_token = None if self.broadcasts(stream) else self.per_token(stream, per_row).chunk(chunks, dim=1)
+        return [RowValues(values, None if per_token is None else per_token[i])
+                for i, values in enumerate(per_row.chunk(chunks, dim=1))]
+
+    def broadcasts(self, stream: int) -> bool:
+        """Whether row values reach this stream's tokens as a broadcast over each part's [rows, length] view.
+
+        NOTE: a per-token copy of the AdaLN values is one kernel for all parts but a [tokens, dim] tensor per
+        value (6 per block); with long rows those copies cost more (memory, fresh pages) than one kernel per part.
+        """
+        return self.tokens(stream) >= _BROADCAST_MIN_TOKENS * self.num_parts
+
+    def modulate(self, stream: int, x: torch.Tensor, scale1: RowValues, shift: RowValues) -> torch.Tensor:
+        """AdaLN's `x * (1 + scale) + shift` per row, `scale1` holding 1 + scale: [tokens, dim]."""
+        return self._addcmul(stream, shift, x, scale1, row_first=True)
+
+    def gated_add(self, stream: int, residual: torch.Tensor, gate: RowValues, update: torch.Tensor) -> torch.Tensor:
+        """The gated residual `residual + gate * update` per row: [tokens, dim]."""
+        return self._addcmul(stream, residual, update, gate, row_first=False)
+
+    def gated_apply(self, stream: int, residual: torch.Tensor, gate: RowValues, fn: Callable, x: torch.Tensor,
+                    split: bool = True) -> torch.Tensor:
+        """`residual + gate * fn(x)` per row, for a token-wise `fn` (an MLP); with `split` and long rows `fn`
+        runs per part, so its temporaries stay the size of one part's."""
+        if gate.per_token is not None or not split:
+            return self.gated_add(stream, residual, gate, fn(x))
+        out = residual.new_empty(residual.shape)  # NOTE: contiguous, so each part's span is a view
+        for part, (part_rows, row_start) in enumerate(zip(self.rows, self.row_starts)):
+            span = self.row_tokens(stream, part, 0, part_rows)
+            view = (part_rows, self.spans[part][stream].length, -1)
+            torch.addcmul(residual[span].reshape(view), fn(x[span]).reshape(view),
+                          gate.per_row[row_start:row_start + part_rows, None], out=out[span].view(view))
+        return out
+
+    def apply_into(self, stream: int, fn: Callable, x: torch.Tensor, out: torch.Tensor, split: bool = True) -> None:
+        """`out[:] = fn(x)` for a token-wise `fn`; with `split` and long rows per part, as `gated_apply`."""
+        if not (split and self.broadcasts(stream)):
+            out.copy_(fn(x))
+            return
+        for part, part_rows in enumerate(self.rows):
+            span = self.row_tokens(stream, part, 0, part_rows)
+            out[span] = fn(x[span])
+
+    def _addcmul(self, stream, first, tokens, row, row_first):
+        # NOTE: `first + tokens * row` in one fused op; `first` is row values too when `row_first`.
+        if row.per_token is not None:
+            return torch.addcmul(first.per_token if row_first else first, tokens, row.per_token)
+        out = tokens.new_empty(tokens.shape)  # NOTE: contiguous, so each part's span is a view
+        for part, (part_rows, row_start) in enumerate(zip(self.rows, self.row_starts)):
+            span = self.row_tokens(stream, part, 0, part_rows)
+            view = (part_rows, self.spans[part][stream].length, -1)
+            rows = slice(row_start, row_start + part_rows)
+            base = first.per_row[rows, None] if row_first else first[span].reshape(view)
+            torch.addcmul(base, tokens[span].reshape(view), row.per_row[rows, None], out=out[span].view(view))
+        return out
+
     def row_tokens(self, stream: int, part: int, first: int, end: int) -> slice:
         """The packed tokens of rows [first, end) of `part` (indices inside the part) in one stream."""
         span = self.spans[part][stream]
@@ -113,18 +183,39 @@ class PackedLayout:
         return PackedLayout(kept_rows, kept_lengths, device=device), index
 
 
+def adaln_values(layout: PackedLayout, stream: int, emb: torch.Tensor, chunks: int) -> list[RowValues]:
+    """AdaLN-Zero's per-row (shift, scale, gate, ...) chunks of `emb` [rows, chunks * dim] as `stream`'s tokens
+    see them, each scale (every third chunk from the second) as 1 + scale, ready for `modulate`."""
+    pieces = list(emb.chunk(chunks, dim=1))
+    for scale in range(1, chunks, 3):
+        pieces[scale] = 1 + pieces[scale]
+    return layout.row_values(stream, torch.cat(pieces, dim=1), chunks)
+
+
 # attention(query, key, value) on [rows, sequence, heads, head_dim] tensors -> [rows, sequence, heads, head_dim]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
-           values: Sequence[torch.Tensor], attention: AttentionFn) -> list[torch.Tensor]:
-    """Self-attention inside each row over its streams' tokens, in stream order (recover-scatter).
+           values: Sequence[torch.Tensor], attention: AttentionFn, method: str = "recover_scatter",
+           out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Self-attention inside each row over its streams' tokens, in stream order.
 
     `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's packed output
-    [tokens, heads * head_dim]. The rows of one part attend as one batch; no token sees another row's.
+    [tokens, heads * head_dim], written into `out[k]` when given. No token sees another row's. With
+    "recover_scatter" the rows of one part attend as one batch through `attention`; "flex" and "varlen" attend
+    all tokens as one sequence (`attention.py`).
     """
-    outputs = [q.new_empty(q.shape[0], q.shape[1] * q.shape[2]) for q in queries]
+    if method != "recover_scatter":
+        from .attention import flat_attend
+
+        outputs = flat_attend(layout, queries, keys, values, method)
+        if out is None:
+            return outputs
+        for target, output in zip(out, outputs):
+            target.copy_(output)
+        return list(out)
+    outputs = list(out) if out is not None else [q.new_empty(q.shape[0], q.shape[1] * q.shape[2]) for q in queries]
     for part_rows, spans in zip(layout.rows, layout.spans):
         gathered = []
         for tensors in (queries, keys, values):

@@ -26,7 +26,9 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 from diffusers.utils import apply_lora_scale
 
-from .layout import PackedLayout, attend
+from ..adapters.lora import lora_layers
+from .attention import resolve
+from .layout import PackedLayout, adaln_values, attend
 from .support import unsupported_reason
 
 TEXT, IMAGE = 0, 1
@@ -56,13 +58,14 @@ def qwenimage_packing_unsupported(transformer) -> str | None:
     return unsupported_reason(transformer, QwenDoubleStreamAttnProcessor2_0)
 
 
-def qwenimage_packed_forward(transformer, parts: Sequence[QwenImagePart],
-                             attention_kwargs: dict | None = None) -> list[torch.Tensor]:
+def qwenimage_packed_forward(transformer, parts: Sequence[QwenImagePart], attention_kwargs: dict | None = None,
+                             packed_attention: str = "auto") -> list[torch.Tensor]:
     """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
+    `packed_attention` picks how attention stays inside each row (`packed/attention.py`).
 
     >>> out = qwenimage_packed_forward(pipe.transformer, [QwenImagePart(x, t, text, mask, [(1, 4, 8)]), ...])
     """
-    return _forward(transformer, parts, attention_kwargs=attention_kwargs)
+    return _forward(transformer, parts, attention_kwargs=attention_kwargs, packed_attention=packed_attention)
 
 
 @dataclass
@@ -107,7 +110,7 @@ def _order(rows: list[_Row]) -> list[int]:
 
 
 @apply_lora_scale("attention_kwargs")
-def _forward(transformer, parts, attention_kwargs=None):
+def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto"):
     rows = _rows(parts)
     order = _order(rows)
     sizes: dict[tuple[int, int], int] = {}
@@ -118,18 +121,21 @@ def _forward(transformer, parts, attention_kwargs=None):
     layout = PackedLayout(rows=list(sizes.values()), lengths=list(sizes), device=device)
 
     hidden = transformer.img_in(torch.cat([rows[r].hidden for r in order]))
+    method = resolve(packed_attention, hidden.device, hidden.dtype)
+    split = not lora_layers(transformer)  # NOTE: as in packed/flux.py: per-row LoRA maps inputs by token count
     timestep = torch.cat([rows[r].timestep for r in order]).to(hidden.dtype)
     encoder = transformer.txt_in(transformer.txt_norm(torch.cat([rows[r].text for r in order])))
     temb = transformer.time_text_embed(timestep, hidden)
     rotary = _packed_rotary(transformer, [rows[r] for r in order], device)
 
     for block in transformer.transformer_blocks:
-        encoder, hidden = _block(block, layout, hidden, encoder, temb, rotary, attention_kwargs or {})
+        encoder, hidden = _block(block, layout, hidden, encoder, temb, rotary, method, split)
 
     norm_out = transformer.norm_out
     emb = norm_out.linear(norm_out.silu(temb).to(hidden.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
-    hidden = norm_out.norm(hidden) * layout.per_token(IMAGE, 1 + scale) + layout.per_token(IMAGE, shift)
+    scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
+    hidden = layout.modulate(IMAGE, norm_out.norm(hidden), scale1, shift)
     output = transformer.proj_out(hidden)
 
     per_row = [None] * len(rows)
@@ -167,30 +173,22 @@ def _rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return apply_rotary_emb_qwen(x.unsqueeze(0), freqs, use_real=False).squeeze(0)
 
 
-def _modulation(mod, temb, token_rows):
-    """A block's two (shift, scale, gate) triples, computed per row and repeated for the row's tokens."""
-    first, second = mod(temb).index_select(0, token_rows).chunk(2, dim=-1)
-    return first.chunk(3, dim=-1), second.chunk(3, dim=-1)
+def _block(block, layout, hidden, encoder, temb, rotary, method, split):
+    img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = adaln_values(
+        layout, IMAGE, block.img_mod(temb), 6)
+    txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = adaln_values(
+        layout, TEXT, block.txt_mod(temb), 6)
+    img_modulated = layout.modulate(IMAGE, block.img_norm1(hidden), img_scale1, img_shift1)
+    txt_modulated = layout.modulate(TEXT, block.txt_norm1(encoder), txt_scale1, txt_shift1)
 
+    img_attn, txt_attn = _attention(block.attn, layout, img_modulated, txt_modulated, rotary, method)
+    hidden = layout.gated_add(IMAGE, hidden, img_gate1, img_attn)
+    encoder = layout.gated_add(TEXT, encoder, txt_gate1, txt_attn)
 
-def _modulate(x, shift, scale):
-    return x * (1 + scale) + shift
-
-
-def _block(block, layout, hidden, encoder, temb, rotary, attention_kwargs):
-    (img_shift1, img_scale1, img_gate1), (img_shift2, img_scale2, img_gate2) = _modulation(
-        block.img_mod, temb, layout.token_rows[IMAGE])
-    (txt_shift1, txt_scale1, txt_gate1), (txt_shift2, txt_scale2, txt_gate2) = _modulation(
-        block.txt_mod, temb, layout.token_rows[TEXT])
-    img_modulated = _modulate(block.img_norm1(hidden), img_shift1, img_scale1)
-    txt_modulated = _modulate(block.txt_norm1(encoder), txt_shift1, txt_scale1)
-
-    img_attn, txt_attn = _attention(block.attn, layout, img_modulated, txt_modulated, rotary)
-    hidden = hidden + img_gate1 * img_attn
-    encoder = encoder + txt_gate1 * txt_attn
-
-    hidden = hidden + img_gate2 * block.img_mlp(_modulate(block.img_norm2(hidden), img_shift2, img_scale2))
-    encoder = encoder + txt_gate2 * block.txt_mlp(_modulate(block.txt_norm2(encoder), txt_shift2, txt_scale2))
+    norm_hidden = layout.modulate(IMAGE, block.img_norm2(hidden), img_scale2, img_shift2)
+    hidden = layout.gated_apply(IMAGE, hidden, img_gate2, block.img_mlp, norm_hidden, split)
+    norm_encoder = layout.modulate(TEXT, block.txt_norm2(encoder), txt_scale2, txt_shift2)
+    encoder = layout.gated_apply(TEXT, encoder, txt_gate2, block.txt_mlp, norm_encoder, split)
     if encoder.dtype == torch.float16:
         encoder = encoder.clip(-65504, 65504)
     if hidden.dtype == torch.float16:
@@ -198,7 +196,7 @@ def _block(block, layout, hidden, encoder, temb, rotary, attention_kwargs):
     return encoder, hidden
 
 
-def _attention(attn, layout, hidden, encoder, rotary):
+def _attention(attn, layout, hidden, encoder, rotary, method):
     """QwenDoubleStreamAttnProcessor2_0 on packed tokens: joint attention over each row's text + image."""
     head_dim = attn.inner_dim // attn.heads
 
@@ -224,7 +222,7 @@ def _attention(attn, layout, hidden, encoder, rotary):
                                      parallel_config=processor._parallel_config)
 
     txt_out, img_out = attend(layout, [txt_query, img_query], [txt_key, img_key], [txt_value, img_value],
-                              attention)
+                              attention, method)
     img_out = attn.to_out[0](img_out.to(img_query.dtype))
     if len(attn.to_out) > 1:
         img_out = attn.to_out[1](img_out)

@@ -40,8 +40,8 @@ from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
-from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported
-from ..packed.layout import PackedLayout
+from ..packed.attention import resolve as resolve_packed_attention
+from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -115,6 +115,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
         _check_second_prompts(args, "negative_prompt", "negative_prompt_2")
 
     options = current_options()
+    # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
+    resolve_packed_attention(options.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
     branches = 2 if do_true_cfg else 1
     teacache = options.teacache.states("flux", steps, branches) if options.teacache is not None else None
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
@@ -223,7 +225,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
         key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in ip_embeds[0]])
     pack = _packable(packing_reason, pipe.transformer, attention_kwargs, shared_key, (text_ids, image_ids),
-                     latents.shape[1] + embeds[0].shape[1])
+                     latents.shape[1] + embeds[0].shape[1], options.packed_attention)
 
     # 3. Denoising loop: one work item per step (two when the CFG policy splits the branches); the engine
     # batches it with other requests' items. Inputs are lists of row tensors: the batch is assembled once, in
@@ -394,15 +396,15 @@ def _packing_reason(transformer, joint_attention_kwargs, call) -> str | None:
             or ("IP-Adapter image tokens are not wired into packed forwards yet" if call.ip is not None else None))
 
 
-def _packable(reason, transformer, joint_attention_kwargs, shared_key, ids, tokens) -> Packable | None:
+def _packable(reason, transformer, joint_attention_kwargs, shared_key, ids, tokens, method) -> Packable | None:
     """Rows of other image sizes and text lengths may share this request's forwards, unless `reason` forbids."""
     if packing_refused("FluxPipeline", reason):
         return None
-    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
-    return Packable(key=("flux.packed", *shared_key), run=run, context=ids, tokens=tokens)
+    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs, method)
+    return Packable(key=("flux.packed", method, *shared_key), run=run, context=ids, tokens=tokens)
 
 
-def _packed_denoise(transformer, joint_attention_kwargs, shapes):
+def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
     parts = [
         FluxPart(
             hidden_states=torch.stack(inputs["hidden_states"]),
@@ -414,12 +416,12 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
         )
         for (txt_ids, img_ids), inputs in shapes
     ]
+    forward = functools.partial(flux_packed_forward, transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                                packed_attention=packed_attention)
     if not lora_layers(transformer):
-        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+        return forward()
     # Per-row LoRA over the packed streams (text, image, and the single blocks' joint text + image tokens).
-    layout = PackedLayout(rows=[p.hidden_states.shape[0] for p in parts],
-                          lengths=[(p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts])
-    streams = [*layout.token_rows, torch.cat(layout.token_rows)]
+    streams = flux_token_streams(parts)
     lora = [row for _, inputs in shapes for row in inputs["lora"]]
     teacache = any(state is not None for part in parts for state in part.teacache or ())
     if teacache or streams_ambiguous(len(lora), streams):
@@ -428,7 +430,7 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
         return [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
                 for (txt_ids, img_ids), inputs in shapes]
     with lora_rows(transformer, lora, token_rows=streams):
-        return flux_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs)
+        return forward()
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,

@@ -30,12 +30,15 @@ class ProgramOptions:
         teacache: TeaCache settings for this request; None runs every step.
         cfg_policy: whether CFG branches share a forward.
         buffers: the engine's latent buffer pool; None allocates step tensors afresh.
+        packed_attention: how a packed mixed-resolution call keeps attention inside each row
+            (`packed/attention.py`: "auto", "recover_scatter", "flex", "varlen").
     """
 
     prompt_cache: PromptCache | None = None
     teacache: TeaCacheConfig | None = None
     cfg_policy: CFGPolicy = field(default_factory=lambda: CFGPolicy(mode="batched"))
     buffers: LatentBuffers | None = None
+    packed_attention: str = "auto"
 
 
 _NO_REDUCERS = ProgramOptions()

@@ -33,6 +33,7 @@ from ..adapters.state import (
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
+from ..packed.attention import resolve as resolve_packed_attention
 from ..packed.qwenimage import (
     QwenImagePart,
     packed_row_order,
@@ -43,6 +44,7 @@ from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
+from .options import current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -71,6 +73,7 @@ class QwenImageCall:
     do_true_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
+    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
 
 
 @register_program(QwenImagePipeline, features=("adapters",))
@@ -106,7 +109,10 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
     adapters = request_adapters(pipe.transformer, lora_scale=(args["attention_kwargs"] or {}).get("scale"))
-    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters)
+    call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters,
+                         packed_attention=current_options().packed_attention)
+    # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
+    resolve_packed_attention(call.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
     rows = num_images * (2 if do_true_cfg else 1)
     program = qwenimage_program(pipe, request_pipeline(pipe), call)
     tokens = (latent_h // 2) * (latent_w // 2)
@@ -170,7 +176,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     key = named_key(program="qwenimage", **{"image size": grid}, **dict(zip(_SHARED_FIELDS, shared_key)))
     longest_text = max(embeds.shape[1] for embeds, _ in branches)
     pack = _packable(packing_reason, pipe.transformer, attention_kwargs, shared_key, grid,
-                     latents.shape[1] + longest_text)
+                     latents.shape[1] + longest_text, call.packed_attention)
 
     # 3. Denoising loop: one work item per step; rows are [images] or [images, negative images]. With diffusers'
     # cache hooks on the transformer, this request's forwards run alone, one per branch, in its own contexts.
@@ -272,15 +278,15 @@ def _encode_text(pipe, device, prompt):
     return pipe._get_qwen_prompt_embeds(prompt, device)
 
 
-def _packable(reason, transformer, attention_kwargs, shared_key, grid, tokens) -> Packable | None:
+def _packable(reason, transformer, attention_kwargs, shared_key, grid, tokens, packed_attention) -> Packable | None:
     """Rows of other image grids (and text lengths) may share this request's forwards, unless `reason` forbids."""
     if packing_refused("QwenImagePipeline", reason):
         return None
-    run = functools.partial(_packed_denoise, transformer, attention_kwargs)
-    return Packable(key=("qwenimage.packed", *shared_key), run=run, context=grid, tokens=tokens)
+    run = functools.partial(_packed_denoise, transformer, attention_kwargs, packed_attention)
+    return Packable(key=("qwenimage.packed", packed_attention, *shared_key), run=run, context=grid, tokens=tokens)
 
 
-def _packed_denoise(transformer, attention_kwargs, shapes):
+def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
     """One packed forward for several grids' batches; text padding is dropped per row, not masked."""
     parts = [
         QwenImagePart(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], text=inputs["text"],
@@ -288,7 +294,8 @@ def _packed_denoise(transformer, attention_kwargs, shapes):
         for grid, inputs in shapes
     ]
     if not lora_layers(transformer):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
+                                        packed_attention=packed_attention)
     # Per-row LoRA over the packed streams: the packed forward orders the rows itself (packed_row_order).
     lora = [row for _, inputs in shapes for row in inputs["lora"]]
     order, tokens = packed_row_order(parts)
@@ -296,7 +303,8 @@ def _packed_denoise(transformer, attention_kwargs, shapes):
     if streams_ambiguous(len(lora), streams):  # NOTE: shapes can't tell these streams apart: one call per grid
         return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
     with lora_rows(transformer, [lora[r] for r in order], token_rows=streams):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs)
+        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
+                                        packed_attention=packed_attention)
 
 
 def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora):

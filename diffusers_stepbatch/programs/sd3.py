@@ -36,11 +36,13 @@ from ..adapters.state import (
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
+from ..packed.attention import resolve as resolve_packed_attention
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
+from .options import current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -69,6 +71,7 @@ class SD3Call:
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/sd3_ip_adapter.py); None: none loaded
+    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
 
 
 @register_program(StableDiffusion3Pipeline, features=("adapters",))
@@ -109,7 +112,10 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
                                     int(width) // pipe.vae_scale_factor))
     adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
     call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid, adapters=adapters,
-                   ip=plan_sd3_ip_adapter(pipe, args, do_cfg))
+                   ip=plan_sd3_ip_adapter(pipe, args, do_cfg),
+                   packed_attention=current_options().packed_attention)
+    # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
+    resolve_packed_attention(call.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
@@ -190,7 +196,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     tokens = (latents.shape[2] // patch) * (latents.shape[3] // patch) + prompt_embeds.shape[1]
     if ip_embeds is not None:  # rows of one forward share the IP processors and image-embedding shapes
         key += ip_key_fields(call.ip, [tuple(ip_embeds.shape[1:])])
-    pack = _packable(packing_reason, pipe.transformer, jak, shared_key, tokens)
+    pack = _packable(packing_reason, pipe.transformer, jak, shared_key, tokens, call.packed_attention)
     skip_layers = args["skip_guidance_layers"]
     denoise = functools.partial(_denoise, pipe.transformer, jak)
 
@@ -332,15 +338,16 @@ def _ip_rows(call: SD3Call, ip_embeds: torch.Tensor | None, do_cfg: bool, images
     return {"ip_embeds": ip_embeds, "ip_scales": [call.ip.row()] * rows}
 
 
-def _packable(reason, transformer, joint_attention_kwargs, shared_key, tokens) -> Packable | None:
+def _packable(reason, transformer, joint_attention_kwargs, shared_key, tokens,
+              packed_attention) -> Packable | None:
     """Rows of other latent sizes and text lengths may share this request's forwards, unless `reason` forbids."""
     if packing_refused("StableDiffusion3Pipeline", reason):
         return None
-    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs)
-    return Packable(key=("sd3.packed", *shared_key), run=run, tokens=tokens)
+    run = functools.partial(_packed_denoise, transformer, joint_attention_kwargs, packed_attention)
+    return Packable(key=("sd3.packed", packed_attention, *shared_key), run=run, tokens=tokens)
 
 
-def _packed_denoise(transformer, joint_attention_kwargs, shapes):
+def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
     """One packed forward per distinct skip set, each over that set's rows of every shape."""
     layers = lora_layers(transformer)
     if any(layer in layers for layer in transformer.pos_embed.modules()):
@@ -369,7 +376,8 @@ def _packed_denoise(transformer, joint_attention_kwargs, shapes):
             return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
         with lora_rows(transformer, lora, token_rows=layout.token_rows):  # streams: image, then text tokens
             results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
-                                         skip_layers=None if skip is None else list(skip))
+                                         skip_layers=None if skip is None else list(skip),
+                                         packed_attention=packed_attention)
         for (index, rows_index, total), result in zip(picked, results):
             if outputs[index] is None:
                 outputs[index] = result.new_empty((total, *result.shape[1:]))
