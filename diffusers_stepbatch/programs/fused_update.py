@@ -34,7 +34,7 @@ _probe_lock = threading.Lock()
 
 
 class FusedEuler:
-    """One request's handle on the fused flow-matching Euler update."""
+    """One request's handle on the fused Euler update (flow matching, or Euler discrete with epsilon)."""
 
     def __init__(self, scheduler: Any, kind: str, buffers: LatentBuffers | None, workspace: StepWorkspace | None):
         self.scheduler = scheduler
