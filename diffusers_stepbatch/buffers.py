@@ -73,6 +73,13 @@ def stack_rows(buffers: LatentBuffers | None, name: str, rows: Sequence[torch.Te
     return buffers.stack(name, rows) if buffers is not None else torch.stack(list(rows))
 
 
+def scratch_like(buffers: LatentBuffers | None, name: str, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor shaped as `like`: pooled scratch when there is a pool, else fresh."""
+    if buffers is None:
+        return torch.empty_like(like)
+    return buffers.scratch(name, like.shape, like.dtype, like.device)
+
+
 class StepWorkspace:
     """One request's loop buffers: guided prediction, Euler scratch and ping-pong latents.
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from typing import Any
 
 import torch
 
-from ..buffers import LatentBuffers, StepWorkspace
+from ..buffers import LatentBuffers, StepWorkspace, scratch_like, stack_rows
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 
@@ -99,50 +99,34 @@ def _fused_euler(buffers: LatentBuffers | None, sample, cond, uncond, dt, sigma,
     """All rows' Euler step on the guided prediction, as the scheduler computes it: flow matching (`sigma` None)
     `sample.to(float32) + dt * guided`; Euler (epsilon) `s + (s - (s - sigma * guided)) / sigma * dt` with
     `s = sample.to(float32)`; then `.to(guided.dtype)`."""
-    pool = _Pool(buffers)
-    sample, cond = pool.stack("update.sample", sample), pool.stack("update.cond", cond)
+    sample, cond = stack_rows(buffers, "update.sample", sample), stack_rows(buffers, "update.cond", cond)
     per_row = (-1,) + (1,) * (sample.dim() - 1)
     # NOTE: a CPU 0-dim operand with device tensors rounds like a Python number
     dt_like_number = dt[0].device.type == "cpu" and sample.device.type != "cpu"
-    dt = pool.stack("update.dt", dt).to(sample.device, non_blocking=True).view(per_row)
+    dt = stack_rows(buffers, "update.dt", dt).to(sample.device, non_blocking=True).view(per_row)
     noise = cond
     if uncond is not None:
-        uncond = pool.stack("update.uncond", uncond)
+        uncond = stack_rows(buffers, "update.uncond", uncond)
         scale = torch.tensor(scale, dtype=torch.float32).to(cond.device, non_blocking=True).view(per_row)
         # NOTE: uncond + scale * (cond - uncond), the order of FluxPipeline's and the workspace's combine
-        difference = torch.sub(cond, uncond, out=pool.like("update.guided", cond))
+        difference = torch.sub(cond, uncond, out=scratch_like(buffers, "update.guided", cond))
         scaled = _times_scalar(difference, scale, like_number=True, out=difference)
         noise = torch.add(uncond, scaled, out=difference)
     if sigma is None:
-        delta = _times_scalar(noise, dt, like_number=dt_like_number, out=pool.like("update.delta", noise))
+        delta = _times_scalar(noise, dt, like_number=dt_like_number, out=scratch_like(buffers, "update.delta", noise))
     else:
         sigma = torch.stack(sigma).to(sample.device, non_blocking=True).view(per_row)
-        upcast = sample.to(torch.float32)
+        upcast = sample.to(torch.float32)  # the scheduler's upcast (the same tensor when already float32)
         original = upcast - _times_scalar(noise, sigma, like_number=dt_like_number)
         derivative = _divided_by_scalar(upcast - original, sigma, like_number=dt_like_number)
         delta = derivative * dt
     if sample.dtype == torch.float32 and noise.dtype == torch.float32:
-        prev = torch.add(sample, delta, out=pool.like("update.prev", sample))
+        prev = torch.add(sample, delta, out=scratch_like(buffers, "update.prev", sample))
     else:
         prev = (sample.to(torch.float32) + delta).to(noise.dtype)
     if target is not None:
         torch._foreach_copy_(list(target), list(prev.unbind(0)))
     return prev if target is not None or buffers is None else prev.clone()
-
-
-class _Pool:
-    """Pooled scratch tensors when the engine has latent buffers, fresh ones otherwise."""
-
-    def __init__(self, buffers: LatentBuffers | None):
-        self.buffers = buffers
-
-    def stack(self, name: str, rows: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self.buffers.stack(name, rows) if self.buffers is not None else torch.stack(list(rows))
-
-    def like(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if self.buffers is None:
-            return torch.empty_like(tensor)
-        return self.buffers.scratch(name, tensor.shape, tensor.dtype, tensor.device)
 
 
 def _times_scalar(x: torch.Tensor, per_row: torch.Tensor, like_number: bool,
