@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from ..engine.batch import WorkItem
+from ..module_scan import execution_device as current_execution_device
+from ..module_scan import submodules
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 _SAMPLES_PER_TENSOR = 4096
@@ -150,11 +152,12 @@ class _Fingerprints:
         self._lock = threading.Lock()
 
     def __call__(self, module: torch.nn.Module) -> str:
-        tensors = list(module.named_parameters()) + list(module.named_buffers())
-        signature = tuple((name, id(t), t._version) for name, t in tensors)
+        signature = tuple((id(t), t._version) for sub in submodules(module)
+                          for group in (sub._parameters, sub._buffers) for t in group.values() if t is not None)
         with self._lock:
             memo = self._memo.get(module)
         if memo is None or memo[0] != signature:
+            tensors = list(module.named_parameters()) + list(module.named_buffers())
             memo = (signature, _weights_digest(module, tensors))
             with self._lock:
                 self._memo[module] = memo
@@ -230,11 +233,11 @@ def encoder_namespace(
         family: which encode function produced the embedding ("flux", "sd3", ...): the same encoders can give
             different embeddings in different families (e.g. a penultimate CLIP layer).
         tokenizers: the encoders' tokenizers; their class, vocabulary size and max length join the key.
-        execution_device: `pipe._execution_device` if the caller has it (computing it walks every module).
+        execution_device: `pipe._execution_device` if the caller has it (module_scan.execution_device otherwise).
         options: everything else that changes the embedding: max_sequence_length, lora_scale, clip_skip, ...
     """
     if execution_device is None:
-        execution_device = pipe._execution_device
+        execution_device = current_execution_device(pipe)
     return (
         ("family", family),
         ("model", getattr(pipe, "name_or_path", None) or f"<{type(pipe).__name__} at {id(pipe):#x}>"),

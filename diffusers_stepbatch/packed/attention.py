@@ -46,6 +46,14 @@ def resolve(method: str, device: torch.device, dtype: torch.dtype) -> str:
     return method
 
 
+def check_can_run(method: str, model: torch.nn.Module) -> None:
+    """`resolve`'s ValueError, raised in the caller before a request is queued; reads the model's device and
+    dtype (a walk over its modules in diffusers) only for "varlen", the one backend that needs either."""
+    check_packed_attention(method)
+    if method == "varlen":
+        resolve(method, model.device, model.dtype)
+
+
 def flat_attend(layout, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
                 values: Sequence[torch.Tensor], method: str) -> list[torch.Tensor]:
     """`layout.attend` for the one-sequence backends ("flex", "varlen"): same inputs, same outputs."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from ..module_scan import own_attribute, walk
+
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
@@ -15,16 +17,16 @@ def unsupported_reason(transformer, processor_class: type) -> str | None:
     forward from outside is a reason to keep to per-size batches: another attention processor (IP-Adapter,
     custom kernels), fused projections, diffusers hooks (caches, layer skipping) or a model-level offload hook.
     """
-    if getattr(transformer, "_hf_hook", None) is not None:
+    if own_attribute(transformer, "_hf_hook") is not None:
         return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
-    for name, module in transformer.named_modules():
-        registry = getattr(module, "_diffusers_hook", None)
+    for name, module in walk(transformer):
+        registry = own_attribute(module, "_diffusers_hook")
         if registry is not None and registry.hooks:
             return f"diffusers hooks {sorted(registry.hooks)} are registered on {name or 'the transformer'}"
-        processor = getattr(module, "processor", None)
+        processor = own_attribute(module, "processor")
         if processor is not None and type(processor) is not processor_class:
             return f"{name} uses {type(processor).__name__}, not {processor_class.__name__}"
-        if getattr(module, "fused_projections", False):
+        if own_attribute(module, "fused_projections"):
             return f"{name} has fused QKV projections"
     return None
 

@@ -27,6 +27,7 @@ import torch
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import NamedKey, named_key
+from ..module_scan import own_attribute, submodules
 from .request_state import active_view
 
 _ids = itertools.count()
@@ -36,8 +37,8 @@ _turns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _stateful_hooks(model: torch.nn.Module) -> list[Any]:
     hooks = []
-    for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
+    for module in submodules(model):
+        registry = own_attribute(module, "_diffusers_hook")
         if registry is not None:
             hooks += [hook for hook in registry.hooks.values() if getattr(hook, "_is_stateful", False)]
     return hooks

@@ -40,13 +40,14 @@ from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
-from ..packed.attention import resolve as resolve_packed_attention
+from ..packed.attention import check_can_run as check_packed_attention_runs
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .cfg import transformer_activation_bytes
+from ..module_scan import execution_device
 from .options import ProgramOptions, current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -116,7 +117,7 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
 
     options = current_options()
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
-    resolve_packed_attention(options.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
+    check_packed_attention_runs(options.packed_attention, pipe.transformer)
     branches = 2 if do_true_cfg else 1
     teacache = options.teacache.states("flux", steps, branches) if options.teacache is not None else None
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
@@ -170,7 +171,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     view._joint_attention_kwargs = args["joint_attention_kwargs"] or {}
     view._current_timestep = None
     view._interrupt = False
-    device = pipe._execution_device
+    device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = view._joint_attention_kwargs.get("scale")
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.

@@ -33,7 +33,7 @@ from ..adapters.state import (
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
-from ..packed.attention import resolve as resolve_packed_attention
+from ..packed.attention import check_can_run as check_packed_attention_runs
 from ..packed.qwenimage import (
     QwenImagePart,
     packed_row_order,
@@ -44,6 +44,7 @@ from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
+from ..module_scan import execution_device
 from .options import current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -112,7 +113,7 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters,
                          packed_attention=current_options().packed_attention)
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
-    resolve_packed_attention(call.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
+    check_packed_attention_runs(call.packed_attention, pipe.transformer)
     rows = num_images * (2 if do_true_cfg else 1)
     program = qwenimage_program(pipe, request_pipeline(pipe), call)
     tokens = (latent_h // 2) * (latent_w // 2)
@@ -127,7 +128,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     view._attention_kwargs = args["attention_kwargs"] or {}
     view._current_timestep = None
     view._interrupt = False
-    device = pipe._execution_device
+    device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     attention_kwargs = without_lora_scale(view._attention_kwargs)

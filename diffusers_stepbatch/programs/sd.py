@@ -18,6 +18,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 from ..adapters.ip_adapter import bind_scale_setter, ip_image_embeds, plan_ip_adapter
 from ..adapters.state import text_lora_scale
 from ..engine.batch import WorkItem
+from ..module_scan import execution_device
 from .registry import PlannedRequest, register_program, request_pipeline
 from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
 from .validation import as_list, check_latents
@@ -63,7 +64,7 @@ def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
     view._clip_skip = args["clip_skip"]
     view._cross_attention_kwargs = args["cross_attention_kwargs"]
     view._interrupt = False
-    device = pipe._execution_device
+    device = execution_device(pipe)
     lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
     lora_scale, text_adapters = text_lora_scale([pipe.text_encoder], lora_scale)
 

@@ -36,12 +36,13 @@ from ..adapters.state import (
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
-from ..packed.attention import resolve as resolve_packed_attention
+from ..packed.attention import check_can_run as check_packed_attention_runs
 from ..packed.layout import PackedLayout
 from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..packed.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
+from ..module_scan import execution_device
 from .options import current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -115,7 +116,7 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
                    ip=plan_sd3_ip_adapter(pipe, args, do_cfg),
                    packed_attention=current_options().packed_attention)
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
-    resolve_packed_attention(call.packed_attention, pipe.transformer.device, pipe.transformer.dtype)
+    check_packed_attention_runs(call.packed_attention, pipe.transformer)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
@@ -139,7 +140,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     view._clip_skip = args["clip_skip"]
     view._joint_attention_kwargs = args["joint_attention_kwargs"]
     view._interrupt = False
-    device = pipe._execution_device
+    device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = (view._joint_attention_kwargs or {}).get("scale")
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.

@@ -35,6 +35,7 @@ from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
+from ..module_scan import execution_device
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -148,7 +149,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
     view._cross_attention_kwargs = args["cross_attention_kwargs"]
     view._denoising_end = args["denoising_end"]
     view._interrupt = False
-    device = pipe._execution_device
+    device = execution_device(pipe)
     lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2],
                                                 (args["cross_attention_kwargs"] or {}).get("scale"))
 

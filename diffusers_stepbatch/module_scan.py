@@ -1,0 +1,117 @@
+"""Per-request module scans that stay cheap: the prologue of every request walks the pipeline's models.
+
+A request's prologue asks what its pipeline looks like right now (the execution device, hooks on the
+transformer, attention processors, text-encoder weights), because a user may move, offload, hook or patch a
+pipeline between calls and the next request must see it. `nn.Module.named_modules()` and attribute reads
+through `nn.Module.__getattr__` cost ~1 us per module and diffusers' `_execution_device` walks some models
+three times; with N callers those walks run one after another under the GIL while the engine waits for
+rows (measured: 3.3 of 7 ms of a tiny Flux request's prologue). The walks here read the same facts from the
+modules' own dicts, about 3x faster, and the execution device is remembered for as long as nothing it
+depends on has changed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_ACCELERATE_HOOK = "_hf_hook"  # accelerate's offload hooks (enable_model_cpu_offload, sequential offload)
+_DIFFUSERS_HOOKS = "_diffusers_hook"  # diffusers' HookRegistry (group offloading, caches, layer skipping)
+
+
+def walk(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """`module.named_modules()`: the same (name, module) pairs in the same order, without its generator chain."""
+    seen: set[int] = set()
+    stack = [("", module)]
+    while stack:
+        name, current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield name, current
+        children = current._modules
+        if children:
+            stack.extend((f"{name}.{key}" if name else key, child)
+                         for key, child in reversed(children.items()) if child is not None)
+
+
+def submodules(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`module.modules()`, as `walk` without the names (the scans that only ask whether something is there)."""
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        children = current._modules
+        if children:
+            stack.extend(child for child in reversed(children.values()) if child is not None)
+
+
+def own_attribute(module: torch.nn.Module, name: str) -> Any:
+    """`getattr(module, name, None)` for attributes set on the instance (hooks, processors, flags), read from its
+    dicts instead of through `nn.Module.__getattr__`'s raise-and-catch path; class attributes are looked up last."""
+    value = module.__dict__.get(name)
+    if value is None:
+        value = module._modules.get(name)
+    if value is None and name not in module.__dict__:
+        value = getattr(type(module), name, None)
+    return value
+
+
+def carries_hooks(module: torch.nn.Module) -> bool:
+    """Whether an accelerate or diffusers hook sits on `module` or any of its submodules."""
+    return any(_ACCELERATE_HOOK in sub.__dict__ or _DIFFUSERS_HOOKS in sub.__dict__ for sub in submodules(module))
+
+
+def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | None]:
+    parameter = next(module.parameters(), None)
+    buffer = next(module.buffers(), None) if parameter is None else None
+    return (str(parameter.device) if parameter is not None else None,
+            str(buffer.device) if buffer is not None else None)
+
+
+class _ExecutionDevices:
+    """`pipe._execution_device`, remembered per pipeline while what it depends on stays the same.
+
+    Without offload hooks, diffusers returns `pipe.device`: the device of the first (accelerator-first)
+    component's first parameter or buffer. So the answer is kept, keyed on every component's identity and
+    first tensor's device, for pipelines whose models carry no hook at all; a hook anywhere (model or
+    sequential CPU offload, group offloading, caches) sends the question to diffusers itself, every time.
+    """
+
+    def __init__(self):
+        self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, pipe: Any) -> torch.device:
+        from diffusers import DiffusionPipeline
+
+        cls = type(pipe)
+        if cls._execution_device is not DiffusionPipeline._execution_device or cls.device is not DiffusionPipeline.device:
+            return pipe._execution_device  # a pipeline that answers in its own way
+        signature = []
+        for name, component in pipe.components.items():
+            if not isinstance(component, torch.nn.Module):
+                continue
+            if carries_hooks(component):
+                return pipe._execution_device
+            signature.append((name, id(component), _first_tensor_device(component)))
+        signature = tuple(signature)
+        with self._lock:
+            memo = self._memo.get(pipe)
+        if memo is not None and memo[0] == signature:
+            return memo[1]
+        device = pipe._execution_device
+        with self._lock:
+            self._memo[pipe] = (signature, device)
+        return device
+
+
+execution_device = _ExecutionDevices()
