@@ -10,6 +10,9 @@ so a request may alternate between packed and ordinary calls.
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,18 +68,22 @@ def flux_token_streams(parts: Sequence[FluxPart]) -> list[torch.Tensor]:
 
 
 def _layout(parts):
-    return PackedLayout(
-        rows=[p.hidden_states.shape[0] for p in parts],
-        lengths=[(p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts],
-        device=parts[0].hidden_states.device,
-    )
+    return _cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
+                          tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
+                          parts[0].hidden_states.device)
 
 
 def _joint_layout(layout: PackedLayout) -> PackedLayout:
     # NOTE: the single blocks' one stream: a row's text and image tokens side by side, as the model's
     # torch.cat([encoder, hidden], dim=1) has them, so attention reads each part as a view.
-    return PackedLayout(layout.rows, [(text + image,) for text, image in layout.lengths],
-                        device=layout.token_rows[0].device)
+    return _cached_layout(tuple(layout.rows), tuple((text + image,) for text, image in layout.lengths),
+                          layout.token_rows[0].device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(rows: tuple, lengths: tuple, device: torch.device) -> PackedLayout:
+    # NOTE: the same few shapes recur step after step; building a layout is ~30 small kernels (aranges, repeats).
+    return PackedLayout(rows, lengths, device=device)
 
 
 @apply_lora_scale("joint_attention_kwargs")
@@ -111,7 +118,34 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
 
 def _part_rotary(transformer, parts):
     """Per part, the model's (cos, sin) of its text then image positions (one row's worth)."""
-    return [transformer.pos_embed(torch.cat((part.txt_ids, part.img_ids), dim=0)) for part in parts]
+    return [_rotary(transformer.pos_embed, part.txt_ids, part.img_ids) for part in parts]
+
+
+# id(img_ids) -> (img_ids, pos_embed, txt_ids as weak references, versions, (cos, sin)). NOTE: a part's ids are
+# its first request's, the same tensors at each of its steps, so their rotary embedding is computed once per
+# request instead of once per step. (Keyed by id: tensors compare by value, so they can't key a WeakKeyDictionary.)
+_ROTARY: dict[int, tuple] = {}
+_ROTARY_LOCK = threading.Lock()
+
+
+def _rotary(pos_embed, txt_ids: torch.Tensor, img_ids: torch.Tensor):
+    versions = (txt_ids._version, img_ids._version)
+    with _ROTARY_LOCK:
+        cached = _ROTARY.get(id(img_ids))
+    if (cached is not None and cached[0]() is img_ids and cached[1]() is pos_embed and cached[2]() is txt_ids
+            and cached[3] == versions):
+        return cached[4]
+    rotary = pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    with _ROTARY_LOCK:
+        if cached is None or cached[0]() is not img_ids:  # NOTE: forget the entry when the ids are collected
+            weakref.finalize(img_ids, _forget_rotary, id(img_ids))
+        _ROTARY[id(img_ids)] = (weakref.ref(img_ids), weakref.ref(pos_embed), weakref.ref(txt_ids), versions, rotary)
+    return rotary
+
+
+def _forget_rotary(key: int) -> None:
+    with _ROTARY_LOCK:
+        _ROTARY.pop(key, None)
 
 
 def _stream_rotary(layout, part_rotary):
