@@ -38,9 +38,10 @@ from diffusers_stepbatch.testing import tiny_flux_pipeline  # noqa: E402
 # NOTE: with 8 rows the tiny transformer at throughput.py's 256 px (256 tokens) is already compute-dominated
 # (a profile of the packed call: attention, matmuls and GELU ~60%, packing's gathers and copies ~10%), so
 # the overhead-bound mix uses thumbnail sizes, where a forward's fixed cost dominates. Image tokens are
-# (side / (2 x vae_scale_factor))^2 with vae_scale_factor = 2 ** (--vae-blocks - 1): with the default 2 blocks
-# 64-256 tokens for the overhead-bound mix (the recorded runs) and 16384 for 512 px, which is why the
-# compute-bound mix is run with --vae-blocks 4 (throughput.py's pipeline: 512 px = 1024 tokens).
+# (side / (2 x vae_scale_factor))^2 with vae_scale_factor = 2 ** (--vae-blocks - 1). The default 4 blocks is
+# throughput.py's pipeline (vae_scale_factor 8): 4-16 image tokens per row for the overhead-bound mix (the grids
+# of packed_forward.py) and 256-1024 for the compute-bound one. --vae-blocks 2 gives the overhead-bound mix
+# 64-256 tokens per row (~1,750 per packed call), between the two regimes.
 SIZE_MIXES = {
     "overhead-bound": [(64, 64), (32, 32), (48, 80), (80, 48)],
     "compute-bound": [(512, 512), (256, 256), (384, 640), (640, 384)],
@@ -89,7 +90,7 @@ def call_stats(sb: StepBatched, calls_before: int) -> dict:
             "packed_calls": stats["mixed"]["calls"], "tokens_per_packed_call": stats["mixed"]["tokens_per_call"]}
 
 
-def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int], vae_blocks: int = 2) -> dict:
+def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int], vae_blocks: int = 4) -> dict:
     workload = WORKLOADS[workload_name]
     sizes = SIZE_MIXES[workload_name]
     pipe = tiny_flux_pipeline(size=workload.size, vae_blocks=vae_blocks)
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--vae-blocks", type=int, default=2, help="tiny VAE depth: vae_scale_factor 2 ** (n - 1)")
+    parser.add_argument("--vae-blocks", type=int, default=4, help="tiny VAE depth: vae_scale_factor 2 ** (n - 1)")
     parser.add_argument("--workloads", nargs="+", default=list(SIZE_MIXES), choices=list(SIZE_MIXES))
     parser.add_argument("--smoke", action="store_true", help="2 requests x 2 steps, overhead-bound only, 1 round")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_resolution.json")

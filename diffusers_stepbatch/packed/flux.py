@@ -148,6 +148,28 @@ def _forget_rotary(key: int) -> None:
         _ROTARY.pop(key, None)
 
 
+def _same_as_last_call(fn):
+    """Memo of the last call of `fn(layout, part_rotary)`: the same requests usually pack again at the next
+    step, with the same (cached, `_rotary`) part embeddings. The memo holds those, so their ids stay theirs."""
+    last: list = [None]
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def memoized(layout, part_rotary):
+        key = (tuple(layout.rows), tuple(layout.lengths), tuple(map(id, part_rotary)))
+        with lock:
+            entry = last[0]
+        if entry is not None and entry[0] == key:
+            return entry[2]
+        result = fn(layout, part_rotary)
+        with lock:
+            last[0] = (key, list(part_rotary), result)
+        return result
+
+    return memoized
+
+
+@_same_as_last_call
 def _stream_rotary(layout, part_rotary):
     """Per stream (text, image), (cos, sin) for every packed token: each part's positions, repeated per row."""
     per_stream = [([], []) for _ in range(2)]
@@ -158,6 +180,7 @@ def _stream_rotary(layout, part_rotary):
     return [(torch.cat(cos), torch.cat(sin)) for cos, sin in per_stream]
 
 
+@_same_as_last_call
 def _joint_rotary(layout, part_rotary):
     """(cos, sin) for every token of the joint stream (`_joint_layout`)."""
     return tuple(torch.cat([pair[i].repeat(part_rows, 1) for part_rows, pair in zip(layout.rows, part_rotary)])
