@@ -193,7 +193,7 @@ def measure_ceiling(pipe, workload: Workload, n: int, steps: int, repeats: int) 
 
 
 def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: int, pipe=None,
-                   rounds: int = 3) -> dict:
+                   rounds: int = 3, warmup_rounds: int = 3) -> dict:
     pipe = pipe or tiny_flux_pipeline(guidance_embeds=True, size=workload.size, vae_blocks=4)
     for _ in range(2):  # warm-up: first-call allocations and lazy initialisation
         in_worker_thread(lambda: pipe(**request_kwargs(0, workload, 2)))
@@ -205,9 +205,10 @@ def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: i
         # skips the encode that the sequential side and the ceiling both pay.
         return lambda i: request_kwargs(i + (r + 1) * 1000, workload, steps)
 
-    # NOTE: a server's engine is long-lived: one unmeasured round lets its cost model measure the batch sizes
-    # first (as the sequential side's warm-up calls do for the plain pipeline).
-    run_stepbatched(sb, round_kwargs(-1), n, closed)
+    # NOTE: a server's engine is long-lived: unmeasured rounds let its cost model measure the batch sizes first
+    # (as the sequential side's warm-up calls do for the plain pipeline).
+    for r in range(warmup_rounds):
+        run_stepbatched(sb, round_kwargs(-1 - r), n, closed)
     # Rounds interleave the three sides, so that a change in the machine's load between them moves all three.
     per_round = []
     for r in range(rounds):
@@ -332,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each raw ceiling measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three sides; medians")
+    parser.add_argument("--warmup-rounds", type=int, default=3, help="unmeasured StepBatched rounds first")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--family", default="flux", choices=["flux", *FAMILY_PIPELINES],
                         help="flux: both Flux workloads with the ceiling; others: tiny closed-loop comparison")
@@ -344,13 +346,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     if args.smoke:
         args.concurrency, args.steps, args.repeats, args.workloads, args.rounds = [2], 2, 1, ["overhead-bound"], 1
+        args.warmup_rounds = 1
     torch.manual_seed(args.seed)
     results = []
     for n in args.concurrency:
         if args.family == "flux":
             for name in args.workloads:
                 results.append(bench_workload(WORKLOADS[name], n, args.steps, args.repeats, args.seed,
-                                              rounds=args.rounds))
+                                              rounds=args.rounds, warmup_rounds=args.warmup_rounds))
                 print_result(results[-1])
         else:
             results.append(bench_family(args.family, n, args.steps))
