@@ -62,6 +62,8 @@ def own_attribute(module: torch.nn.Module, name: str) -> Any:
         value = module._modules.get(name)
     if value is None and name not in module.__dict__:
         value = getattr(type(module), name, None)
+        if hasattr(value, "__get__"):  # NOTE: a property or method of the class: its value on this instance
+            value = getattr(module, name, None)
     return value
 
 

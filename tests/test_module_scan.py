@@ -40,6 +40,16 @@ def test_own_attribute_reads_what_getattr_reads():
     attention = pipe.transformer.transformer_blocks[0].attn
     for name in ("processor", "fused_projections", "_diffusers_hook", "not_there", "training"):
         assert own_attribute(attention, name) is getattr(attention, name, None)
+    class WithProperty(torch.nn.Module):
+        flag = True
+
+        @property
+        def processor(self):
+            return "from a property"
+
+    with_property = WithProperty()
+    assert own_attribute(with_property, "processor") == "from a property"
+    assert own_attribute(with_property, "flag") is True
     module_processor = torch.nn.Linear(1, 1)  # a processor that is an nn.Module lives in _modules
     attention.processor = module_processor
     assert own_attribute(attention, "processor") is module_processor is attention.processor
