@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -25,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads (see throughput.py)
 
 import torch
-from throughput import WORKLOADS, in_worker_thread, request_kwargs, run_stepbatched
+from throughput import WORKLOADS, command_line, in_worker_thread, request_kwargs, run_stepbatched, write_report
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.programs.fused_update import FusedEuler
@@ -93,11 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['outside_share']:7.1%}{r['images_per_s']:10.2f}")
         print(f"{'':>8}  outside-model time, per request / fused: "
               f"{results[-1]['sides']['outside_model_ratio_per_request_over_fused']:.2f}x")
-    report = {"command": " ".join(["python", "benchmarks/engine_overhead.py", *(argv or sys.argv[1:])]),
+    report = {"command": command_line("benchmarks/engine_overhead.py", argv),
               "torch_threads": torch.get_num_threads(), "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return report
 
 

@@ -16,7 +16,6 @@ intra-op thread counts, and the best count per side is reported. Ratios are what
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from throughput import WORKLOADS, in_worker_thread, percentile  # noqa: E402
+from throughput import WORKLOADS, in_worker_thread, percentile, write_report  # noqa: E402
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched  # noqa: E402
 from diffusers_stepbatch.testing import tiny_flux_pipeline  # noqa: E402
@@ -172,9 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = bench(name, args.concurrency, args.steps, args.rounds, args.threads, args.vae_blocks)
         print_result(result)
         results["workloads"].append(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {args.out}")
+    write_report(args.out, results)
     return results
 
 

@@ -13,7 +13,6 @@ rows, so their cost adds up per burst. Measured in a worker thread at one intra-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from throughput import WORKLOADS, in_worker_thread, request_kwargs  # noqa: E402
+from throughput import WORKLOADS, command_line, in_worker_thread, request_kwargs, write_report  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.module_scan import execution_device, own_attribute, walk  # noqa: E402
@@ -102,11 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"({device['diffusers'] / device['module_scan']:.1f}x)")
     print(f"hook scan: named_modules {scan['named_modules']:.3f} ms, module_scan {scan['module_scan']:.3f} ms "
           f"({scan['named_modules'] / scan['module_scan']:.1f}x)")
-    report = {"command": " ".join(["python", "benchmarks/prologue.py", *(argv or sys.argv[1:])]),
-              "repeats": args.repeats, **result}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    report = {"command": command_line("benchmarks/prologue.py", argv), "repeats": args.repeats, **result}
+    write_report(args.out, report)
     return report
 
 

@@ -69,6 +69,18 @@ def in_worker_thread(fn, *args):
     return result["value"]
 
 
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How this run was started, for the JSON (`script` relative to the repository root)."""
+    return " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_report(out: Path, report: dict) -> None:
+    """The run's JSON, next to what it printed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out}")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(round(q * (len(ordered) - 1))), len(ordered) - 1)]
@@ -358,11 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             results.append(bench_family(args.family, n, args.steps))
             print_family(results[-1])
-    report = {"command": " ".join(["python", "benchmarks/throughput.py", *(argv or sys.argv[1:])]),
-              "torch_threads": torch.get_num_threads(), "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    report = {"command": command_line("benchmarks/throughput.py", argv), "torch_threads": torch.get_num_threads(),
+              "results": results}
+    write_report(args.out, report)
     return report
 
 
