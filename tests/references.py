@@ -1,5 +1,6 @@
 """Helpers shared by all tests: tiny offline pipelines (cached per config) and comparisons."""
 
+import contextlib
 import functools
 import threading
 import time
@@ -32,6 +33,16 @@ def seeded(kwargs: dict) -> dict:
     if seed is not None:
         kwargs["generator"] = torch.Generator().manual_seed(seed)
     return kwargs
+
+
+@contextlib.contextmanager
+def ip_adapter_scale(pipe, scale, restore: float):
+    """`pipe`'s IP-Adapter scale is `scale` inside, `restore` again after (test pipelines are shared)."""
+    pipe.set_ip_adapter_scale(scale)
+    try:
+        yield
+    finally:
+        pipe.set_ip_adapter_scale(restore)
 
 
 def max_diff(a, b) -> float:

@@ -13,7 +13,7 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.programs.cfg import CFGPolicy
 from diffusers_stepbatch.testing import add_random_ip_adapter, tiny_flux_pipeline, tiny_sd_pipeline, tiny_sdxl_pipeline
 
-from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
+from .references import TOLERANCE, count_forwards, engine_held, ip_adapter_scale, max_diff, seeded
 
 BUILDERS = {"sd": tiny_sd_pipeline, "sdxl": tiny_sdxl_pipeline,
             "flux": functools.partial(tiny_flux_pipeline, guidance_embeds=True)}
@@ -77,11 +77,8 @@ def plain_run(pipe, kwargs, scale):
         scale, kwargs["ip_adapter_image_embeds"] = 0.0, [torch.zeros_like(given_embeds(pipe, 0, 1 if flux else 2)[0])]
         if flux:
             kwargs["negative_ip_adapter_image_embeds"] = kwargs["ip_adapter_image_embeds"]
-    pipe.set_ip_adapter_scale(scale)
-    try:
+    with ip_adapter_scale(pipe, scale, restore=1.0):
         return pipe(**seeded(kwargs)).images
-    finally:
-        pipe.set_ip_adapter_scale(1.0)
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
@@ -120,12 +117,8 @@ def test_a_request_alone_with_an_image_equals_diffusers(family):
     if family == "flux":
         kwargs.update(max_sequence_length=16, guidance_scale=3.5, **FLUX_CFG)
     expected = plain_run(pipe, kwargs, 0.8)
-    pipe.set_ip_adapter_scale(0.8)
-    try:
-        with StepBatched(pipe) as sb:
-            got = sb(**seeded(kwargs)).images
-    finally:
-        pipe.set_ip_adapter_scale(1.0)
+    with ip_adapter_scale(pipe, 0.8, restore=1.0), StepBatched(pipe) as sb:
+        got = sb(**seeded(kwargs)).images
     assert max_diff(got, expected) <= TOLERANCE
 
 

@@ -14,7 +14,7 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 from diffusers_stepbatch.testing import add_random_ip_adapter, tiny_sd_pipeline, tiny_sdxl_pipeline
 
-from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
+from .references import TOLERANCE, count_forwards, engine_held, ip_adapter_scale, max_diff, seeded
 
 BUILDERS = {"sd": tiny_sd_pipeline, "sdxl": tiny_sdxl_pipeline}
 MASKS = "denoise: ip_adapter: masks (shapes, or none)"
@@ -48,11 +48,8 @@ def kwargs_for(prompt="a red circle", seed=0, **extra):
 
 
 def plain_run(pipe, kwargs, scale):
-    pipe.set_ip_adapter_scale(scale)
-    try:
+    with ip_adapter_scale(pipe, scale, restore=1.0):
         return pipe(**seeded(kwargs)).images
-    finally:
-        pipe.set_ip_adapter_scale(1.0)
 
 
 def run_in_lockstep(pipe, cases):

@@ -13,7 +13,7 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 from diffusers_stepbatch.testing import add_random_sd3_ip_adapter, tiny_sd3_pipeline
 
-from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
+from .references import TOLERANCE, count_forwards, engine_held, ip_adapter_scale, max_diff, seeded
 
 
 @functools.cache
@@ -37,11 +37,8 @@ def given_embeds(seed, rows=2, tokens=16):
 
 
 def plain_run(pipe, kwargs, scale):
-    pipe.set_ip_adapter_scale(scale)
-    try:
+    with ip_adapter_scale(pipe, scale, restore=0.5):
         return pipe(**seeded(kwargs)).images
-    finally:
-        pipe.set_ip_adapter_scale(0.5)
 
 
 def run_in_lockstep(pipe, cases):
@@ -92,12 +89,8 @@ def test_an_image_at_scale_zero_is_the_text_only_model_as_in_the_pipeline():
     pipe = ip_pipe()
     kwargs = kwargs_for(ip_adapter_image=image(3))
     expected = plain_run(pipe, kwargs, 0.0)
-    pipe.set_ip_adapter_scale(0.0)
-    try:
-        with StepBatched(pipe) as sb:
-            got = sb(**seeded(kwargs)).images
-    finally:
-        pipe.set_ip_adapter_scale(0.5)
+    with ip_adapter_scale(pipe, 0.0, restore=0.5), StepBatched(pipe) as sb:
+        got = sb(**seeded(kwargs)).images
     assert max_diff(got, expected) <= TOLERANCE
 
 
