@@ -69,18 +69,7 @@ def own_attribute(module: torch.nn.Module, name: str) -> Any:
 
 def carries_hooks(module: torch.nn.Module) -> bool:
     """Whether an accelerate or diffusers hook sits on `module` or any of its submodules."""
-    seen: set[int] = set()
-    stack = [module]
-    while stack:  # NOTE: `submodules` inlined: this runs for every component of every request
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        attributes = current.__dict__
-        if _ACCELERATE_HOOK in attributes or _DIFFUSERS_HOOKS in attributes:
-            return True
-        stack.extend(child for child in current._modules.values() if child is not None)
-    return False
+    return any(_ACCELERATE_HOOK in sub.__dict__ or _DIFFUSERS_HOOKS in sub.__dict__ for sub in submodules(module))
 
 
 def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | None]:

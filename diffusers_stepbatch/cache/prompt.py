@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from ..engine.batch import WorkItem
-from ..module_scan import execution_device as current_execution_device
-from ..module_scan import submodules
+from ..module_scan import execution_device as current_execution_device, submodules
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 _SAMPLES_PER_TENSOR = 4096

@@ -40,6 +40,7 @@ from ..cache.teacache import TeaCacheState, flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
+from ..module_scan import execution_device
 from ..packed.attention import check_can_run as check_packed_attention_runs
 from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
 from ..packed.support import extra_attention_kwargs, packing_refused
@@ -47,7 +48,6 @@ from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .cfg import transformer_activation_bytes
-from ..module_scan import execution_device
 from .options import ProgramOptions, current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline

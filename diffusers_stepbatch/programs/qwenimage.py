@@ -33,6 +33,7 @@ from ..adapters.state import (
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
+from ..module_scan import execution_device
 from ..packed.attention import check_can_run as check_packed_attention_runs
 from ..packed.qwenimage import (
     QwenImagePart,
@@ -44,7 +45,6 @@ from ..packed.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
-from ..module_scan import execution_device
 from .options import current_options
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline

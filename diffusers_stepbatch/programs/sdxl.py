@@ -33,9 +33,9 @@ from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lor
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
+from ..module_scan import execution_device
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
-from ..module_scan import execution_device
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
