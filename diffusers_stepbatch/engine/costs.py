@@ -2,8 +2,10 @@
 
 Batching is not free: a compute-bound forward of 8 rows can take longer than 8 forwards of one row. The
 engine reports every call's time here; when a group of work items is ready, `chunk()` picks the split
-into forwards with the least estimated total time. Sizes not measured yet are tried once (the whole group
-first), and every `explore_every` decisions one split is measured again so the estimates follow the
+into forwards with the least estimated total time. Splits not measured yet are tried (the whole group first,
+then halves, quarters, ... while splitting helps); a size between two measured sizes counts as measured
+(interpolated), so that traffic whose group sizes change every time (2 + 6 rows, then 1 + 7, ...) concludes
+in a few groups. Every `explore_every` decisions one split is measured again so the estimates follow the
 machine's load. Pure Python: no torch, tested with made-up timings.
 """
 
@@ -64,15 +66,26 @@ class BatchCostModel:
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
-        self._warmed: set[tuple[Hashable, int]] = set()
+        self._warmed: set[Hashable] = set()
+        self._provisional: set[tuple[Hashable, int]] = set()
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
-        # NOTE: the first call at a new shape pays one-time costs (allocations, lazy init); one such outlier
-        # would otherwise decide the exploration, so it is not recorded.
-        if (key, rows) not in self._warmed:
-            self._warmed.add((key, rows))
+        # NOTE: a key's first call pays one-time costs (lazy initialisation, first allocations); such an outlier
+        # would decide the exploration, so it is not recorded. The first call at each further row count may pay
+        # that shape's own (allocator growth): it stands in for that size until the next call there replaces
+        # it, so that exploring a size takes one call, not two.
+        if key not in self._warmed:
+            self._warmed.add(key)
             return
-        self._samples[key].setdefault(rows, deque(maxlen=self.window)).append(seconds)
+        samples = self._samples[key].get(rows)
+        if samples is None:
+            self._samples[key][rows] = deque([seconds], maxlen=self.window)
+            self._provisional.add((key, rows))
+            return
+        if (key, rows) in self._provisional:
+            self._provisional.discard((key, rows))
+            samples.clear()
+        samples.append(seconds)
 
     def estimate(self, key: Hashable, rows: int) -> float | None:
         """Median measured seconds for `rows`, else linear interpolation between the nearest measured sizes."""
@@ -93,7 +106,9 @@ class BatchCostModel:
         return self.estimate(key, nearest) * rows / nearest
 
     def is_measured(self, key: Hashable, rows: int) -> bool:
-        return rows in self._samples.get(key, {})
+        """Measured at `rows`, or at sizes on both sides of it (then `estimate` interpolates)."""
+        measured = self._samples.get(key, {})
+        return rows in measured or (any(size < rows for size in measured) and any(size > rows for size in measured))
 
     def chunk(self, key: Hashable, item_rows: Sequence[int]) -> list[list[int]]:
         """Split items (given by their row counts) into forwards; returns index lists in order."""
