@@ -9,8 +9,10 @@ aspect ratios. Sides, each on its own `StepBatched` that is kept warm across rou
 - per-size: `StepBatched(pipe, mixed_resolution=False)`: one batched forward per size;
 - packed: `StepBatched(pipe)`: the engine packs sizes into one forward where it measured that to pay;
 - packed-always: `SchedulerConfig(cost_aware=False)`: every group of sizes packs (the mechanism alone).
-Rounds interleave the sides; every side runs its model calls off the main thread and at each of `--threads`
-intra-op thread counts, and the best count per side is reported. Ratios are what to read, not seconds.
+After `--warmup-rounds` unmeasured rounds, every round runs every side at each of `--threads` intra-op thread
+counts (model calls off the main thread); each side is reported at its best count, and ratios are medians of
+each round's own ratio (so a change in the machine's load between rounds moves both sides of it). Ratios are
+what to read, not seconds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from throughput import WORKLOADS, in_worker_thread, percentile, write_report  # noqa: E402
+from throughput import WORKLOADS, command_line, in_worker_thread, percentile, write_report  # noqa: E402
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched  # noqa: E402
 from diffusers_stepbatch.testing import tiny_flux_pipeline  # noqa: E402
@@ -82,14 +84,19 @@ def sequential(pipe, n: int, sizes, steps: int) -> dict:
     return in_worker_thread(run)
 
 
-def call_stats(sb: StepBatched, calls_before: int) -> dict:
+def call_stats(sb: StepBatched, before: dict) -> dict:
+    """This round's denoise calls: how many, rows per call, packed calls and tokens per packed call."""
     stats = sb.stats()
-    denoise = [rows for _, rows in stats["denoise_rows_over_time"]][calls_before:]
+    denoise = [rows for _, rows in stats["denoise_rows_over_time"]][len(before["denoise_rows_over_time"]):]
+    packed = stats["mixed"]["calls"] - before["mixed"]["calls"]
+    tokens = stats["mixed"]["tokens_per_call"] * stats["mixed"]["calls"] - (
+        before["mixed"]["tokens_per_call"] * before["mixed"]["calls"])
     return {"denoise_calls": len(denoise), "rows_per_call": statistics.fmean(denoise) if denoise else 0.0,
-            "packed_calls": stats["mixed"]["calls"], "tokens_per_packed_call": stats["mixed"]["tokens_per_call"]}
+            "packed_calls": packed, "tokens_per_packed_call": tokens / packed if packed else 0.0}
 
 
-def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int], vae_blocks: int = 4) -> dict:
+def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int], vae_blocks: int = 4,
+          warmup_rounds: int = 3) -> dict:
     workload = WORKLOADS[workload_name]
     sizes = SIZE_MIXES[workload_name]
     pipe = tiny_flux_pipeline(size=workload.size, vae_blocks=vae_blocks)
@@ -98,43 +105,55 @@ def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int
         "packed": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n)),
         "packed-always": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n, cost_aware=False)),
     }
-    runs: dict[tuple[str, int], list[dict]] = {}
-    details: dict[str, dict] = {}
     for count in threads:
         torch.set_num_threads(count)
-        for side, sb in engines.items():  # warm-up round: the cost model explores its options here
-            closed_loop(sb, n, sizes, steps)
+        # NOTE: unmeasured rounds first, as a long-lived server's engine has had: its cost models explore here
+        for _ in range(warmup_rounds):
+            for sb in engines.values():
+                closed_loop(sb, n, sizes, steps)
         sequential(pipe, 1, sizes, steps)
-        for _ in range(rounds):
+    # Every round runs every side at every thread count, so that a change in the machine's load moves them all.
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(rounds):
+        for count in threads:
+            torch.set_num_threads(count)
             runs.setdefault(("sequential", count), []).append(sequential(pipe, n, sizes, steps))
             for side, sb in engines.items():
-                before = len(sb.stats()["denoise_rows_over_time"])
-                runs.setdefault((side, count), []).append(closed_loop(sb, n, sizes, steps))
-                details[f"{side}@{count}"] = call_stats(sb, before)
+                before = sb.stats()
+                run = closed_loop(sb, n, sizes, steps)
+                runs.setdefault((side, count), []).append({**run, **call_stats(sb, before)})
     for sb in engines.values():
         sb.close()
 
-    result = {"workload": workload_name, "sizes": sizes, "concurrency": n, "steps": steps,
-              "vae_scale_factor": pipe.vae_scale_factor, "sides": {}}
+    result = {"workload": workload_name, "sizes": sizes, "concurrency": n, "steps": steps, "rounds": rounds,
+              "warmup_rounds": warmup_rounds, "vae_scale_factor": pipe.vae_scale_factor, "sides": {}}
     for side in ("sequential", "per-size", "packed", "packed-always"):
         per_count = {}
         for count in threads:
-            walls = [r["wall_s"] for r in runs[(side, count)]]
-            latencies = [lat for r in runs[(side, count)] for lat in r["latencies"]]
-            per_count[count] = {"throughput_images_per_s": n / statistics.median(walls),
+            side_runs = runs[(side, count)]
+            latencies = [lat for r in side_runs for lat in r["latencies"]]
+            per_count[count] = {"throughput_images_per_s": n / statistics.median(r["wall_s"] for r in side_runs),
                                 "latency_p50_s": percentile(latencies, 0.5),
-                                "latency_p95_s": percentile(latencies, 0.95),
-                                **details.get(f"{side}@{count}", {})}
+                                "latency_p95_s": percentile(latencies, 0.95)}
+            for name in ("denoise_calls", "rows_per_call", "packed_calls", "tokens_per_packed_call"):
+                if name in side_runs[0]:
+                    per_count[count][name] = statistics.median(r[name] for r in side_runs)
         best = max(per_count, key=lambda c: per_count[c]["throughput_images_per_s"])
         result["sides"][side] = {"best_threads": best, **per_count[best],
                                  "by_threads": {str(c): v for c, v in per_count.items()}}
-    sides = result["sides"]
-    result["packed_vs_per_size"] = (sides["packed"]["throughput_images_per_s"]
-                                    / sides["per-size"]["throughput_images_per_s"])
-    result["packed_vs_sequential"] = (sides["packed"]["throughput_images_per_s"]
-                                      / sides["sequential"]["throughput_images_per_s"])
-    result["packed_always_vs_per_size"] = (sides["packed-always"]["throughput_images_per_s"]
-                                           / sides["per-size"]["throughput_images_per_s"])
+
+    def ratio(side: str, baseline: str) -> float:
+        """Median over rounds of the round's own ratio, each side at its best thread count."""
+        a = runs[(side, result["sides"][side]["best_threads"])]
+        b = runs[(baseline, result["sides"][baseline]["best_threads"])]
+        return statistics.median(y["wall_s"] / x["wall_s"] for x, y in zip(a, b))
+
+    result["packed_vs_per_size"] = ratio("packed", "per-size")
+    result["packed_vs_sequential"] = ratio("packed", "sequential")
+    result["packed_always_vs_per_size"] = ratio("packed-always", "per-size")
+    result["packed_vs_per_size_per_round"] = [y["wall_s"] / x["wall_s"] for x, y in zip(
+        runs[("packed", result["sides"]["packed"]["best_threads"])],
+        runs[("per-size", result["sides"]["per-size"]["best_threads"])])]
     return result
 
 
@@ -148,6 +167,7 @@ def print_result(result: dict) -> None:
               f"{row['latency_p50_s']:>7.3f} {row['latency_p95_s']:>7.3f} {row.get('denoise_calls', '-'):>6} "
               f"{row.get('rows_per_call', 0):>9.2f} {row.get('packed_calls', '-'):>6} "
               f"{row.get('tokens_per_packed_call', 0):>13.0f}")
+    print("packed / per-size per round: " + ", ".join(f"{r:.2f}" for r in result["packed_vs_per_size_per_round"]))
     print(f"packed / per-size: {result['packed_vs_per_size']:.2f}x   "
           f"packed / sequential: {result['packed_vs_sequential']:.2f}x   "
           f"packed-always / per-size: {result['packed_always_vs_per_size']:.2f}x")
@@ -158,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-rounds", type=int, default=3, help="unmeasured rounds per engine first")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vae-blocks", type=int, default=4, help="tiny VAE depth: vae_scale_factor 2 ** (n - 1)")
     parser.add_argument("--workloads", nargs="+", default=list(SIZE_MIXES), choices=list(SIZE_MIXES))
@@ -166,9 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         args.concurrency, args.steps, args.rounds, args.threads, args.workloads = 2, 2, 1, [1], ["overhead-bound"]
-    results = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "workloads": []}
+        args.warmup_rounds = 1
+    results = {"command": command_line("benchmarks/mixed_resolution.py", argv), "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d"), "workloads": []}
     for name in args.workloads:
-        result = bench(name, args.concurrency, args.steps, args.rounds, args.threads, args.vae_blocks)
+        result = bench(name, args.concurrency, args.steps, args.rounds, args.threads, args.vae_blocks,
+                       args.warmup_rounds)
         print_result(result)
         results["workloads"].append(result)
     write_report(args.out, results)
