@@ -9,10 +9,10 @@ aspect ratios. Sides, each on its own `StepBatched` that is kept warm across rou
 - per-size: `StepBatched(pipe, mixed_resolution=False)`: one batched forward per size;
 - packed: `StepBatched(pipe)`: the engine packs sizes into one forward where it measured that to pay;
 - packed-always: `SchedulerConfig(cost_aware=False)`: every group of sizes packs (the mechanism alone).
-After `--warmup-rounds` unmeasured rounds, every round runs every side at each of `--threads` intra-op thread
-counts (model calls off the main thread); each side is reported at its best count, and ratios are medians of
-each round's own ratio (so a change in the machine's load between rounds moves both sides of it). Ratios are
-what to read, not seconds.
+After `--warmup-rounds` unmeasured rounds, every round runs every side (in an order that rotates) at each
+of `--threads` intra-op thread counts (model calls off the main thread); each side is reported at its best
+count, and ratios are medians of each round's own ratio (so a change in the machine's load between rounds
+moves both sides of it). Ratios are what to read, not seconds.
 """
 
 from __future__ import annotations
@@ -112,13 +112,19 @@ def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int
             for sb in engines.values():
                 closed_loop(sb, n, sizes, steps)
         sequential(pipe, 1, sizes, steps)
-    # Every round runs every side at every thread count, so that a change in the machine's load moves them all.
+    # Every round runs every side at every thread count, so that a change in the machine's load moves them all;
+    # NOTE: the order of the sides rotates from round to round: the side that ran first after another one
+    # measured up to ~10% slower here.
     runs: dict[tuple[str, int], list[dict]] = {}
-    for _ in range(rounds):
+    sides = ["sequential", *engines]
+    for r in range(rounds):
         for count in threads:
             torch.set_num_threads(count)
-            runs.setdefault(("sequential", count), []).append(sequential(pipe, n, sizes, steps))
-            for side, sb in engines.items():
+            for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+                if side == "sequential":
+                    runs.setdefault((side, count), []).append(sequential(pipe, n, sizes, steps))
+                    continue
+                sb = engines[side]
                 before = sb.stats()
                 run = closed_loop(sb, n, sizes, steps)
                 runs.setdefault((side, count), []).append({**run, **call_stats(sb, before)})
