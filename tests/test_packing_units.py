@@ -71,6 +71,20 @@ def test_packing_follows_the_measurements(packed_seconds, separate_seconds, expe
     assert [packing.should_pack("flux", PARTS) for _ in range(5)] == [expected] * 5
 
 
+@pytest.mark.parametrize("item_rows, expected", [([[1, 1], [1]], False), ([[2], [1]], True), (None, True)])
+def test_per_shape_calls_are_estimated_at_their_own_best_split(item_rows, expected):
+    # NOTE: compute-bound: "small" runs 2 rows slower than 2 x 1 row, so its per-shape calls would split
+    costs = BatchCostModel()
+    for key, rows, seconds in [("small", 2, 0.05), ("small", 1, 0.01), ("large", 1, 0.03)]:
+        warm(costs, key, rows, seconds)
+    packing = PackingCostModel(costs, explore_every=0)
+    parts = [("small", 2), ("large", 1)]
+    for _ in range(2):
+        packing.observe("flux", parts, 0.06)  # above the split per-shape calls (0.05), below one call each (0.08)
+    assert packing.separate_estimate(parts, item_rows) == pytest.approx(0.05 if item_rows == [[1, 1], [1]] else 0.08)
+    assert packing.should_pack("flux", parts, item_rows) is expected
+
+
 def test_unseen_mixes_are_estimated_from_the_measured_ratio_and_explored_again():
     costs = BatchCostModel()
     packing = PackingCostModel(costs, explore_every=10)

@@ -208,8 +208,10 @@ class EngineCore:
             else:
                 calls.extend(self._chunk(group_key, members))
         for pack_key, group_keys in packable.items():
-            parts = [(group_key, sum(r.pending.rows for r in groups[group_key])) for group_key in group_keys]
-            if len(group_keys) > 1 and (not self.config.cost_aware or self.packing.should_pack(pack_key, parts)):
+            item_rows = [[r.pending.rows for r in groups[group_key]] for group_key in group_keys]
+            parts = [(group_key, sum(rows)) for group_key, rows in zip(group_keys, item_rows)]
+            if len(group_keys) > 1 and (not self.config.cost_aware
+                                        or self.packing.should_pack(pack_key, parts, item_rows)):
                 calls.append(_PackedCall(pack_key, [groups[group_key] for group_key in group_keys]))
             else:
                 calls.extend(chunk for group_key in group_keys for chunk in self._chunk(group_key, groups[group_key]))

@@ -129,14 +129,26 @@ class BatchCostModel:
                 if k >= 1 and cost >= measured[k - 1] * (1 - self.split_margin):
                     break
             self._concluded.add(key)
-        estimates = [sum(self.estimate(key, size) for size in _sizes(item_rows, option)) for option in options]
-        fastest = min(estimates)
-        best = next(k for k, estimate in enumerate(estimates) if estimate <= fastest * (1 + self.split_margin))
+        best = self._preferred(key, item_rows, options)
         if self.explore_every and decision % self.explore_every == self.explore_every - 1:
             # re-measure a neighbour of the best option so the choice follows the machine's current load
             neighbours = [k for k in (best - 1, best + 1) if 0 <= k < len(options)]
             return options[neighbours[(decision // self.explore_every) % len(neighbours)]]
         return options[best]
+
+    def split_estimate(self, key: Hashable, item_rows: Sequence[int]) -> float | None:
+        """Estimated seconds for these items at the split `chunk` prefers; None before any call was measured."""
+        if not self._samples.get(key):
+            return None
+        options = _halving_options(item_rows)
+        option = options[self._preferred(key, item_rows, options)]
+        return sum(self.estimate(key, size) for size in _sizes(item_rows, option))
+
+    def _preferred(self, key: Hashable, item_rows: Sequence[int], options: list[list[list[int]]]) -> int:
+        """The option with the fewest forwards among those within `split_margin` of the fastest estimate."""
+        estimates = [sum(self.estimate(key, size) for size in _sizes(item_rows, option)) for option in options]
+        fastest = min(estimates)
+        return next(k for k, estimate in enumerate(estimates) if estimate <= fastest * (1 + self.split_margin))
 
     def _measured_cost(self, key: Hashable, item_rows: Sequence[int], option: list[list[int]]) -> float | None:
         sizes = _sizes(item_rows, option)
@@ -186,8 +198,15 @@ class PackingCostModel:
     def signature(parts: Sequence[tuple[Hashable, int]]) -> PackSignature:
         return tuple(sorted(parts, key=repr))
 
-    def separate_estimate(self, parts: Sequence[tuple[Hashable, int]]) -> float | None:
-        estimates = [self.per_shape.estimate(key, rows) for key, rows in parts]
+    def separate_estimate(self, parts: Sequence[tuple[Hashable, int]],
+                          item_rows: Sequence[Sequence[int]] | None = None) -> float | None:
+        """The per-shape calls' estimated seconds: each shape's rows in one call, or, given each shape's items'
+        row counts, each shape at the split the per-shape model would choose for them (what the engine would
+        run instead of the packed call)."""
+        if item_rows is None:
+            estimates = [self.per_shape.estimate(key, rows) for key, rows in parts]
+        else:
+            estimates = [self.per_shape.split_estimate(key, items) for (key, _), items in zip(parts, item_rows)]
         return None if any(e is None for e in estimates) else sum(estimates)
 
     def packed_estimate(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]]) -> float | None:
@@ -200,13 +219,16 @@ class PackingCostModel:
             return None
         return separate * statistics.median(ratios)
 
-    def should_pack(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]]) -> bool:
+    def should_pack(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]],
+                    item_rows: Sequence[Sequence[int]] | None = None) -> bool:
+        """Whether these shapes' rows should run as one packed call; `item_rows` (per shape, its work items'
+        row counts) lets the per-shape side be estimated at its own best split."""
         decision = self._decisions[pack_key]
         self._decisions[pack_key] += 1
         packed = self.packed_estimate(pack_key, parts)
         if packed is None:
             return True  # explore the packed call first
-        separate = self.separate_estimate(parts)
+        separate = self.separate_estimate(parts, item_rows)
         if separate is None:
             return False  # measure the per-shape calls
         choice = packed <= separate
