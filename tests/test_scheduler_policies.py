@@ -129,31 +129,31 @@ def test_first_call_at_a_shape_is_not_recorded():
     assert costs.estimate("k", 4) == pytest.approx(0.3)
 
 
-def test_first_call_at_a_further_size_stands_in_until_the_next_replaces_it():
-    costs = BatchCostModel()
-    costs.observe("k", 4, 9.0)  # the key's first call: not recorded
-    costs.observe("k", 2, 5.0)  # a new size's first call (it may pay that shape's allocations): provisional
-    assert costs.estimate("k", 2) == pytest.approx(5.0)
-    costs.observe("k", 2, 0.2)  # replaces it
-    assert costs.estimate("k", 2) == pytest.approx(0.2)
-    costs.observe("k", 2, 0.4)  # later calls add up as usual
-    assert costs.estimate("k", 2) == pytest.approx(0.3)
-
-
 def test_a_size_between_measured_sizes_counts_as_measured():
     costs = BatchCostModel()
-    costs.observe("k", 1, 1.0)
+    costs.observe("k", 1, 1.0)  # warm-up only
     for rows in (2, 6):
+        costs.observe("k", rows, 0.1 * rows)
         costs.observe("k", rows, 0.1 * rows)
     assert costs.is_measured("k", 2) and costs.is_measured("k", 4)
     assert not costs.is_measured("k", 1) and not costs.is_measured("k", 7)
 
 
+def superlinear(rows):
+    return 0.01 * rows ** 1.5
+
+
+def one_row_fastest(rows):
+    # NOTE: as a CPU's tiny VAE decoded: 6 rows as fast as 2 x 3, one row 1.5x faster per row than any batch
+    return 0.010 if rows == 1 else 0.015 * rows
+
+
+@pytest.mark.parametrize("seconds", [superlinear, one_row_fastest])
 @pytest.mark.parametrize("groups", [
     [(2, 6), (1, 7), (3, 5), (2, 6), (1, 7), (4, 4)],  # a burst's finishers: a few first, then the rest
     [(5,), (3,), (8,), (6,), (2,), (7,), (4,)],
 ])
-def test_group_sizes_that_change_every_time_conclude_in_a_few_rounds(groups):
+def test_group_sizes_that_change_every_time_conclude_in_a_few_rounds(groups, seconds):
     # NOTE: like decodes on a CPU, where one image at a time is fastest: each round's groups have new sizes
     costs = BatchCostModel(explore_every=0)
     decisions = []
@@ -163,10 +163,11 @@ def test_group_sizes_that_change_every_time_conclude_in_a_few_rounds(groups):
                 chunks = costs.chunk("decode", [1] * rows)
                 decisions.append(tuple(len(c) for c in chunks))
                 for chunk in chunks:
-                    costs.observe("decode", len(chunk), 0.01 * len(chunk) ** 1.5)
+                    costs.observe("decode", len(chunk), seconds(len(chunk)))
     trials = [i for i, d in enumerate(decisions) if max(d) > 1]  # decisions that ran calls of several rows
-    # NOTE: requiring two calls at each exact size, this took 12-15 decisions (of 42-72)
-    assert trials and trials[-1] < 5, decisions
+    # NOTE: exploring only while splitting helped and only exactly measured sizes, this took 12-15 decisions
+    assert trials and trials[-1] < 10, decisions
+    assert decisions[-12:] == [(1,) * len(d) for d in decisions[-12:]]  # one row per call: the fastest
 
 
 def test_estimates_interpolate_and_never_invent_gains():

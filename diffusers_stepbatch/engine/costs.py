@@ -3,10 +3,10 @@
 Batching is not free: a compute-bound forward of 8 rows can take longer than 8 forwards of one row. The
 engine reports every call's time here; when a group of work items is ready, `chunk()` picks the split
 into forwards with the least estimated total time. Splits not measured yet are tried (the whole group first,
-then halves, quarters, ... while splitting helps); a size between two measured sizes counts as measured
-(interpolated), so that traffic whose group sizes change every time (2 + 6 rows, then 1 + 7, ...) concludes
-in a few groups. Every `explore_every` decisions one split is measured again so the estimates follow the
-machine's load. Pure Python: no torch, tested with made-up timings.
+then halves, quarters, ... until one is clearly slower than the best so far); a size between two measured
+sizes counts as measured (interpolated), so that traffic whose group sizes change every time (2 + 6 rows,
+then 1 + 7, ...) concludes in a few groups. Every `explore_every` decisions one split is measured again so
+the estimates follow the machine's load. Pure Python: no torch, tested with made-up timings.
 """
 
 from __future__ import annotations
@@ -57,35 +57,30 @@ class BatchCostModel:
     >>> costs.chunk("flux-64x64", [1, 1, 2, 1, 1, 1, 1])   # index lists, one per forward
     """
 
-    def __init__(self, window: int = 5, explore_every: int = 50, split_margin: float = 0.05):
+    def __init__(self, window: int = 5, explore_every: int = 50, split_margin: float = 0.05,
+                 explore_tolerance: float = 0.25):
         self.window = window
         self.explore_every = explore_every
         # NOTE: a split must be estimated this much faster than fewer forwards to be chosen: on a noisy (shared)
         # machine, differences within measurement noise otherwise flip groups into needless splits.
         self.split_margin = split_margin
+        # NOTE: exploration goes on to smaller splits until one is this much slower than the best so far. Not
+        # "until a split stops helping": per-row cost need not be monotonic (a CPU's VAE decoded 6 rows as fast
+        # as 2 x 3, and one row 1.5x faster per row), and an overhead-bound model's halves lose by far more.
+        self.explore_tolerance = explore_tolerance
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
-        self._warmed: set[Hashable] = set()
-        self._provisional: set[tuple[Hashable, int]] = set()
+        self._warmed: set[tuple[Hashable, int]] = set()
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
-        # NOTE: a key's first call pays one-time costs (lazy initialisation, first allocations); such an outlier
-        # would decide the exploration, so it is not recorded. The first call at each further row count may pay
-        # that shape's own (allocator growth): it stands in for that size until the next call there replaces
-        # it, so that exploring a size takes one call, not two.
-        if key not in self._warmed:
-            self._warmed.add(key)
+        # NOTE: the first call at a new shape pays one-time costs (allocations, lazy init); one such outlier
+        # would otherwise decide the exploration, so it is not recorded. (Recording it until a second call
+        # replaced it was tried: a first 2-row image-encode call at 2.7x its later time split that key's groups.)
+        if (key, rows) not in self._warmed:
+            self._warmed.add((key, rows))
             return
-        samples = self._samples[key].get(rows)
-        if samples is None:
-            self._samples[key][rows] = deque([seconds], maxlen=self.window)
-            self._provisional.add((key, rows))
-            return
-        if (key, rows) in self._provisional:
-            self._provisional.discard((key, rows))
-            samples.clear()
-        samples.append(seconds)
+        self._samples[key].setdefault(rows, deque(maxlen=self.window)).append(seconds)
 
     def estimate(self, key: Hashable, rows: int) -> float | None:
         """Median measured seconds for `rows`, else linear interpolation between the nearest measured sizes."""
@@ -118,16 +113,16 @@ class BatchCostModel:
         decision = self._decisions[key]
         self._decisions[key] += 1
         if key not in self._concluded:
-            # Explore by halving: the whole group, then halves, quarters... only while splitting has helped.
+            # Explore by halving: the whole group, then halves, quarters... until a split clearly loses.
             # Once concluded, other group sizes are estimated by interpolation instead of explored again.
-            measured = [self._measured_cost(key, item_rows, option) for option in options]
-            for k, cost in enumerate(measured):
+            best = None
+            for option in options:
+                cost = self._measured_cost(key, item_rows, option)
                 if cost is None:
-                    if k <= 1 or measured[k - 1] < measured[k - 2]:
-                        return options[k]
+                    return option
+                if best is not None and cost > best * (1 + self.explore_tolerance):
                     break
-                if k >= 1 and cost >= measured[k - 1] * (1 - self.split_margin):
-                    break
+                best = cost if best is None else min(best, cost)
             self._concluded.add(key)
         best = self._preferred(key, item_rows, options)
         if self.explore_every and decision % self.explore_every == self.explore_every - 1:
