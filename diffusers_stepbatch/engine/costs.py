@@ -115,14 +115,14 @@ class BatchCostModel:
         if key not in self._concluded:
             # Explore by halving: the whole group, then halves, quarters... until a split clearly loses.
             # Once concluded, other group sizes are estimated by interpolation instead of explored again.
-            best = None
+            fastest = None
             for option in options:
                 cost = self._measured_cost(key, item_rows, option)
                 if cost is None:
                     return option
-                if best is not None and cost > best * (1 + self.explore_tolerance):
+                if fastest is not None and cost > fastest * (1 + self.explore_tolerance):
                     break
-                best = cost if best is None else min(best, cost)
+                fastest = cost if fastest is None else min(fastest, cost)
             self._concluded.add(key)
         best = self._preferred(key, item_rows, options)
         if self.explore_every and decision % self.explore_every == self.explore_every - 1:
