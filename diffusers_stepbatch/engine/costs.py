@@ -5,8 +5,9 @@ engine reports every call's time here; when a group of work items is ready, `chu
 into forwards with the least estimated total time. Splits not measured yet are tried (the whole group first,
 then halves, quarters, ... until one is clearly slower than the best so far); a size between two measured
 sizes counts as measured (interpolated), so that traffic whose group sizes change every time (2 + 6 rows,
-then 1 + 7, ...) concludes in a few groups. Every `explore_every` decisions one split is measured again so
-the estimates follow the machine's load. Pure Python: no torch, tested with made-up timings.
+then 1 + 7, ...) concludes in a few groups. One split is measured again after `explore_first` decisions,
+then ever less often, down to every `explore_every` decisions, so the estimates follow the machine's load.
+Pure Python: no torch, tested with made-up timings.
 """
 
 from __future__ import annotations
@@ -58,9 +59,13 @@ class BatchCostModel:
     """
 
     def __init__(self, window: int = 5, explore_every: int = 50, split_margin: float = 0.05,
-                 explore_tolerance: float = 0.25):
+                 explore_tolerance: float = 0.25, explore_first: int = 5):
         self.window = window
         self.explore_every = explore_every
+        # NOTE: re-measurements come every `explore_first` decisions at first, then twice as far apart each time,
+        # up to `explore_every`: an early sample taken while callers' prologues held the GIL (16 rows: 21.6 ms,
+        # later 16 ms) otherwise kept a key split for ~100 decisions.
+        self.explore_first = explore_first
         # NOTE: a split must be estimated this much faster than fewer forwards to be chosen: on a noisy (shared)
         # machine, differences within measurement noise otherwise flip groups into needless splits.
         self.split_margin = split_margin
@@ -72,6 +77,8 @@ class BatchCostModel:
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
         self._warmed: set[tuple[Hashable, int]] = set()
+        self._reexplorations: Counter = Counter()  # per key: re-measurements so far
+        self._next_reexploration: dict[Hashable, int] = {}  # per key: the decision that re-measures next
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
         # NOTE: the first call at a new shape pays one-time costs (allocations, lazy init); one such outlier
@@ -125,11 +132,18 @@ class BatchCostModel:
                 fastest = cost if fastest is None else min(fastest, cost)
             self._concluded.add(key)
         best = self._preferred(key, item_rows, options)
-        if self.explore_every and decision % self.explore_every == self.explore_every - 1:
+        if self.explore_every and decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):
             # re-measure a neighbour of the best option so the choice follows the machine's current load
+            count = self._reexplorations[key]
+            self._reexplorations[key] += 1
+            self._next_reexploration[key] = decision + self._interval(count + 1)
             neighbours = [k for k in (best - 1, best + 1) if 0 <= k < len(options)]
-            return options[neighbours[(decision // self.explore_every) % len(neighbours)]]
+            return options[neighbours[count % len(neighbours)]]
         return options[best]
+
+    def _interval(self, count: int) -> int:
+        """Decisions between re-measurement `count` and the one before: explore_first, doubling, up to explore_every."""
+        return min(self.explore_every, max(1, self.explore_first) * 2 ** min(count, 30))
 
     def split_estimate(self, key: Hashable, item_rows: Sequence[int]) -> float | None:
         """Estimated seconds for these items at the split `chunk` prefers; None before any call was measured."""
