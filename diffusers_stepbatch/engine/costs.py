@@ -131,7 +131,7 @@ class BatchCostModel:
                     break
                 fastest = cost if fastest is None else min(fastest, cost)
             self._concluded.add(key)
-        best = self._preferred(key, item_rows, options)
+        best = self._preferred(self._estimates(key, item_rows, options))
         if self.explore_every and decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):
             # re-measure a neighbour of the best option so the choice follows the machine's current load
             count = self._reexplorations[key]
@@ -149,13 +149,14 @@ class BatchCostModel:
         """Estimated seconds for these items at the split `chunk` prefers; None before any call was measured."""
         if not self._samples.get(key):
             return None
-        options = _halving_options(item_rows)
-        option = options[self._preferred(key, item_rows, options)]
-        return sum(self.estimate(key, size) for size in _sizes(item_rows, option))
+        estimates = self._estimates(key, item_rows, _halving_options(item_rows))
+        return estimates[self._preferred(estimates)]
 
-    def _preferred(self, key: Hashable, item_rows: Sequence[int], options: list[list[list[int]]]) -> int:
+    def _estimates(self, key: Hashable, item_rows: Sequence[int], options: list[list[list[int]]]) -> list[float]:
+        return [sum(self.estimate(key, size) for size in _sizes(item_rows, option)) for option in options]
+
+    def _preferred(self, estimates: Sequence[float]) -> int:
         """The option with the fewest forwards among those within `split_margin` of the fastest estimate."""
-        estimates = [sum(self.estimate(key, size) for size in _sizes(item_rows, option)) for option in options]
         fastest = min(estimates)
         return next(k for k, estimate in enumerate(estimates) if estimate <= fastest * (1 + self.split_margin))
 
