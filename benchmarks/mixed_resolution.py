@@ -148,18 +148,16 @@ def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int
         result["sides"][side] = {"best_threads": best, **per_count[best],
                                  "by_threads": {str(c): v for c, v in per_count.items()}}
 
-    def ratio(side: str, baseline: str) -> float:
-        """Median over rounds of the round's own ratio, each side at its best thread count."""
+    def per_round(side: str, baseline: str) -> list[float]:
+        """Each round's throughput ratio side / baseline, each side at its best thread count."""
         a = runs[(side, result["sides"][side]["best_threads"])]
         b = runs[(baseline, result["sides"][baseline]["best_threads"])]
-        return statistics.median(y["wall_s"] / x["wall_s"] for x, y in zip(a, b))
+        return [y["wall_s"] / x["wall_s"] for x, y in zip(a, b)]
 
-    result["packed_vs_per_size"] = ratio("packed", "per-size")
-    result["packed_vs_sequential"] = ratio("packed", "sequential")
-    result["packed_always_vs_per_size"] = ratio("packed-always", "per-size")
-    result["packed_vs_per_size_per_round"] = [y["wall_s"] / x["wall_s"] for x, y in zip(
-        runs[("packed", result["sides"]["packed"]["best_threads"])],
-        runs[("per-size", result["sides"]["per-size"]["best_threads"])])]
+    result["packed_vs_per_size_per_round"] = per_round("packed", "per-size")
+    result["packed_vs_per_size"] = statistics.median(result["packed_vs_per_size_per_round"])
+    result["packed_vs_sequential"] = statistics.median(per_round("packed", "sequential"))
+    result["packed_always_vs_per_size"] = statistics.median(per_round("packed-always", "per-size"))
     return result
 
 
