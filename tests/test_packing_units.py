@@ -95,7 +95,28 @@ def test_unseen_mixes_are_estimated_from_the_measured_ratio_and_explored_again()
     other = [("small", 2), ("large", 1)]
     assert packing.packed_estimate("flux", other) == pytest.approx(0.07 * 0.5)
     decisions = [packing.should_pack("flux", other) for _ in range(20)]
-    assert decisions.count(False) == 2 and decisions[9] is False and decisions[19] is False
+    # measured again once after explore_every decisions; with packed estimated at half the per-size calls, the
+    # next re-measurement waits max_interval_scale x explore_every decisions (see the next test)
+    assert decisions.count(False) == 1 and decisions[9] is False
+
+
+@pytest.mark.parametrize("explore_every", [10, 50])
+def test_the_other_option_is_measured_again_less_often_the_further_apart_they_are(explore_every):
+    def reexplorations(packed_seconds, decisions=40 * explore_every):
+        costs = BatchCostModel()
+        for (key, rows), seconds in zip(PARTS, (0.04, 0.06)):  # per-size calls: 0.10 s
+            warm(costs, key, rows, seconds)
+        packing = PackingCostModel(costs, explore_every=explore_every)
+        warm(packing, "flux", PARTS, packed_seconds)
+        return [d for d in range(decisions) if not packing.should_pack("flux", PARTS)]
+
+    close, apart, far_apart = reexplorations(0.098), reexplorations(0.07), reexplorations(0.02)
+    first = explore_every - 1
+    # a 2% margin: about every explore_every decisions (x 1.2); 43%: x 5.3; 400%: at most x 8
+    assert close[:3] == [first, first + round(1.2 * explore_every), first + 2 * round(1.2 * explore_every)]
+    assert apart[:2] == [first, first + round(explore_every * (1 + 0.03 / 0.07 / 0.1))]
+    assert far_apart[:2] == [first, first + 8 * explore_every]
+    assert len(close) > len(apart) > len(far_apart) >= 5
 
 
 SIZE_MIXES = [

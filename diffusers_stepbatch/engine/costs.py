@@ -186,8 +186,9 @@ class PackingCostModel:
     Per-shape calls are estimated by the engine's `BatchCostModel`; packed calls are measured per signature
     (which shapes, how many rows each) and, for signatures not seen yet, estimated from the measured ratio of
     packed time to the per-shape estimate of earlier packed calls under the same pack key. Unknown costs are
-    explored (packed first, then per shape), and every `explore_every` decisions the other option is measured
-    again, so a machine or model where packing doesn't pay keeps its shapes apart.
+    explored (packed first, then per shape), and the other option is measured again now and then (after
+    `explore_every` decisions, then the further apart the more the two options' estimates differ), so a machine
+    or model where packing doesn't pay keeps its shapes apart.
 
     >>> costs = BatchCostModel()
     >>> packing = PackingCostModel(costs)
@@ -195,10 +196,19 @@ class PackingCostModel:
     True
     """
 
-    def __init__(self, per_shape: BatchCostModel, window: int = 5, explore_every: int = 50):
+    def __init__(self, per_shape: BatchCostModel, window: int = 5, explore_every: int = 50,
+                 margin_per_interval: float = 0.1, max_interval_scale: int = 8):
         self.per_shape = per_shape
         self.window = window
         self.explore_every = explore_every
+        # NOTE: re-measuring the other option costs their difference every time (measured on the overhead-bound
+        # mix of benchmarks/mixed_resolution.py: a per-shape step, 4 calls instead of one, +8-13 ms in a ~75 ms
+        # round every ~6 rounds). Where the two were measured far apart, only a change in load that large could
+        # flip the choice, so each `margin_per_interval` of relative difference adds one `explore_every` to the
+        # wait for the next re-measurement, up to `max_interval_scale` times it.
+        self.margin_per_interval = margin_per_interval
+        self.max_interval_scale = max_interval_scale
+        self._next_reexploration: dict[Hashable, int] = {}
         self._packed: dict[tuple[Hashable, PackSignature], deque[float]] = {}
         self._ratios: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=4 * self.window))
         self._warmed: set[tuple[Hashable, PackSignature]] = set()
@@ -242,9 +252,16 @@ class PackingCostModel:
         if separate is None:
             return False  # measure the per-shape calls
         choice = packed <= separate
-        if self.explore_every and decision % self.explore_every == self.explore_every - 1:
+        if self.explore_every and decision >= self._next_reexploration.setdefault(pack_key, self.explore_every - 1):
+            self._next_reexploration[pack_key] = decision + self._interval(packed, separate)
             return not choice
         return choice
+
+    def _interval(self, packed: float, separate: float) -> int:
+        """Decisions until the next re-measurement, given the two options' current estimates."""
+        margin = abs(packed - separate) / max(min(packed, separate), 1e-12)
+        scale = min(self.max_interval_scale, 1 + margin / self.margin_per_interval)
+        return max(1, round(self.explore_every * scale))
 
     def observe(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]], seconds: float) -> None:
         """Record a packed call's time (the first call of a signature pays one-time costs and is skipped)."""
