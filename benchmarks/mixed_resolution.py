@@ -1,7 +1,8 @@
 """Mixed resolutions: sequential plain calls vs per-size batching vs packed calls, side by side in one run.
 
-    python benchmarks/mixed_resolution.py            # both workloads, 8 concurrent requests over 4 sizes
+    python benchmarks/mixed_resolution.py            # both CPU workloads, 8 concurrent requests over 4 sizes
     python benchmarks/mixed_resolution.py --smoke    # a few seconds, for CI
+    python benchmarks/mixed_resolution.py --workloads flux1-width --threads 1   # CUDA: 512 + 768x512 + 1024, bf16
 
 Each round submits N requests at once (closed loop) whose sizes cycle through the workload's 3-4 sizes and
 aspect ratios. Sides, each on its own `StepBatched` that is kept warm across rounds (as a server's would be):
@@ -46,7 +47,19 @@ from diffusers_stepbatch.testing import tiny_flux_pipeline  # noqa: E402
 SIZE_MIXES = {
     "overhead-bound": [(64, 64), (32, 32), (48, 80), (80, 48)],
     "compute-bound": [(512, 512), (256, 256), (384, 640), (640, 384)],
+    # CUDA only: the GPU suite's FLUX.1-width transformer (benchmarks/gpu_suite.py) in bfloat16
+    "flux1-width": [(512, 512), (768, 512), (1024, 1024)],
 }
+CUDA_WORKLOADS = {"flux1-width"}
+
+
+def build_pipeline(workload_name: str, vae_blocks: int):
+    """The workload's tiny Flux pipeline; the FLUX.1-width one on the GPU in bfloat16."""
+    if workload_name in CUDA_WORKLOADS:
+        from gpu_suite import FLUX1_WIDTH
+
+        return tiny_flux_pipeline(size=FLUX1_WIDTH, vae_blocks=vae_blocks).to("cuda", torch.bfloat16)
+    return tiny_flux_pipeline(size=WORKLOADS[workload_name].size, vae_blocks=vae_blocks)
 
 
 def request_kwargs(i: int, sizes, steps: int) -> dict:
@@ -97,9 +110,8 @@ def call_stats(sb: StepBatched, before: dict) -> dict:
 
 def bench(workload_name: str, n: int, steps: int, rounds: int, threads: list[int], vae_blocks: int = 4,
           warmup_rounds: int = 3) -> dict:
-    workload = WORKLOADS[workload_name]
     sizes = SIZE_MIXES[workload_name]
-    pipe = tiny_flux_pipeline(size=workload.size, vae_blocks=vae_blocks)
+    pipe = build_pipeline(workload_name, vae_blocks)
     engines = {
         "per-size": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n), mixed_resolution=False),
         "packed": StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=n)),
@@ -185,15 +197,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup-rounds", type=int, default=3, help="unmeasured rounds per engine first")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vae-blocks", type=int, default=4, help="tiny VAE depth: vae_scale_factor 2 ** (n - 1)")
-    parser.add_argument("--workloads", nargs="+", default=list(SIZE_MIXES), choices=list(SIZE_MIXES))
+    parser.add_argument("--workloads", nargs="+", default=[w for w in SIZE_MIXES if w not in CUDA_WORKLOADS],
+                        choices=list(SIZE_MIXES))
     parser.add_argument("--smoke", action="store_true", help="2 requests x 2 steps, overhead-bound only, 1 round")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "mixed_resolution.json")
     args = parser.parse_args(argv)
     if args.smoke:
         args.concurrency, args.steps, args.rounds, args.threads, args.workloads = 2, 2, 1, [1], ["overhead-bound"]
         args.warmup_rounds = 1
+    on_gpu = set(args.workloads) & CUDA_WORKLOADS
+    if on_gpu and not torch.cuda.is_available():
+        parser.error(f"the {', '.join(sorted(on_gpu))} workload needs a CUDA device")
+    device = torch.cuda.get_device_name() if on_gpu else "cpu"
     results = {"command": command_line("benchmarks/mixed_resolution.py", argv), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "workloads": []}
+               "device": device, "date": time.strftime("%Y-%m-%d"), "workloads": []}
     for name in args.workloads:
         result = bench(name, args.concurrency, args.steps, args.rounds, args.threads, args.vae_blocks,
                        args.warmup_rounds)
