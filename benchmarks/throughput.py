@@ -205,8 +205,12 @@ def measure_ceiling(pipe, workload: Workload, n: int, steps: int, repeats: int) 
 
 
 def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: int, pipe=None,
-                   rounds: int = 3, warmup_rounds: int = 3) -> dict:
+                   rounds: int = 3, warmup_rounds: int = 3, compile_transformer: bool = False) -> dict:
     pipe = pipe or tiny_flux_pipeline(guidance_embeds=True, size=workload.size, vae_blocks=4)
+    if compile_transformer:
+        # NOTE: diffusers' own way, in place, for every side (sequential, StepBatched and the ceiling); dynamic
+        # shapes, so the engine's changing row counts share one compiled graph after the first batch
+        pipe.transformer.compile(dynamic=True)
     for _ in range(2):  # warm-up: first-call allocations and lazy initialisation
         in_worker_thread(lambda: pipe(**request_kwargs(0, workload, 2)))
     closed = [0.0] * n
@@ -245,6 +249,7 @@ def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: i
 
     return {
         "workload": workload.name,
+        "compiled_transformer": compile_transformer,
         "transformer_params": sum(p.numel() for p in pipe.transformer.parameters()),
         "image_tokens": (workload.image_side // 16) ** 2,
         "concurrency": n,
@@ -354,6 +359,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="flux: both Flux workloads with the ceiling; others: tiny closed-loop comparison")
     parser.add_argument("--smoke", action="store_true", help="tiny and fast: 2 requests x 2 steps, tiny model")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="pipe.transformer.compile(dynamic=True) first, for every side (Flux workloads)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads for every side (1 ran the plain tiny pipelines fastest here)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "throughput.json")
@@ -368,7 +375,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.family == "flux":
             for name in args.workloads:
                 results.append(bench_workload(WORKLOADS[name], n, args.steps, args.repeats, args.seed,
-                                              rounds=args.rounds, warmup_rounds=args.warmup_rounds))
+                                              rounds=args.rounds, warmup_rounds=args.warmup_rounds,
+                                              compile_transformer=args.compile))
                 print_result(results[-1])
         else:
             results.append(bench_family(args.family, n, args.steps))

@@ -1,0 +1,57 @@
+"""A transformer compiled the diffusers way (`pipe.transformer.compile(...)`) keeps working under StepBatched: its
+batched forwards run the compiled code, one dynamic graph serves every row count, and outputs equal solo runs."""
+
+import pytest
+import torch
+
+from diffusers_stepbatch import SchedulerConfig, StepBatched
+from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline
+
+from .references import TOLERANCE, in_lockstep, max_diff, seeded
+
+
+def requests_of(sizes):
+    return [dict(prompt=f"a red circle {i}", height=h, width=w, num_inference_steps=2 + i % 2, seed=i,
+                 guidance_scale=2.0 + i, output_type="pt", max_sequence_length=16) for i, (h, w) in enumerate(sizes)]
+
+
+class CompiledCalls:
+    """Row counts of the calls that ran the module's compiled forward (`nn.Module.compile` sets
+    `_compiled_call_impl`, which `module(...)` then calls instead of the eager forward)."""
+
+    def __init__(self, module):
+        self.rows: list[int] = []
+        compiled = module._compiled_call_impl
+
+        def counted(*args, **kwargs):
+            self.rows.append(kwargs["hidden_states"].shape[0])
+            return compiled(*args, **kwargs)
+
+        module._compiled_call_impl = counted
+
+
+@pytest.mark.parametrize("size, sizes", [
+    (FluxSize(), [(32, 32)] * 4),
+    (FluxSize(num_layers=2, num_single_layers=1, attention_head_dim=8, num_attention_heads=4, joint_attention_dim=24,
+              pooled_projection_dim=40, in_channels=8), [(32, 32), (32, 32), (48, 32), (32, 32), (48, 32)]),
+])
+def test_a_compiled_transformer_runs_compiled_in_batches_and_equals_solo(size, sizes):
+    torch._dynamo.reset()
+    pipe = tiny_flux_pipeline(guidance_embeds=True, size=size, vae_blocks=2)  # its own: compiling is in place
+    # NOTE: the "eager" backend traces with dynamo (guards, graph breaks, recompiles) without inductor's codegen
+    pipe.transformer.compile(dynamic=True, backend="eager")
+    requests = requests_of(sizes)
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    compiled = CompiledCalls(pipe.transformer)
+    compilations = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    sb = StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=8, cost_aware=False), mixed_resolution=False)
+    try:
+        got = in_lockstep(sb, requests)
+    finally:
+        sb.close()
+    for kwargs, image, want in zip(requests, got, expected):
+        assert max_diff(image, want) <= TOLERANCE, kwargs
+    assert compiled.rows and max(compiled.rows) > 1, "no batched forward ran the compiled transformer"
+    assert len(set(compiled.rows)) >= 2  # several row counts (requests with 2 and 3 steps)...
+    # ...and at most one new graph for all of them (dynamic batch), not one per row count
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compilations <= 1
