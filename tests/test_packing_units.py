@@ -100,6 +100,24 @@ def test_unseen_mixes_are_estimated_from_the_measured_ratio_and_explored_again()
     assert decisions.count(False) == 1 and decisions[9] is False
 
 
+def test_packed_calls_measured_before_their_shapes_still_estimate_unseen_mixes():
+    # the engine explores a packed call first, while no per-shape call has been measured yet
+    costs = BatchCostModel()
+    packing = PackingCostModel(costs, explore_every=0)
+    warm(packing, "flux", PARTS, 0.135)
+    other = [("small", 2), ("large", 1)]
+    assert packing.packed_estimate("flux", other) is None  # nothing to compare the packed call with yet
+    for key, rows, seconds in [("small", 4, 0.05), ("large", 2, 0.075), ("small", 2, 0.03), ("large", 1, 0.04)]:
+        warm(costs, key, rows, seconds)
+    # packed measured 1.08x its per-shape calls (0.135 vs 0.125): an unseen mix is estimated at 1.08x its own
+    assert packing.packed_estimate("flux", other) == pytest.approx(0.07 * 1.08)
+    assert not packing.should_pack("flux", other)  # estimated slower: kept per shape without a trial
+    # the ratio follows the per-shape estimates as they move (the machine's load), not their values back then
+    for _ in range(5):
+        costs.observe("large", 2, 0.1)
+    assert packing.packed_estimate("flux", other) == pytest.approx(0.07 * 0.135 / 0.15)
+
+
 @pytest.mark.parametrize("explore_every", [10, 50])
 def test_the_other_option_is_measured_again_less_often_the_further_apart_they_are(explore_every):
     def reexplorations(packed_seconds, decisions=40 * explore_every):

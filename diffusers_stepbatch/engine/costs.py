@@ -184,8 +184,8 @@ class PackingCostModel:
     """Packed call or one call per shape, for work items of several shapes that can pack.
 
     Per-shape calls are estimated by the engine's `BatchCostModel`; packed calls are measured per signature
-    (which shapes, how many rows each) and, for signatures not seen yet, estimated from the measured ratio of
-    packed time to the per-shape estimate of earlier packed calls under the same pack key. Unknown costs are
+    (which shapes, how many rows each) and, for signatures not seen yet, estimated from the ratio of the measured
+    signatures' packed times to their per-shape calls' current estimates, under the same pack key. Unknown costs are
     explored (packed first, then per shape), and the other option is measured again now and then (after
     `explore_every` decisions, then the further apart the more the two options' estimates differ), so a machine
     or model where packing doesn't pay keeps its shapes apart.
@@ -209,8 +209,7 @@ class PackingCostModel:
         self.margin_per_interval = margin_per_interval
         self.max_interval_scale = max_interval_scale
         self._next_reexploration: dict[Hashable, int] = {}
-        self._packed: dict[tuple[Hashable, PackSignature], deque[float]] = {}
-        self._ratios: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=4 * self.window))
+        self._packed: dict[Hashable, dict[PackSignature, deque[float]]] = defaultdict(dict)
         self._warmed: set[tuple[Hashable, PackSignature]] = set()
         self._decisions: Counter = Counter()
 
@@ -230,14 +229,24 @@ class PackingCostModel:
         return None if any(e is None for e in estimates) else sum(estimates)
 
     def packed_estimate(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]]) -> float | None:
-        samples = self._packed.get((pack_key, self.signature(parts)))
+        samples = self._packed[pack_key].get(self.signature(parts))
         if samples:
             return statistics.median(samples)
-        separate = self.separate_estimate(parts)
-        ratios = self._ratios.get(pack_key)
-        if separate is None or not ratios:
-            return None
-        return separate * statistics.median(ratios)
+        separate, ratio = self.separate_estimate(parts), self._packed_ratio(pack_key)
+        return None if separate is None or ratio is None else separate * ratio
+
+    def _packed_ratio(self, pack_key: Hashable) -> float | None:
+        """Median over the measured signatures of packed time / their per-shape calls' estimate now.
+
+        NOTE: read at decision time, not when the packed call ran: packed calls are explored first, before
+        their shapes' own calls are measured, and per-shape estimates move with the load.
+        """
+        ratios = []
+        for signature, samples in self._packed[pack_key].items():
+            separate = self.separate_estimate(signature)
+            if separate:
+                ratios.append(statistics.median(samples) / separate)
+        return statistics.median(ratios) if ratios else None
 
     def should_pack(self, pack_key: Hashable, parts: Sequence[tuple[Hashable, int]],
                     item_rows: Sequence[Sequence[int]] | None = None) -> bool:
@@ -269,7 +278,4 @@ class PackingCostModel:
         if (pack_key, signature) not in self._warmed:
             self._warmed.add((pack_key, signature))
             return
-        self._packed.setdefault((pack_key, signature), deque(maxlen=self.window)).append(seconds)
-        separate = self.separate_estimate(parts)
-        if separate:
-            self._ratios[pack_key].append(seconds / separate)
+        self._packed[pack_key].setdefault(signature, deque(maxlen=self.window)).append(seconds)
