@@ -90,7 +90,8 @@ def summarize(prof, wall_s: float, top: int) -> dict:
     events = prof.events()
     model_threads = collections.Counter(e.thread for e in events if e.name == MODEL_SPAN)
     engine_thread = model_threads.most_common(1)[0][0] if model_threads else None
-    device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    # NOTE: each op's own kernels' time (its children's kernels count for them): summed, the device's busy time
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU)
     host_by_thread: collections.Counter = collections.Counter()
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CPU:
@@ -114,12 +115,21 @@ def summarize(prof, wall_s: float, top: int) -> dict:
     }
 
 
+def all_threads_config(cuda: bool):
+    """Kineto options: every thread, and (CUDA) the synchronizations the host waited for; None where this
+    torch lacks them.
+
+    NOTE: by default the profiler records only the thread that started it; the engine and callers are others.
+    """
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=cuda)
+    except (AttributeError, TypeError):
+        return None
+
+
 def profiled(fn, activities):
-    cuda = ProfilerActivity.CUDA in activities
-    # NOTE: by default the profiler records only the thread that started it; the engine and callers are others.
-    # On CUDA, sync events show every device, stream and event synchronization the host waited for.
-    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=cuda)
-    with profile(activities=activities, experimental_config=config) as prof:
+    config = all_threads_config(ProfilerActivity.CUDA in activities)
+    with profile(activities=activities, **({} if config is None else {"experimental_config": config})) as prof:
         wall = fn()
     return prof, wall
 
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "concurrency": n, "steps": steps, "side": side,
+        "all_threads_profiled": all_threads_config(cuda) is not None,
         "stepbatched": {**summarize(batched_prof, batched_wall, args.top),
                         "mean_denoise_rows": stats["mean_denoise_rows"],
                         "outside_model_ms_per_step": stats["outside_model_ms_per_step"]},
