@@ -118,6 +118,20 @@ def test_packed_calls_measured_before_their_shapes_still_estimate_unseen_mixes()
     assert packing.packed_estimate("flux", other) == pytest.approx(0.07 * 0.135 / 0.15)
 
 
+def test_only_the_most_recently_measured_mixes_are_kept():
+    costs = BatchCostModel()
+    for key, rows, seconds in [("small", 1, 0.01), ("large", 1, 0.02)]:
+        warm(costs, key, rows, seconds)
+    packing = PackingCostModel(costs, explore_every=0, max_signatures=3)
+    mixes = [[("small", k), ("large", 1)] for k in range(1, 6)]
+    for parts in mixes:  # packed at 0.5x the per-shape estimate, then the first mix again
+        warm(packing, "flux", parts, 0.5 * packing.separate_estimate(parts))
+    packing.observe("flux", mixes[0], 0.5 * packing.separate_estimate(mixes[0]))
+    assert list(packing._packed["flux"]) == [packing.signature(m) for m in (mixes[3], mixes[4], mixes[0])]
+    # a mix no longer kept is estimated from the kept ones' ratio
+    assert packing.packed_estimate("flux", mixes[1]) == pytest.approx(0.5 * packing.separate_estimate(mixes[1]))
+
+
 @pytest.mark.parametrize("explore_every", [10, 50])
 def test_the_other_option_is_measured_again_less_often_the_further_apart_they_are(explore_every):
     def reexplorations(packed_seconds, decisions=40 * explore_every):

@@ -13,7 +13,7 @@ Pure Python: no torch, tested with made-up timings.
 from __future__ import annotations
 
 import statistics
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Sequence
 
 
@@ -197,9 +197,12 @@ class PackingCostModel:
     """
 
     def __init__(self, per_shape: BatchCostModel, window: int = 5, explore_every: int = 50,
-                 margin_per_interval: float = 0.1, max_interval_scale: int = 8):
+                 margin_per_interval: float = 0.1, max_interval_scale: int = 8, max_signatures: int = 20):
         self.per_shape = per_shape
         self.window = window
+        # NOTE: per pack key, the most recently measured mixes are kept (traffic of many sizes forms ever new
+        # ones); the others are estimated from their ratio, which every unseen mix's decision reads.
+        self.max_signatures = max_signatures
         self.explore_every = explore_every
         # NOTE: re-measuring the other option costs their difference every time (measured on the overhead-bound
         # mix of benchmarks/mixed_resolution.py: a per-shape step, 4 calls instead of one, +8-13 ms in a ~75 ms
@@ -209,7 +212,7 @@ class PackingCostModel:
         self.margin_per_interval = margin_per_interval
         self.max_interval_scale = max_interval_scale
         self._next_reexploration: dict[Hashable, int] = {}
-        self._packed: dict[Hashable, dict[PackSignature, deque[float]]] = defaultdict(dict)
+        self._packed: dict[Hashable, OrderedDict[PackSignature, deque[float]]] = defaultdict(OrderedDict)
         self._warmed: set[tuple[Hashable, PackSignature]] = set()
         self._decisions: Counter = Counter()
 
@@ -278,4 +281,8 @@ class PackingCostModel:
         if (pack_key, signature) not in self._warmed:
             self._warmed.add((pack_key, signature))
             return
-        self._packed[pack_key].setdefault(signature, deque(maxlen=self.window)).append(seconds)
+        measured = self._packed[pack_key]
+        measured.setdefault(signature, deque(maxlen=self.window)).append(seconds)
+        measured.move_to_end(signature)
+        while len(measured) > self.max_signatures:
+            measured.popitem(last=False)
