@@ -7,8 +7,9 @@ After warm-up rounds on a long-lived engine, one closed-loop round (N requests a
 `torch.profiler` with CPU and, where present, CUDA activities. The summary says, for that round: wall time,
 the device's busy time (kernels) and so its idle share, host time per thread (the engine thread against the
 callers'), the ops that took the most device and host time, and every host-device sync the CUDA runtime
-recorded (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, blocking copies to the host). The same round runs
-as sequential plain pipeline calls for comparison. `--trace` also writes the Chrome trace (chrome://tracing).
+recorded (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`; `cudaMemcpy*` calls are
+counted apart). The same round runs as sequential plain pipeline calls for comparison. `--trace` also writes
+the Chrome trace (chrome://tracing).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from throughput import command_line, in_worker_thread, write_report  # noqa: E40
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline  # noqa: E402
 
-# CUDA runtime calls that block the host until the device has caught up
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# CUDA runtime calls that block the host until the device has caught up, and copies (a copy to the host waits too)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPY_CALLS = ("cudaMemcpy",)
 
 
 def request_kwargs(i: int, side: int, steps: int) -> dict:
@@ -97,6 +99,7 @@ def summarize(prof, wall_s: float, top: int) -> dict:
         if e.device_type == torch.autograd.DeviceType.CPU:
             host_by_thread[e.thread] += e.self_cpu_time_total
     syncs = collections.Counter(e.name for e in events if e.name.startswith(SYNC_CALLS))
+    copies = collections.Counter(e.name for e in events if e.name.startswith(COPY_CALLS))
     averages = prof.key_averages()
     by_device = sorted(averages, key=lambda a: a.self_device_time_total, reverse=True)[:top]
     by_host = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:top]
@@ -110,6 +113,7 @@ def summarize(prof, wall_s: float, top: int) -> dict:
         "host_op_ms_model_thread": engine_us / 1000,  # the thread that ran the transformer
         "host_op_ms_other_threads": (sum(host_by_thread.values()) - engine_us) / 1000,
         "host_syncs": dict(syncs),
+        "copy_calls": dict(copies),
         "top_device_ops_ms": {a.key: a.self_device_time_total / 1000 for a in by_device if a.self_device_time_total},
         "top_host_ops_ms": {a.key: a.self_cpu_time_total / 1000 for a in by_host},
     }
@@ -201,7 +205,8 @@ def print_report(report: dict) -> None:
         print(f"\n{side}: wall {r['wall_ms']:.1f} ms, device busy {r['device_busy_ms']:.1f} ms (idle {idle}), "
               f"{r['transformer_calls']} transformer calls spanning {r['transformer_host_span_ms']:.1f} ms on the host; "
               f"host ops: model thread {r['host_op_ms_model_thread']:.1f} ms, other threads "
-              f"{r['host_op_ms_other_threads']:.1f} ms; host syncs {r['host_syncs'] or 'none'}")
+              f"{r['host_op_ms_other_threads']:.1f} ms; host syncs {r['host_syncs'] or 'none'}, "
+              f"copies {r['copy_calls'] or 'none'}")
         for title, table in (("device", r["top_device_ops_ms"]), ("host", r["top_host_ops_ms"])):
             if table:
                 print(f"  top {title} ops (self ms): " + ", ".join(f"{k} {v:.1f}" for k, v in list(table.items())[:8]))
