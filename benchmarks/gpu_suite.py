@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measured rounds (medians)")
     parser.add_argument("--warmup-rounds", type=int, default=3, help="unmeasured StepBatched rounds first")
+    parser.add_argument("--compile", action="store_true",
+                        help="pipe.transformer.compile(dynamic=True) for every side (inductor; minutes of compiling)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu_suite.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -42,7 +44,8 @@ def main() -> None:
     for side in args.sizes:
         workload = Workload(f"flux1-width-{side}px", FLUX1_WIDTH, side)
         results["results"].append(bench_workload(workload, args.concurrency, args.steps, repeats=5, seed=0, pipe=pipe,
-                                                 rounds=args.rounds, warmup_rounds=args.warmup_rounds))
+                                                 rounds=args.rounds, warmup_rounds=args.warmup_rounds,
+                                                 compile_transformer=args.compile))
         print(json.dumps(results["results"][-1]["ratios"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

@@ -207,7 +207,7 @@ def measure_ceiling(pipe, workload: Workload, n: int, steps: int, repeats: int) 
 def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: int, pipe=None,
                    rounds: int = 3, warmup_rounds: int = 3, compile_transformer: bool = False) -> dict:
     pipe = pipe or tiny_flux_pipeline(guidance_embeds=True, size=workload.size, vae_blocks=4)
-    if compile_transformer:
+    if compile_transformer and pipe.transformer._compiled_call_impl is None:  # (a shared pipe: compiled once)
         # NOTE: diffusers' own way, in place, for every side (sequential, StepBatched and the ceiling); dynamic
         # shapes, so the engine's changing row counts share one compiled graph after the first batch
         pipe.transformer.compile(dynamic=True)
