@@ -10,6 +10,9 @@ from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline
 
 from .references import TOLERANCE, in_lockstep, max_diff, seeded
 
+# NOTE: the "eager" backend traces with dynamo (guards, graph breaks, recompiles) without inductor's codegen
+BACKEND = "eager"
+
 
 def requests_of(sizes):
     return [dict(prompt=f"a red circle {i}", height=h, width=w, num_inference_steps=2 + i % 2, seed=i,
@@ -22,10 +25,6 @@ def compile_in_place(pipe):
 
 def compile_as_new_module(pipe):
     pipe.transformer = torch.compile(pipe.transformer, dynamic=True, backend=BACKEND)
-
-
-# NOTE: the "eager" backend traces with dynamo (guards, graph breaks, recompiles) without inductor's codegen
-BACKEND = "eager"
 
 
 class CompiledCalls:
