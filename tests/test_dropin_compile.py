@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline
+from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline, tiny_qwenimage_pipeline, tiny_sd3_pipeline
 
 from .references import TOLERANCE, in_lockstep, max_diff, seeded
 
@@ -71,13 +71,25 @@ def test_a_compiled_transformer_runs_compiled_in_batches_and_equals_solo(size, s
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compilations <= 1
 
 
+# the MMDiT families that pack mixed sizes: (pipeline, what their requests add)
+PACKING_FAMILIES = {
+    "flux": (lambda: tiny_flux_pipeline(guidance_embeds=True, vae_blocks=2), {}),
+    "sd3": (tiny_sd3_pipeline, {"max_sequence_length": None}),
+    "qwenimage": (tiny_qwenimage_pipeline, {"max_sequence_length": None, "true_cfg_scale": 2.0,
+                                            "negative_prompt": "blurry"}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PACKING_FAMILIES))
 @pytest.mark.parametrize("compile_transformer", [compile_in_place, compile_as_new_module])
-def test_mixed_sizes_still_pack_around_a_compiled_transformer(compile_transformer):
+def test_mixed_sizes_still_pack_around_a_compiled_transformer(family, compile_transformer):
     # packed calls drive the transformer's submodules (eagerly): sizes still share calls, outputs stay exact
     torch._dynamo.reset()
-    pipe = tiny_flux_pipeline(guidance_embeds=True, vae_blocks=2)
+    build, extra = PACKING_FAMILIES[family]
+    pipe = build()
     compile_transformer(pipe)
-    requests = requests_of([(32, 32), (48, 32), (16, 64), (32, 32)])
+    requests = [{k: v for k, v in {**kwargs, **extra}.items() if v is not None}
+                for kwargs in requests_of([(32, 32), (48, 32), (16, 48), (32, 32)])]
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
     sb = StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=8, cost_aware=False))
     try:
