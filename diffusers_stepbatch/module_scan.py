@@ -7,7 +7,10 @@ through `nn.Module.__getattr__` cost ~1 us per module and diffusers' `_execution
 three times; with N callers those walks run one after another under the GIL while the engine waits for
 rows (measured: 3.3 of 7 ms of a tiny Flux request's prologue). The walks here read the same facts from the
 modules' own dicts, about 3x faster, and the execution device is remembered for as long as nothing it
-depends on has changed.
+depends on has changed. Their questions are all about a few kinds of module (those with hooks, attention
+processors or fused projections), so one walk per model (`marked_modules`) finds those and every scan of a
+request's prologue reads that list (`scan_scope`): on a FLUX.1-sized transformer (1,279 modules) the four
+scans of the transformer took 5.5 ms with a walk each and 0.7 ms with one census.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -67,9 +72,77 @@ def own_attribute(module: torch.nn.Module, name: str) -> Any:
     return value
 
 
+# Instance attributes the prologue's scans ask about; a module with none of them (and whose class has none)
+# answers every scan with "nothing here".
+_WATCHED = (_ACCELERATE_HOOK, _DIFFUSERS_HOOKS, "processor", "fused_projections")
+_marked_classes: dict[type, bool] = {}
+_scope: ContextVar[dict[int, tuple[torch.nn.Module, tuple]] | None] = ContextVar("module_scan_scope", default=None)
+
+
+def _class_marked(cls: type) -> bool:
+    """Whether every instance of `cls` is marked: the class defines a watched name or `get_processor`."""
+    marked = _marked_classes.get(cls)
+    if marked is None:
+        marked = _marked_classes[cls] = any(hasattr(cls, name) for name in (*_WATCHED, "get_processor"))
+    return marked
+
+
+def _census(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
+    # NOTE: `walk`, naming only the modules that are marked or have children (most modules are leaves).
+    marked, seen = [], set()
+    stack: list[tuple[str, str, torch.nn.Module]] = [("", "", model)]
+    while stack:
+        prefix, key, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        own, children, name = module.__dict__, module._modules, None
+        if (_class_marked(type(module)) or _ACCELERATE_HOOK in own or _DIFFUSERS_HOOKS in own or "processor" in own
+                or "fused_projections" in own or "processor" in children):
+            name = f"{prefix}.{key}" if prefix else key
+            marked.append((name, module))
+        if children:
+            name = name if name is not None else (f"{prefix}.{key}" if prefix else key)
+            stack.extend((name, child_key, child) for child_key, child in reversed(children.items())
+                         if child is not None)
+    return tuple(marked)
+
+
+def marked_modules(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
+    """The (name, module) pairs of `model`, in `named_modules()` order, that can carry an accelerate or diffusers
+    hook, an attention processor (`processor`, `get_processor`) or `fused_projections`; every other module would
+    answer each scan here with "nothing". Within a `scan_scope`, the walk runs once per model."""
+    scope = _scope.get()
+    if scope is None:
+        return _census(model)
+    found = scope.get(id(model))
+    if found is None or found[0] is not model:
+        found = scope[id(model)] = (model, _census(model))
+    return found[1]
+
+
+@contextmanager
+def scan_scope() -> Iterator[None]:
+    """One request's prologue: its scans share one walk per model (what a model looks like is read once, at
+    submit). Nested scopes share the outer one.
+
+    >>> with scan_scope():
+    ...     request = plan(pipe, call_args)
+    """
+    if _scope.get() is not None:
+        yield
+        return
+    token = _scope.set({})
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
 def carries_hooks(module: torch.nn.Module) -> bool:
     """Whether an accelerate or diffusers hook sits on `module` or any of its submodules."""
-    return any(_ACCELERATE_HOOK in sub.__dict__ or _DIFFUSERS_HOOKS in sub.__dict__ for sub in submodules(module))
+    return any(_ACCELERATE_HOOK in sub.__dict__ or _DIFFUSERS_HOOKS in sub.__dict__
+               for _, sub in marked_modules(module))
 
 
 def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | None]:

@@ -22,6 +22,7 @@ from .decoders.registry import resolve_decoder
 from .engine.core import EngineCore
 from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
+from .module_scan import scan_scope
 from .packed.attention import check_packed_attention
 from .programs import program_for, registered_pipelines
 from .programs.call_checks import check_call_inputs
@@ -155,9 +156,10 @@ class StepBatched:
         _check_request_options(priority, deadline)
         if self.engine.in_engine_thread():
             raise RuntimeError("StepBatched cannot be called from its own engine thread (e.g. from a step callback)")
-        request = self._make_request(args, kwargs, priority, deadline)
-        if request.starts_in_caller:
-            start_in_caller(request)
+        with scan_scope():  # NOTE: planning and the prologue read what each model looks like in one walk
+            request = self._make_request(args, kwargs, priority, deadline)
+            if request.starts_in_caller:
+                start_in_caller(request)
         try:
             self.engine.submit(request)
         except BaseException:  # closed or full: the started program holds nothing the engine must release

@@ -93,3 +93,145 @@ def test_execution_device_with_group_offloading_is_diffusers_answer():
                            num_blocks_per_group=1)
     assert carries_hooks(pipe.transformer)
     assert execution_device(pipe) == pipe._execution_device
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One walk per model and request: the scans read `marked_modules`, which must hold every module they could see.
+from accelerate.hooks import ModelHook as _ModelHook  # noqa: E402
+from diffusers import FirstBlockCacheConfig  # noqa: E402
+from diffusers.hooks import HookRegistry  # noqa: E402
+from diffusers.hooks import ModelHook as DiffusersHook  # noqa: E402
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor  # noqa: E402
+
+import diffusers_stepbatch.module_scan as module_scan  # noqa: E402
+from diffusers_stepbatch import StepBatched  # noqa: E402
+from diffusers_stepbatch.adapters.ip_adapter import ip_processors  # noqa: E402
+from diffusers_stepbatch.module_scan import marked_modules, scan_scope  # noqa: E402
+from diffusers_stepbatch.packed.support import unsupported_reason  # noqa: E402
+from diffusers_stepbatch.programs.cache_hooks import _stateful_hooks  # noqa: E402
+from diffusers_stepbatch.testing import add_random_ip_adapter  # noqa: E402
+
+from .references import TOLERANCE, count_forwards, max_diff, seeded  # noqa: E402
+
+_WATCHED = ("_hf_hook", "_diffusers_hook", "processor", "fused_projections")
+
+
+def _seen_by_a_scan(module) -> bool:
+    """What some scan reads off a module: a watched attribute that is set, or an attention processor getter."""
+    return hasattr(type(module), "get_processor") or any(own_attribute(module, name) is not None for name in _WATCHED)
+
+
+class _StatefulHook(DiffusersHook):
+    _is_stateful = True
+
+
+class _Leaf(torch.nn.Linear):
+    fused_projections = True  # a class attribute: every instance is seen by the fused-projections scan
+
+
+def _mutate(pipe, change: str) -> None:
+    """Each way the scans' facts can change on a built pipeline, on a module deep inside a model."""
+    transformer = pipe.transformer
+    leaf = transformer.transformer_blocks[0].ff.net[2]  # a Linear: no children, nothing watched
+    if change == "accelerate hook on a leaf":
+        add_hook_to_module(leaf, _ModelHook())
+    elif change == "diffusers registry on a leaf":
+        HookRegistry.check_if_exists_or_initialize(leaf).register_hook(_StatefulHook(), "test-hook")
+    elif change == "module processor":  # an nn.Module processor lives in `_modules`, not `__dict__`
+        transformer.transformer_blocks[0].attn.processor = torch.nn.Identity()
+        leaf.processor = torch.nn.Identity()
+    elif change == "fused flag on a leaf":
+        leaf.fused_projections = True
+    elif change == "marked class":
+        transformer.transformer_blocks[0].ff.net[2] = _Leaf(leaf.in_features, leaf.out_features)
+    elif change == "fused QKV projections":
+        transformer.fuse_qkv_projections()
+    elif change == "first-block cache":
+        transformer.enable_cache(FirstBlockCacheConfig(threshold=0.8))
+    elif change == "IP-Adapter":
+        add_random_ip_adapter(pipe)
+    elif change != "none":
+        raise AssertionError(change)
+
+
+CHANGES = ["none", "accelerate hook on a leaf", "diffusers registry on a leaf", "module processor",
+           "fused flag on a leaf", "marked class", "fused QKV projections", "first-block cache", "IP-Adapter"]
+
+
+def _every_module(model):
+    return tuple(walk(model))
+
+
+@pytest.mark.parametrize("size", [FluxSize(num_layers=1, num_single_layers=2), FluxSize()])
+@pytest.mark.parametrize("change", CHANGES)
+def test_marked_modules_hold_every_module_a_scan_sees_in_walk_order(size, change):
+    pipe = tiny_flux_pipeline(size=size)
+    _mutate(pipe, change)
+    for model in modules_of(pipe):
+        marked = [(name, id(module)) for name, module in marked_modules(model)]
+        walked = [(name, id(module)) for name, module in walk(model)]
+        assert [pair for pair in walked if pair in set(marked)] == marked  # walk order, names as torch gives them
+        seen = [(name, id(module)) for name, module in walk(model) if _seen_by_a_scan(module)]
+        assert [pair for pair in marked if pair in set(seen)] == seen
+        assert len(marked) < len(walked)  # the point: most modules are skipped
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_scans_over_marked_modules_answer_as_scans_over_every_module(change, monkeypatch):
+    pipe = tiny_flux_pipeline(size=FluxSize(num_layers=2, num_single_layers=1))
+    _mutate(pipe, change)
+
+    def answers():
+        transformer = pipe.transformer
+        return (unsupported_reason(transformer, FluxAttnProcessor),
+                [carries_hooks(model) for model in modules_of(pipe)],
+                [id(hook) for hook in _stateful_hooks(transformer)],
+                [id(processor) for processor in ip_processors(transformer)])
+
+    census = answers()
+    monkeypatch.setattr(module_scan, "_census", _every_module)
+    assert answers() == census
+    if change != "none":  # each change is visible to some scan
+        assert census != (None, [False] * len(modules_of(pipe)), [], [])
+
+
+def test_one_walk_per_model_per_submit_and_the_next_submit_sees_changes(monkeypatch):
+    pipe = tiny_flux_pipeline(guidance_embeds=True, size=FluxSize(num_layers=2, num_single_layers=2))
+    pipe.set_progress_bar_config(disable=True)
+    walks = []
+    census = module_scan._census
+    monkeypatch.setattr(module_scan, "_census", lambda model: walks.append(id(model)) or census(model))
+    call = dict(prompt="a red circle", height=32, width=32, num_inference_steps=3, output_type="pt", seed=0)
+    plain = pipe(**seeded(call)).images
+    with StepBatched(pipe) as sb:
+        walks.clear()
+        got = sb.submit(**seeded(call)).result(timeout=60).images
+        scanned = len(walks)
+        assert 0 < scanned == len(set(walks)) <= len(modules_of(pipe))
+        assert max_diff(got, plain) <= TOLERANCE
+        # diffusers' cache hook, enabled between two calls on the same wrapper: the next request runs hooked
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.8))
+        cached = pipe(**seeded(call)).images
+        assert max_diff(cached, plain) > 2 * TOLERANCE
+        sizes, handle = count_forwards(pipe.transformer)
+        futures = [sb.submit(**seeded(call)) for _ in range(2)]
+        hooked = [future.result(timeout=60).images for future in futures]
+        handle.remove()
+        assert max(max_diff(image, cached) for image in hooked) <= TOLERANCE
+        assert max(sizes) == 1  # hooked requests run alone
+        pipe.transformer.disable_cache()
+        assert max_diff(sb(**seeded(call)).images, plain) <= TOLERANCE
+
+
+def test_a_scope_reads_each_model_once_and_a_new_scope_reads_it_again():
+    pipe = tiny_flux_pipeline()
+    leaf = pipe.transformer.transformer_blocks[0].ff.net[2]
+    with scan_scope():
+        assert not carries_hooks(pipe.transformer)
+        add_hook_to_module(leaf, _ModelHook())
+        with scan_scope():  # nested: the outer scope's reading
+            assert not carries_hooks(pipe.transformer)
+        assert carries_hooks(leaf)  # another model: walked now
+    with scan_scope():
+        assert carries_hooks(pipe.transformer)
+    assert carries_hooks(pipe.transformer)  # outside a scope: every call walks

@@ -26,7 +26,7 @@ import torch
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import NamedKey, named_key
-from ..module_scan import walk
+from ..module_scan import marked_modules
 
 _SCALES_LOCK = threading.Lock()  # submit-time reads vs a request's set_ip_adapter_scale (see bind_scale_setter)
 
@@ -43,7 +43,7 @@ def ip_processors(model: torch.nn.Module) -> tuple:
     kinds = (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0, IPAdapterXFormersAttnProcessor,
              FluxIPAdapterAttnProcessor)
     # NOTE: `model.attn_processors` order (pre-order over the modules that have `get_processor`), walked cheaply.
-    processors = (sub.get_processor() for _, sub in walk(model) if hasattr(type(sub), "get_processor"))
+    processors = (sub.get_processor() for _, sub in marked_modules(model) if hasattr(type(sub), "get_processor"))
     return tuple(p for p in processors if isinstance(p, kinds))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..module_scan import own_attribute, walk
+from ..module_scan import marked_modules, own_attribute
 
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
@@ -19,7 +19,7 @@ def unsupported_reason(transformer, processor_class: type) -> str | None:
     """
     if own_attribute(transformer, "_hf_hook") is not None:
         return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
-    for name, module in walk(transformer):
+    for name, module in marked_modules(transformer):
         registry = own_attribute(module, "_diffusers_hook")
         if registry is not None and registry.hooks:
             return f"diffusers hooks {sorted(registry.hooks)} are registered on {name or 'the transformer'}"
