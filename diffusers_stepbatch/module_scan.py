@@ -89,7 +89,7 @@ def _class_marked(cls: type) -> bool:
 
 def _census(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
     # NOTE: `walk`, naming only the modules that are marked or have children (most modules are leaves).
-    marked, seen = [], set()
+    marked, seen, classes = [], set(), _marked_classes
     stack: list[tuple[str, str, torch.nn.Module]] = [("", "", model)]
     while stack:
         prefix, key, module = stack.pop()
@@ -97,7 +97,10 @@ def _census(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
             continue
         seen.add(id(module))
         own, children, name = module.__dict__, module._modules, None
-        if (_class_marked(type(module)) or _ACCELERATE_HOOK in own or _DIFFUSERS_HOOKS in own or "processor" in own
+        marked_class = classes.get(type(module))
+        if marked_class is None:
+            marked_class = _class_marked(type(module))
+        if (marked_class or _ACCELERATE_HOOK in own or _DIFFUSERS_HOOKS in own or "processor" in own
                 or "fused_projections" in own or "processor" in children):
             name = f"{prefix}.{key}" if prefix else key
             marked.append((name, module))
