@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from throughput import WORKLOADS, command_line, in_worker_thread, percentile, write_report  # noqa: E402
+from throughput import WORKLOADS, command_line, in_worker_thread, percentile, run_clients, write_report  # noqa: E402
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched  # noqa: E402
 from diffusers_stepbatch.testing import tiny_flux_pipeline  # noqa: E402
@@ -72,17 +71,12 @@ def request_kwargs(i: int, sizes, steps: int) -> dict:
 def closed_loop(call, n: int, sizes, steps: int) -> dict:
     """N requests at once from N client threads; returns wall time and per-request latencies."""
     latencies = [0.0] * n
-    start = time.perf_counter()
 
-    def client(i: int) -> None:
+    def client(i: int, start: float) -> None:
         call(**request_kwargs(i, sizes, steps)).images.cpu()
         latencies[i] = time.perf_counter() - start
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start = run_clients(n, client)  # released together, as a server's workers
     return {"wall_s": time.perf_counter() - start, "latencies": latencies}
 
 

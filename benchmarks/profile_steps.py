@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from throughput import command_line, in_worker_thread, write_report  # noqa: E402
+from throughput import command_line, in_worker_thread, run_clients, write_report  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline  # noqa: E402
@@ -45,16 +45,10 @@ def request_kwargs(i: int, side: int, steps: int) -> dict:
 
 def closed_round(call, n: int, side: int, steps: int, offset: int) -> float:
     """N requests at once from N threads; wall seconds until the last image is on the host."""
-    started = time.perf_counter()
-
-    def client(i: int) -> None:
+    def client(i: int, start: float) -> None:
         call(**request_kwargs(offset + i, side, steps)).images.cpu()
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    started = run_clients(n, client)  # released together, as a server's workers
     return time.perf_counter() - started
 
 
