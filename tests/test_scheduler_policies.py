@@ -1,5 +1,6 @@
 """Admission policies, starvation, SLO admission and cost-aware chunking, with made-up costs: no torch."""
 
+import random
 from collections import Counter
 
 import pytest
@@ -149,6 +150,43 @@ def test_first_call_at_a_shape_is_not_recorded():
     assert costs.estimate("k", 4) is None
     costs.observe("k", 4, 0.3)
     assert costs.estimate("k", 4) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("largest", [4, 16])
+def test_a_first_call_with_fewer_rows_than_before_is_recorded_one_with_more_is_not(largest):
+    costs = BatchCostModel()
+    costs.observe("k", largest, 9.0)  # the key's first call
+    costs.observe("k", largest - 1, 0.5)  # fewer rows than a call before: the memory is there already
+    assert costs.estimate("k", largest - 1) == pytest.approx(0.5)
+    costs.observe("k", 2 * largest, 20.0)  # more rows than any call before: allocator pools may grow
+    assert costs.estimate("k", 2 * largest) == pytest.approx(0.5 * 2 * largest / (largest - 1))  # scaled, not 20
+    costs.observe("k", 2 * largest, 1.0)
+    assert costs.estimate("k", 2 * largest) == pytest.approx(1.0)
+
+
+def decode_like(rows):
+    # NOTE: a CPU's tiny VAE: one image per call fastest, batches slower per image the more rows they hold
+    return 0.014 if rows == 1 else 0.020 * rows * (1 + rows / 40)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("requests", [24, 32])
+def test_decode_groups_of_a_new_size_every_time_stop_exploring_whole_groups_soon(seed, requests):
+    # NOTE: as a call log at 32 requests showed: each round's finishers decode in two groups of new sizes (11 + 21,
+    # 20 + 12, ...); exploring each new size as a whole group first ran 16 whole-group decodes of 3-31 rows
+    rng = random.Random(seed)
+    costs = BatchCostModel()
+    decisions = []
+    for _ in range(12):
+        first = rng.randint(1, requests - 1)
+        for rows in (first, requests - first):
+            chunks = costs.chunk("decode", [1] * rows)
+            decisions.append(tuple(len(c) for c in chunks))
+            for chunk in chunks:
+                costs.observe("decode", len(chunk), decode_like(len(chunk)))
+    several = [d for d in decisions if max(d) > 1]  # calls of several rows: exploration or re-measurement
+    assert len(several) <= 10, decisions
+    assert sum(max(d) > 1 for d in decisions[-8:]) <= 1, decisions  # one image per call from then on
 
 
 def test_a_size_between_measured_sizes_counts_as_measured():

@@ -4,8 +4,9 @@ Batching is not free: a compute-bound forward of 8 rows can take longer than 8 f
 engine reports every call's time here; when a group of work items is ready, `chunk()` picks the split
 into forwards with the least estimated total time. Splits not measured yet are tried (the whole group first,
 then halves, quarters, ... until one is clearly slower than the best so far); a size between two measured
-sizes counts as measured (interpolated), so that traffic whose group sizes change every time (2 + 6 rows,
-then 1 + 7, ...) concludes in a few groups. One split is measured again after `explore_first` decisions,
+sizes, or above them by at most a factor of 2, is estimated instead of explored, so that traffic whose group
+sizes change every time (2 + 6 rows, then 1 + 7, ...; at 32 requests 11, 20, 6, 26, ...) concludes in a few
+groups. One split is measured again after `explore_first` decisions,
 then ever less often, down to every `explore_every` decisions, so the estimates follow the machine's load.
 Pure Python: no torch, tested with made-up timings.
 """
@@ -76,16 +77,20 @@ class BatchCostModel:
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
-        self._warmed: set[tuple[Hashable, int]] = set()
+        self._largest_run: dict[Hashable, int] = {}  # per key: the most rows of any call so far
         self._reexplorations: Counter = Counter()  # per key: re-measurements so far
         self._next_reexploration: dict[Hashable, int] = {}  # per key: the decision that re-measures next
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
-        # NOTE: the first call at a new shape pays one-time costs (allocations, lazy init); one such outlier
-        # would otherwise decide the exploration, so it is not recorded. (Recording it until a second call
-        # replaced it was tried: a first 2-row image-encode call at 2.7x its later time split that key's groups.)
-        if (key, rows) not in self._warmed:
-            self._warmed.add((key, rows))
+        # NOTE: a key's first call, and a first call with more rows than any before it, pay one-time costs (lazy
+        # init, allocator pools growing); one such outlier would otherwise decide the exploration, so they are not
+        # recorded. (Recording them until a second call replaced them was tried: a first 2-row image-encode call
+        # at 2.7x its later time split that key's groups.) A call with fewer rows than an earlier one reuses that
+        # memory and is recorded at once: at 32 requests decode groups have a new size nearly every time (11,
+        # 20, 6, 26, 3, 29, ... rows), and discarding every first call kept 16 whole-group decodes exploring.
+        largest = self._largest_run.get(key)
+        self._largest_run[key] = max(rows, largest or 0)
+        if largest is None or rows > largest:
             return
         self._samples[key].setdefault(rows, deque(maxlen=self.window)).append(seconds)
 
@@ -111,6 +116,21 @@ class BatchCostModel:
         """Measured at `rows`, or at sizes on both sides of it (then `estimate` interpolates)."""
         measured = self._samples.get(key, {})
         return rows in measured or (any(size < rows for size in measured) and any(size > rows for size in measured))
+
+    def _known_enough(self, key: Hashable, rows: int) -> bool:
+        """Whether exploration may take `estimate` for `rows` instead of running it: measured, interpolated, or
+        above the largest measured size by at most a factor of 2.
+
+        NOTE: above, `estimate` scales the largest measured size's time by rows (no batching gain invented). A
+        group of up to twice that size has its halves within the measured sizes; if per-row cost falls with rows
+        (overhead-bound) the scaled estimate ranks the whole group at least as well as its halves, and if it
+        rises (compute-bound) below them, so the choice is the one a measurement would lead to. Below the
+        smallest measured size the scaled estimate ties every split with the whole group, so those are explored.
+        """
+        measured = self._samples.get(key)
+        if not measured:
+            return False
+        return self.is_measured(key, rows) or max(measured) < rows <= 2 * max(measured)
 
     def chunk(self, key: Hashable, item_rows: Sequence[int]) -> list[list[int]]:
         """Split items (given by their row counts) into forwards; returns index lists in order."""
@@ -162,7 +182,7 @@ class BatchCostModel:
 
     def _measured_cost(self, key: Hashable, item_rows: Sequence[int], option: list[list[int]]) -> float | None:
         sizes = _sizes(item_rows, option)
-        if not all(self.is_measured(key, size) for size in sizes):
+        if not all(self._known_enough(key, size) for size in sizes):
             return None
         return sum(self.estimate(key, size) for size in sizes)
 
