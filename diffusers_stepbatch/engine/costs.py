@@ -6,8 +6,8 @@ into forwards with the least estimated total time. Splits not measured yet are t
 then halves, quarters, ... until one is clearly slower than the best so far); a size between two measured
 sizes, or above them by at most a factor of 2, is estimated instead of explored, so that traffic whose group
 sizes change every time (2 + 6 rows, then 1 + 7, ...; at 32 requests 11, 20, 6, 26, ...) concludes in a few
-groups. One split is measured again after `explore_first` decisions,
-then ever less often, down to every `explore_every` decisions, so the estimates follow the machine's load.
+groups. One split is measured again after `explore_first` decisions, then ever less often, down to every
+`explore_every` decisions, so the estimates follow the machine's load.
 Pure Python: no torch, tested with made-up timings.
 """
 
