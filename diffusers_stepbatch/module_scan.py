@@ -88,26 +88,15 @@ def _class_marked(cls: type) -> bool:
 
 
 def _census(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
-    # NOTE: `walk`, naming only the modules that are marked or have children (most modules are leaves).
-    marked, seen, classes = [], set(), _marked_classes
-    stack: list[tuple[str, str, torch.nn.Module]] = [("", "", model)]
-    while stack:
-        prefix, key, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        own, children, name = module.__dict__, module._modules, None
+    marked, classes = [], _marked_classes
+    for name, module in walk(model):
+        own = module.__dict__
         marked_class = classes.get(type(module))
         if marked_class is None:
             marked_class = _class_marked(type(module))
         if (marked_class or _ACCELERATE_HOOK in own or _DIFFUSERS_HOOKS in own or "processor" in own
-                or "fused_projections" in own or "processor" in children):
-            name = f"{prefix}.{key}" if prefix else key
+                or "fused_projections" in own or "processor" in module._modules):
             marked.append((name, module))
-        if children:
-            name = name if name is not None else (f"{prefix}.{key}" if prefix else key)
-            stack.extend((name, child_key, child) for child_key, child in reversed(children.items())
-                         if child is not None)
     return tuple(marked)
 
 
