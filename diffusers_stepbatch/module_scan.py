@@ -9,8 +9,8 @@ rows (measured: 3.3 of 7 ms of a tiny Flux request's prologue). The walks here r
 modules' own dicts, about 3x faster, and the execution device is remembered for as long as nothing it
 depends on has changed. Their questions are all about a few kinds of module (those with hooks, attention
 processors or fused projections), so one walk per model (`marked_modules`) finds those and every scan of a
-request's prologue reads that list (`scan_scope`): on a FLUX.1-sized transformer (1,279 modules) the four
-scans of the transformer took 5.5 ms with a walk each and 0.7 ms with one census.
+request's prologue reads that list (`scan_scope`): on a FLUX.1-sized transformer (1,279 modules, meta device)
+its four scans took 9.6 ms walking every module each and 0.9 ms over one census (medians of 50, one run).
 """
 
 from __future__ import annotations
