@@ -156,15 +156,16 @@ class StepBatched:
         _check_request_options(priority, deadline)
         if self.engine.in_engine_thread():
             raise RuntimeError("StepBatched cannot be called from its own engine thread (e.g. from a step callback)")
-        with scan_scope():  # NOTE: planning and the prologue read what each model looks like in one walk
-            request = self._make_request(args, kwargs, priority, deadline)
-            if request.starts_in_caller:
-                start_in_caller(request)
-        try:
-            self.engine.submit(request)
-        except BaseException:  # closed or full: the started program holds nothing the engine must release
-            request.program.close()
-            raise
+        with self.engine.preparing():  # NOTE: an idle engine waits for this call to start it with the others
+            with scan_scope():  # NOTE: planning and the prologue read what each model looks like in one walk
+                request = self._make_request(args, kwargs, priority, deadline)
+                if request.starts_in_caller:
+                    start_in_caller(request)
+            try:
+                self.engine.submit(request)
+            except BaseException:  # closed or full: the started program holds nothing the engine must release
+                request.program.close()
+                raise
         return request.handle
 
     def _make_request(self, args: tuple, kwargs: dict, priority: int, deadline: float | None) -> Request:

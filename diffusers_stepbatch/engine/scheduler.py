@@ -42,6 +42,9 @@ class SchedulerConfig:
         cost_aware: split a group into several forwards when that was measured to be faster.
         max_pixels: the largest `height` x `width` a call may ask for (default 8192 x 8192); larger calls are
             refused at submit with a ValueError instead of trying a huge allocation in the engine. None: no limit.
+        burst_wait_s: with nothing running, the engine waits for calls still being prepared in their callers'
+            threads (a burst of requests) so that they start in one batch: until none is left, their rows fill
+            `max_batch_size`, or none was submitted for this many seconds. 0: start at once.
     """
 
     max_batch_size: int = 8
@@ -52,6 +55,7 @@ class SchedulerConfig:
     step_time_target_s: float | None = None
     cost_aware: bool = True
     max_pixels: int | None = 8192 * 8192
+    burst_wait_s: float = 0.05
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -66,6 +70,9 @@ class SchedulerConfig:
             raise ValueError(f"on_unmeetable_deadline={self.on_unmeetable_deadline!r} must be 'reject' or 'queue'")
         if self.step_time_target_s is not None and self.step_time_target_s <= 0:
             raise ValueError(f"step_time_target_s={self.step_time_target_s} must be > 0 or None")
+        seconds = self.burst_wait_s
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise ValueError(f"burst_wait_s={self.burst_wait_s!r} must be a number of seconds >= 0")
         if self.max_pixels is not None and (not isinstance(self.max_pixels, int) or self.max_pixels < 1):
             raise ValueError(f"max_pixels={self.max_pixels!r} must be a positive int (pixels) or None")
 

@@ -36,6 +36,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--on-unmeetable-deadline", default=defaults.on_unmeetable_deadline, choices=("reject", "queue"))
     add("--step-time-target-s", type=float, default=None)
     add("--cost-aware", action=argparse.BooleanOptionalAction, default=defaults.cost_aware)
+    add("--burst-wait-s", type=float, default=defaults.burst_wait_s,
+        help="an idle engine waits this long for calls being prepared, to start a burst in one batch (0: never)")
     add("--teacache", type=float, default=None, metavar="THRESHOLD", help="TeaCache threshold (e.g. 0.4)")
     add("--decoder", default=None, help="'pid' or another registered decoder name")
     add("--pid-exit-step", type=_number, default=None, help="step index K or a fraction of the steps")
