@@ -192,7 +192,8 @@ class EngineCore:
         wait = self.config.burst_wait_s
         if self.scheduler.running or not wait:
             return
-        while self._preparing and not self._closing and self._waiting_rows() < self.config.max_batch_size:
+        batch_rows = min(self.scheduler.row_budget, self.config.max_batch_size)  # what the next step may admit
+        while self._preparing and not self._closing and self._waiting_rows() < batch_rows:
             remaining = self._last_submit + wait - time.perf_counter()
             if remaining <= 0:
                 return
