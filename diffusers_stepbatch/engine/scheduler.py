@@ -44,7 +44,8 @@ class SchedulerConfig:
             refused at submit with a ValueError instead of trying a huge allocation in the engine. None: no limit.
         burst_wait_s: with nothing running, the engine waits for calls still being prepared in their callers'
             threads (a burst of requests) so that they start in one batch: until none is left, their rows fill
-            `max_batch_size`, or none was submitted for this many seconds. 0: start at once.
+            a batch (`max_batch_size`, fewer under `step_time_target_s`), or none was submitted for this many
+            seconds. 0: start at once.
     """
 
     max_batch_size: int = 8
