@@ -88,11 +88,12 @@ def test_row_budget_caps_admission():
     assert admitted_ids(scheduler) == [0, 1, 2]
 
 
-def feed(costs, key, seconds_for_rows, rounds=14):
-    """Drive chunk() like the engine does: run what it decides, report made-up times."""
+def feed(costs, key, seconds_for_rows, rounds=14, group=8):
+    """Drive chunk() like the engine does for `rounds` groups of `group` one-row items: run what it decides,
+    report made-up times."""
     decisions = []
     for _ in range(rounds):
-        chunks = costs.chunk(key, [1] * 8)
+        chunks = costs.chunk(key, [1] * group)
         decisions.append(tuple(len(c) for c in chunks))
         for chunk in chunks:
             costs.observe(key, len(chunk), seconds_for_rows(len(chunk)))
@@ -129,13 +130,7 @@ def test_a_remeasurement_runs_one_call_of_the_neighbouring_size(group):
     # NOTE: as a burst's decodes on a CPU: every request finishes in the same step, one image per call is fastest;
     # re-measuring the 2-row neighbour as the whole group at 2 rows per call cost (group / 2) x 69 ms instead of
     # one 2-row call's 19 ms more
-    costs = BatchCostModel(explore_first=2, explore_every=4)
-    decisions = []
-    for _ in range(40):
-        chunks = costs.chunk("decode", [1] * group)
-        decisions.append(tuple(len(c) for c in chunks))
-        for chunk in chunks:
-            costs.observe("decode", len(chunk), decode_like(len(chunk)))
+    decisions = feed(BatchCostModel(explore_first=2, explore_every=4), "decode", decode_like, rounds=40, group=group)
     one_each = (1,) * group
     concluded = decisions[decisions.index(one_each):]
     remeasured = [d for d in concluded if d != one_each]
@@ -177,12 +172,7 @@ def test_a_slow_whole_group_runs_once_while_exploring(group, first_alone):
     if first_alone:
         assert costs.chunk("decode", [1]) == [[0]]
         costs.observe("decode", 1, decode_like(1))
-    decisions = []
-    for _ in range(10):
-        chunks = costs.chunk("decode", [1] * group)
-        decisions.append(tuple(len(c) for c in chunks))
-        for chunk in chunks:
-            costs.observe("decode", len(chunk), decode_like(len(chunk)))
+    decisions = feed(costs, "decode", decode_like, rounds=10, group=group)
     assert decisions.count((group,)) == 1, decisions
     assert decisions[-5:] == [(1,) * group] * 5, decisions
 
