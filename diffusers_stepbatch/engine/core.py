@@ -200,7 +200,7 @@ class EngineCore:
             self._wakeup.wait(remaining)
 
     def _waiting_rows(self) -> int:
-        return sum(request.num_rows for request in self._inbox) + sum(r.num_rows for r in self.scheduler.waiting)
+        return sum(request.num_rows for request in (*self._inbox, *self.scheduler.waiting))
 
     def step(self) -> None:
         """One engine step: drop aborted requests, schedule, run each group of work items once."""

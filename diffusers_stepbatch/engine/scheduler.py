@@ -73,7 +73,7 @@ class SchedulerConfig:
             raise ValueError(f"step_time_target_s={self.step_time_target_s} must be > 0 or None")
         seconds = self.burst_wait_s
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
-            raise ValueError(f"burst_wait_s={self.burst_wait_s!r} must be a number of seconds >= 0")
+            raise ValueError(f"burst_wait_s={seconds!r} must be a number of seconds >= 0")
         if self.max_pixels is not None and (not isinstance(self.max_pixels, int) or self.max_pixels < 1):
             raise ValueError(f"max_pixels={self.max_pixels!r} must be a positive int (pixels) or None")
 
