@@ -103,17 +103,47 @@ def feed(costs, key, seconds_for_rows, rounds=14, group=8):
 def test_overhead_bound_costs_keep_one_big_batch():
     costs = BatchCostModel(explore_every=0)
     decisions = feed(costs, "tiny", lambda rows: 0.010 + 0.001 * rows)
-    # the whole group once (a first call at a new shape is not recorded, nor run again to be measured), trial
-    # splits until one is clearly slower; the whole group, estimated from its halves, is then chosen and measured
-    assert decisions[:3] == [(8,), (4, 4), (2, 2, 2, 2)]
-    assert set(decisions[3:]) == {(8,)}  # splits were slower: no further exploration
+    # the whole group once (a first call at a new shape is not recorded, nor run again to be measured), one group
+    # that measures a half, a quarter and one row; the whole group, estimated from its half, is then chosen
+    assert decisions[:2] == [(8,), (4, 2, 1, 1)]
+    assert set(decisions[2:]) == {(8,)}  # splits were slower: no further exploration
 
 
 def test_compute_bound_costs_split_into_faster_forwards():
     costs = BatchCostModel(explore_every=0)
     decisions = feed(costs, "big", lambda rows: 0.1 * rows ** 1.2)  # superlinear: batching loses
-    assert decisions[:4] == [(8,), (4, 4), (2, 2, 2, 2), (1,) * 8]  # halving while it keeps helping
-    assert decisions[-6:] == [(1,) * 8] * 6
+    assert decisions[:2] == [(8,), (4, 2, 1, 1)]  # the whole group, then every smaller size in one group
+    assert decisions[2:] == [(1,) * 8] * 12
+
+
+def linear(rows):
+    return 0.010 + 0.001 * rows  # overhead-bound: the whole group is fastest
+
+
+def exploration_cost(costs, key, seconds_for_rows, group, rounds):
+    """Drive chunk() for `rounds` groups of `group` one-row items; return the decisions and the seconds spent."""
+    decisions, spent = [], 0.0
+    for _ in range(rounds):
+        chunks = costs.chunk(key, [1] * group)
+        decisions.append(tuple(len(c) for c in chunks))
+        for chunk in chunks:
+            spent += seconds_for_rows(len(chunk))
+            costs.observe(key, len(chunk), seconds_for_rows(len(chunk)))
+    return decisions, spent
+
+
+@pytest.mark.parametrize("seconds, best", [("linear", "whole"), ("decode_like", "one_each"),
+                                           ("superlinear", "one_each")])
+@pytest.mark.parametrize("group", [6, 8, 16, 32])
+def test_a_key_whose_groups_come_once_per_burst_concludes_in_two_groups(group, seconds, best):
+    # NOTE: a closed loop's decodes (and encodes) form one group per burst; exploring one split per group ran
+    # whole groups at every halving size in turn: at 32 requests six rounds of decodes, up to 2x slower each
+    seconds = globals()[seconds]
+    best_split = (group,) if best == "whole" else (1,) * group
+    decisions, spent = exploration_cost(BatchCostModel(explore_every=0), "k", seconds, group, rounds=8)
+    assert decisions[2:] == [best_split] * 6, decisions
+    fastest = sum(seconds(rows) for rows in best_split)
+    assert spent <= 8 * fastest + 2 * seconds(group), (spent, decisions)  # the two exploring groups, at most
 
 
 def test_periodic_reexploration_follows_a_change_in_costs():

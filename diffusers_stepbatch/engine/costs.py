@@ -2,13 +2,14 @@
 
 Batching is not free: a compute-bound forward of 8 rows can take longer than 8 forwards of one row. The
 engine reports every call's time here; when a group of work items is ready, `chunk()` picks the split
-into forwards with the least estimated total time. Splits not measured yet are tried (the whole group first,
-then halves, quarters, ... until one is clearly slower than the best so far); a size between two measured
-sizes, or above them by at most a factor of 2, is estimated instead of explored, so that traffic whose group
-sizes change every time (2 + 6 rows, then 1 + 7, ...; at 32 requests 11, 20, 6, 26, ...) concludes in a few
-groups. A neighbouring size of the preferred split is measured again after `explore_first` decisions, then
-ever less often, down to every `explore_every` decisions, so the estimates follow the machine's load; one call
-of that size measures it, the rest of the group runs at the preferred split.
+into forwards with the least estimated total time. Splits not measured yet are tried: the whole group first,
+then one group that runs a call each of a half, a quarter, ... one row (`_ladder`); exploration ends at a split
+clearly slower than the best so far. A size between two measured sizes, or above them by at most a factor of 2,
+is estimated instead of explored, so that traffic whose group sizes change every time (2 + 6 rows, then 1 + 7,
+...; at 32 requests 11, 20, 6, 26, ...) concludes in a few groups. A neighbouring size of the preferred split is
+measured again after `explore_first` decisions, then ever less often, down to every `explore_every` decisions,
+so the estimates follow the machine's load; one call of that size measures it, the rest of the group runs at
+the preferred split.
 Pure Python: no torch, tested with made-up timings.
 """
 
@@ -50,6 +51,24 @@ def _probe(item_rows: Sequence[int], preferred: list[list[int]], neighbour: list
     start = len(head)
     rest = partition(item_rows[start:], max(_sizes(item_rows, preferred)))
     return [head] + [[start + index for index in chunk] for chunk in rest]
+
+
+def _ladder(item_rows: Sequence[int], capacity: int) -> list[list[int]]:
+    """Consecutive chunks of at most `capacity`, `capacity` / 2, ..., 1 rows, then the rest at `capacity`.
+
+    NOTE: one exploring group measures every halving size below `capacity` at once. Run one split per
+    decision, the sizes of a key whose groups come once per burst (a closed loop's decodes and encodes) took
+    a round each: at 32 requests, six rounds of whole groups at sizes slower than the best by up to 2x.
+    """
+    chunks: list[list[int]] = []
+    start, size = 0, capacity
+    while start < len(item_rows) and size >= 1:
+        chunk = [start + index for index in partition(item_rows[start:], size)[0]]
+        chunks.append(chunk)
+        start += len(chunk)
+        size //= 2
+    rest = partition(item_rows[start:], capacity)
+    return chunks + [[start + index for index in chunk] for chunk in rest]
 
 
 def _halving_options(item_rows: Sequence[int]) -> list[list[list[int]]]:
@@ -164,7 +183,9 @@ class BatchCostModel:
                 if cost is None:
                     if self._only_warmed_up(key, item_rows, option):
                         continue  # NOTE: not run again to measure it: the next split first (see _only_warmed_up)
-                    return option
+                    if len(option) == 1:
+                        return option  # the whole group first: where batching pays, it is the choice
+                    return _ladder(item_rows, max(_sizes(item_rows, option)))
                 if fastest is not None and cost > fastest * (1 + self.explore_tolerance):
                     break
                 fastest = cost if fastest is None else min(fastest, cost)
