@@ -148,7 +148,44 @@ def test_no_wait_when_disabled_or_the_batch_is_full(config):
     assert "images" in held.outcome
 
 
+@pytest.mark.parametrize("side, steps, gap", [(32, 3, 0.05), (48, 2, 0.1)])
+def test_calls_arriving_within_the_settle_time_start_in_one_batch(side, steps, gap):
+    """Nothing is being prepared between the two submits: the settle time alone holds the engine."""
+    pipe = flux_pipe("dev-tiny")
+    first, second = kwargs_for("first", 1, steps, side), kwargs_for("second", 2, steps, side)
+    expected = [pipe(**seeded(k)).images for k in (first, second)]
+    config = SchedulerConfig(burst_wait_s=LONG, burst_settle_s=gap + 0.5, cost_aware=False)
+    with StepBatched(pipe, scheduler=config) as sb:
+        handles = [sb.submit(**seeded(first))]
+        time.sleep(gap)
+        handles.append(sb.submit(**seeded(second)))
+        images = [handle.result(60).images for handle in handles]
+    assert calls(sb, "encode") == [("encode", 2)]
+    assert {rows for _, rows in calls(sb, "denoise")} == {2}
+    assert all(max_diff(got, want) <= TOLERANCE for got, want in zip(images, expected))
+
+
+@pytest.mark.parametrize("wait, settle", [(LONG, 0.2), (0.2, LONG)])
+def test_a_lone_call_waits_the_settle_time_at_most_burst_wait_s(wait, settle):
+    pipe = flux_pipe("dev-tiny")
+    first = kwargs_for("first", 1)
+    expected = pipe(**seeded(first)).images
+    with StepBatched(pipe, scheduler=SchedulerConfig(burst_wait_s=wait, burst_settle_s=settle)) as sb:
+        step, started = sb.engine.step, []
+
+        def timed_step():
+            started.append(time.perf_counter())
+            step()
+
+        sb.engine.step = timed_step
+        submitted = time.perf_counter()
+        images = sb(**seeded(first)).images
+    assert 0.2 <= started[0] - submitted < LONG / 2
+    assert max_diff(images, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["burst_wait_s", "burst_settle_s"])
 @pytest.mark.parametrize("value", [-1, True, "0.1", float("inf"), None])
-def test_burst_wait_s_must_be_a_number_of_seconds(value):
-    with pytest.raises(ValueError, match="burst_wait_s"):
-        SchedulerConfig(burst_wait_s=value)
+def test_burst_times_must_be_numbers_of_seconds(name, value):
+    with pytest.raises(ValueError, match=name):
+        SchedulerConfig(**{name: value})

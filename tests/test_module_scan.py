@@ -95,6 +95,30 @@ def test_execution_device_with_group_offloading_is_diffusers_answer():
     assert execution_device(pipe) == pipe._execution_device
 
 
+@pytest.mark.parametrize("family", ["flux", "flux-deeper-vae"])
+def test_the_empty_hook_registry_a_plain_call_leaves_is_no_hook(family, monkeypatch):
+    import diffusers.hooks.group_offloading as group_offloading
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    pipe = PIPELINES[family]()
+    pipe.set_progress_bar_config(disable=True)
+    pipe(prompt="a red circle", height=32, width=32, num_inference_steps=2, output_type="pt")
+    registry = pipe.transformer.__dict__.get("_diffusers_hook")
+    assert registry is not None and not registry.hooks  # diffusers' cache_context left it, empty
+    assert not carries_hooks(pipe.transformer)
+    asked = []
+    onload_device = group_offloading._get_group_onload_device
+    monkeypatch.setattr(group_offloading, "_get_group_onload_device",
+                        lambda module: asked.append(module) or onload_device(module))
+    assert execution_device(pipe) == torch.device("cpu")
+    asked.clear()
+    assert execution_device(pipe) == torch.device("cpu") and asked == []  # remembered: no walk per request
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.8))  # a hook in that registry now
+    assert carries_hooks(pipe.transformer)
+    asked.clear()
+    assert execution_device(pipe) == pipe._execution_device and pipe.transformer in asked  # diffusers answers
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One walk per model and request: the scans read `marked_modules`, which must hold every module they could see.
 from accelerate.hooks import ModelHook as _ModelHook  # noqa: E402

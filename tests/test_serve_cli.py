@@ -29,10 +29,11 @@ def test_flags_become_the_engine_config():
     parser = add_serve_arguments(argparse.ArgumentParser())
     config = config_from_args(parser.parse_args(
         ["--max-batch-size", "4", "--policy", "sjf", "--max-queue", "0", "--pid-exit-step", "0.8",
-         "--api-key", "k", "--served-model-name", "shapes", "--no-cost-aware", "--burst-wait-s", "0.01"]))
+         "--api-key", "k", "--served-model-name", "shapes", "--no-cost-aware", "--burst-wait-s", "0.01",
+         "--burst-settle-s", "0.002"]))
     scheduler = config.scheduler_config()
     assert (scheduler.max_batch_size, scheduler.policy, scheduler.max_queue, scheduler.cost_aware,
-            scheduler.burst_wait_s) == (4, "sjf", None, False, 0.01)
+            scheduler.burst_wait_s, scheduler.burst_settle_s) == (4, "sjf", None, False, 0.01, 0.002)
     assert config.pid_exit_step == 0.8 and config.api_key == "k" and config.model_name == "shapes"
     assert config_from_args(parser.parse_args(["--pid-exit-step", "8"])).pid_exit_step == 8
 

@@ -71,6 +71,7 @@ class EngineCore:
         self._idle = True
         self._preparing = 0  # calls between `preparing()` and their submit, in callers' threads
         self._last_submit = 0.0
+        self._last_arrival = 0.0  # the latest submit or `preparing()` entry
 
     # ----------------------------------------------------------------------------------- caller side
     def submit(self, request: Request) -> None:
@@ -81,7 +82,7 @@ class EngineCore:
             if self.config.max_queue is not None and queued >= self.config.max_queue:
                 raise QueueFull(f"{queued} requests are waiting (max_queue={self.config.max_queue}); retry later")
             self._inbox.append(request)
-            self._last_submit = time.perf_counter()
+            self._last_submit = self._last_arrival = time.perf_counter()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
@@ -95,6 +96,7 @@ class EngineCore:
         """
         with self._wakeup:
             self._preparing += 1
+            self._last_arrival = time.perf_counter()
         try:
             yield
         finally:
@@ -180,21 +182,28 @@ class EngineCore:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def _wait_for_preparing_callers(self) -> None:
-        """With nothing running, wait for callers still preparing requests: until none is left, their rows fill a
-        batch, or none was submitted for `burst_wait_s`. Held under `self._wakeup`.
+        """With nothing running, wait for callers still preparing requests: until none is left and none arrived
+        for `burst_settle_s`, their rows fill a batch, or none was submitted for `burst_wait_s`. Held under
+        `self._wakeup`.
 
         NOTE: the callers' prologues are Python under the GIL. A model call started meanwhile gives up the GIL at
         every torch op and waits for it again behind them (measured in a burst of 32 tiny Flux requests: a
         1-row encode took 108 ms instead of 5), and would start the first requests apart from the rest, a step
         ahead: encode and denoise calls more for the same work. Waiting (asleep, out of the callers' way) lets
-        the burst start in one batch.
+        the burst start in one batch. The settle time covers callers released together that have not reached
+        `preparing()` yet: they wait for the GIL, which another thread's prologue holds for up to the
+        interpreter's switch interval (5 ms) at a time.
         """
         wait = self.config.burst_wait_s
         if self.scheduler.running or not wait:
             return
+        settle = min(self.config.burst_settle_s, wait)
         batch_rows = min(self.scheduler.row_budget, self.config.max_batch_size)  # what the next step may admit
-        while self._preparing and not self._closing and self._waiting_rows() < batch_rows:
-            remaining = self._last_submit + wait - time.perf_counter()
+        while not self._closing and self._waiting_rows() < batch_rows:
+            deadline = self._last_submit + wait
+            if not self._preparing:
+                deadline = min(deadline, self._last_arrival + settle)
+            remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return
             self._wakeup.wait(remaining)

@@ -46,6 +46,9 @@ class SchedulerConfig:
             threads (a burst of requests) so that they start in one batch: until none is left, their rows fill
             a batch (`max_batch_size`, fewer under `step_time_target_s`), or none was submitted for this many
             seconds. 0: start at once.
+        burst_settle_s: with nothing running and no call being prepared, the engine still waits until none
+            arrived (entered preparation or was submitted) for this many seconds, at most `burst_wait_s`:
+            callers released together reach `submit` one GIL switch interval (5 ms) apart. 0: no settle time.
     """
 
     max_batch_size: int = 8
@@ -57,6 +60,7 @@ class SchedulerConfig:
     cost_aware: bool = True
     max_pixels: int | None = 8192 * 8192
     burst_wait_s: float = 0.05
+    burst_settle_s: float = 0.005
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -71,9 +75,10 @@ class SchedulerConfig:
             raise ValueError(f"on_unmeetable_deadline={self.on_unmeetable_deadline!r} must be 'reject' or 'queue'")
         if self.step_time_target_s is not None and self.step_time_target_s <= 0:
             raise ValueError(f"step_time_target_s={self.step_time_target_s} must be > 0 or None")
-        seconds = self.burst_wait_s
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
-            raise ValueError(f"burst_wait_s={seconds!r} must be a number of seconds >= 0")
+        for name in ("burst_wait_s", "burst_settle_s"):
+            seconds = getattr(self, name)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+                raise ValueError(f"{name}={seconds!r} must be a number of seconds >= 0")
         if self.max_pixels is not None and (not isinstance(self.max_pixels, int) or self.max_pixels < 1):
             raise ValueError(f"max_pixels={self.max_pixels!r} must be a positive int (pixels) or None")
 

@@ -38,6 +38,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--cost-aware", action=argparse.BooleanOptionalAction, default=defaults.cost_aware)
     add("--burst-wait-s", type=float, default=defaults.burst_wait_s,
         help="an idle engine waits this long for calls being prepared, to start a burst in one batch (0: never)")
+    add("--burst-settle-s", type=float, default=defaults.burst_settle_s,
+        help="and until none arrived for this long (callers released together arrive a GIL switch apart)")
     add("--teacache", type=float, default=None, metavar="THRESHOLD", help="TeaCache threshold (e.g. 0.4)")
     add("--decoder", default=None, help="'pid' or another registered decoder name")
     add("--pid-exit-step", type=_number, default=None, help="step index K or a fraction of the steps")

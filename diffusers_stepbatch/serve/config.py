@@ -24,7 +24,7 @@ class ServeConfig:
         api_key: Bearer key required on `/v1/*`; None reads `DIFFUSERS_STEPBATCH_API_KEY`, "" disables it.
         served_model_name: the `model` clients name (default: "toy-shapes" or the model id).
         max_batch_size, policy, max_wait_s, max_queue, on_unmeetable_deadline, step_time_target_s,
-            cost_aware, burst_wait_s: the engine's `SchedulerConfig`.
+            cost_aware, burst_wait_s, burst_settle_s: the engine's `SchedulerConfig`.
         teacache: a TeaCache threshold (None: exact steps).
         decoder, pid_exit_step: decode with PiD (`StepBatched(decoder=..., pid_exit_step=...)`).
         shutdown_timeout_s: on SIGTERM/SIGINT, how long in-flight requests may take to finish.
@@ -46,6 +46,7 @@ class ServeConfig:
     step_time_target_s: float | None = None
     cost_aware: bool = True
     burst_wait_s: float = 0.05
+    burst_settle_s: float = 0.005
     teacache: float | None = None
     decoder: str | None = None
     pid_exit_step: float | None = None
