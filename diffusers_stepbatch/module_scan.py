@@ -134,8 +134,8 @@ def scan_scope() -> Iterator[None]:
 def carries_hooks(module: torch.nn.Module) -> bool:
     """Whether an accelerate or diffusers hook sits on `module` or any of its submodules.
 
-    NOTE: an empty diffusers `HookRegistry` holds no hook. diffusers' own Flux, SD3 and Qwen-Image calls leave one
-    on the transformer (`cache_context` creates it), and counting it sent every later request's
+    NOTE: an empty diffusers `HookRegistry` holds no hook. A plain FluxPipeline call leaves one on the transformer
+    (diffusers 0.42: `cache_context` creates it), and counting it sent every later request's
     `execution_device` to diffusers' walk over every module of every model (measured: 43% of a tiny Flux
     prologue's time in a burst of 32).
     """
