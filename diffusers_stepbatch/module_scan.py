@@ -131,6 +131,12 @@ def scan_scope() -> Iterator[None]:
         _scope.reset(token)
 
 
+def diffusers_hooks(module: torch.nn.Module) -> dict[str, Any]:
+    """The hooks of the diffusers `HookRegistry` on `module` itself, by name ({} without a registry)."""
+    registry = own_attribute(module, _DIFFUSERS_HOOKS)
+    return {} if registry is None else registry.hooks
+
+
 def carries_hooks(module: torch.nn.Module) -> bool:
     """Whether an accelerate or diffusers hook sits on `module` or any of its submodules.
 
@@ -139,19 +145,7 @@ def carries_hooks(module: torch.nn.Module) -> bool:
     `execution_device` to diffusers' walk over every module of every model (measured: 43% of a tiny Flux
     prologue's time in a burst of 32).
     """
-    for _, sub in marked_modules(module):
-        own = sub.__dict__
-        if _ACCELERATE_HOOK in own:
-            return True
-        registry = own.get(_DIFFUSERS_HOOKS)
-        if registry is not None and _holds_hooks(registry):
-            return True
-    return False
-
-
-def _holds_hooks(registry: Any) -> bool:
-    hooks = getattr(registry, "hooks", None)
-    return not isinstance(hooks, dict) or bool(hooks)  # a registry of another shape: assume it holds some
+    return any(_ACCELERATE_HOOK in sub.__dict__ or diffusers_hooks(sub) for _, sub in marked_modules(module))
 
 
 def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | None]:

@@ -197,12 +197,11 @@ class EngineCore:
         wait = self.config.burst_wait_s
         if self.scheduler.running or not wait:
             return
-        settle = min(self.config.burst_settle_s, wait)
         batch_rows = min(self.scheduler.row_budget, self.config.max_batch_size)  # what the next step may admit
         while not self._closing and self._waiting_rows() < batch_rows:
             deadline = self._last_submit + wait
             if not self._preparing:
-                deadline = min(deadline, self._last_arrival + settle)
+                deadline = min(deadline, self._last_arrival + self.config.burst_settle_s)
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return

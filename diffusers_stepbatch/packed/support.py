@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..module_scan import marked_modules, own_attribute
+from ..module_scan import diffusers_hooks, marked_modules, own_attribute
 
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
@@ -20,9 +20,9 @@ def unsupported_reason(transformer, processor_class: type) -> str | None:
     if own_attribute(transformer, "_hf_hook") is not None:
         return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
     for name, module in marked_modules(transformer):
-        registry = own_attribute(module, "_diffusers_hook")
-        if registry is not None and registry.hooks:
-            return f"diffusers hooks {sorted(registry.hooks)} are registered on {name or 'the transformer'}"
+        hooks = diffusers_hooks(module)
+        if hooks:
+            return f"diffusers hooks {sorted(hooks)} are registered on {name or 'the transformer'}"
         processor = own_attribute(module, "processor")
         if processor is not None and type(processor) is not processor_class:
             return f"{name} uses {type(processor).__name__}, not {processor_class.__name__}"

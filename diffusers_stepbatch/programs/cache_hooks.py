@@ -27,7 +27,7 @@ import torch
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import NamedKey, named_key
-from ..module_scan import marked_modules, own_attribute
+from ..module_scan import diffusers_hooks, marked_modules
 from .request_state import active_view
 
 _ids = itertools.count()
@@ -38,9 +38,7 @@ _turns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _stateful_hooks(model: torch.nn.Module) -> list[Any]:
     hooks = []
     for _, module in marked_modules(model):
-        registry = own_attribute(module, "_diffusers_hook")
-        if registry is not None:
-            hooks += [hook for hook in registry.hooks.values() if getattr(hook, "_is_stateful", False)]
+        hooks += [hook for hook in diffusers_hooks(module).values() if getattr(hook, "_is_stateful", False)]
     return hooks
 
 

@@ -29,7 +29,7 @@ from diffusers.utils import BaseOutput
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..engine.ownership import current_owner, run_for
-from ..module_scan import marked_modules, own_attribute
+from ..module_scan import diffusers_hooks, marked_modules
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from .request_state import active_view
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
@@ -128,9 +128,9 @@ def _unbatchable_reason(pipe, denoisers: list[str]) -> str | None:
         return f"no denoiser found among {list(DENOISER_NAMES)}"
     for name in denoisers:
         for _, module in marked_modules(getattr(pipe, name)):
-            registry = own_attribute(module, "_diffusers_hook")
-            if registry is not None and registry.hooks:
-                return f"pipe.{name} has diffusers hooks ({list(registry.hooks)}), whose state is not per request"
+            hooks = diffusers_hooks(module)
+            if hooks:
+                return f"pipe.{name} has diffusers hooks ({list(hooks)}), whose state is not per request"
     return None
 
 
