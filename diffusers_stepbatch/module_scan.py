@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,21 +44,6 @@ def walk(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
                          for key, child in reversed(children.items()) if child is not None)
 
 
-def submodules(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """`module.modules()`, as `walk` without the names (the scans that only ask whether something is there)."""
-    seen: set[int] = set()
-    stack = [module]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        children = current._modules
-        if children:
-            stack.extend(child for child in reversed(children.values()) if child is not None)
-
-
 def own_attribute(module: torch.nn.Module, name: str) -> Any:
     """`getattr(module, name, None)` for attributes set on the instance (hooks, processors, flags), read from its
     dicts instead of through `nn.Module.__getattr__`'s raise-and-catch path; class attributes are looked up last."""
@@ -76,7 +61,7 @@ def own_attribute(module: torch.nn.Module, name: str) -> Any:
 # answers every scan with "nothing here".
 _WATCHED = (_ACCELERATE_HOOK, _DIFFUSERS_HOOKS, "processor", "fused_projections")
 _marked_classes: dict[type, bool] = {}
-_scope: ContextVar[dict[int, tuple[torch.nn.Module, tuple]] | None] = ContextVar("module_scan_scope", default=None)
+_scope: ContextVar[dict[int, tuple[torch.nn.Module, "Census"]] | None] = ContextVar("module_scan_scope", default=None)
 
 
 def _class_marked(cls: type) -> bool:
@@ -87,23 +72,49 @@ def _class_marked(cls: type) -> bool:
     return marked
 
 
-def _census(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
-    marked, classes = [], _marked_classes
-    for name, module in walk(model):
-        own = module.__dict__
+class Census(NamedTuple):
+    """One walk of a model: the modules a scan could see (`marked`, with names) and every module (`modules`,
+    for the scans that read each module's tensors), both in `named_modules()` order."""
+
+    marked: tuple[tuple[str, torch.nn.Module], ...]
+    modules: tuple[torch.nn.Module, ...]
+
+
+def _census(model: torch.nn.Module) -> Census:
+    # NOTE: `walk`'s loop, with each module's name built only for the marked few: a path is a (parent path, key)
+    # chain, and formatting every module's dotted name was a quarter of the walk (FLUX.1-sized models).
+    marked, modules, classes = [], [], _marked_classes
+    seen: set[int] = set()
+    stack: list[tuple[tuple | None, torch.nn.Module]] = [(None, model)]
+    while stack:
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        modules.append(module)
+        own, children = module.__dict__, module._modules
         marked_class = classes.get(type(module))
         if marked_class is None:
             marked_class = _class_marked(type(module))
         if (marked_class or _ACCELERATE_HOOK in own or _DIFFUSERS_HOOKS in own or "processor" in own
-                or "fused_projections" in own or "processor" in module._modules):
-            marked.append((name, module))
-    return tuple(marked)
+                or "fused_projections" in own or "processor" in children):
+            marked.append((path, module))
+        if children:
+            stack.extend(((path, key), child) for key, child in reversed(children.items()) if child is not None)
+    return Census(tuple((_dotted(path), module) for path, module in marked), tuple(modules))
 
 
-def marked_modules(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
-    """The (name, module) pairs of `model`, in `named_modules()` order, that can carry an accelerate or diffusers
-    hook, an attention processor (`processor`, `get_processor`) or `fused_projections`; every other module would
-    answer each scan here with "nothing". Within a `scan_scope`, the walk runs once per model."""
+def _dotted(path: tuple | None) -> str:
+    """A `_census` path as `named_modules()` names it ("" for the model itself)."""
+    keys = []
+    while path is not None:
+        path, key = path
+        keys.append(key)
+    return ".".join(reversed(keys))
+
+
+def _scoped_census(model: torch.nn.Module) -> Census:
+    """The model's census; within a `scan_scope`, one walk per model."""
     scope = _scope.get()
     if scope is None:
         return _census(model)
@@ -111,6 +122,18 @@ def marked_modules(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module],
     if found is None or found[0] is not model:
         found = scope[id(model)] = (model, _census(model))
     return found[1]
+
+
+def marked_modules(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
+    """The (name, module) pairs of `model`, in `named_modules()` order, that can carry an accelerate or diffusers
+    hook, an attention processor (`processor`, `get_processor`) or `fused_projections`; every other module would
+    answer each scan here with "nothing". Within a `scan_scope`, the walk runs once per model."""
+    return _scoped_census(model).marked
+
+
+def all_modules(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """`tuple(model.modules())`, from the same walk as `marked_modules` within a `scan_scope`."""
+    return _scoped_census(model).modules
 
 
 @contextmanager

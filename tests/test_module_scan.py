@@ -5,7 +5,7 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from diffusers.hooks import apply_group_offloading
 
-from diffusers_stepbatch.module_scan import carries_hooks, execution_device, own_attribute, submodules, walk
+from diffusers_stepbatch.module_scan import all_modules, carries_hooks, execution_device, own_attribute, walk
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline, tiny_sd3_pipeline, tiny_sdxl_pipeline
 
 PIPELINES = {
@@ -21,18 +21,19 @@ def modules_of(pipe):
 
 
 @pytest.mark.parametrize("family", PIPELINES)
-def test_walk_and_submodules_match_torch(family):
+def test_walk_and_all_modules_match_torch(family):
     pipe = PIPELINES[family]()
     for model in modules_of(pipe):
         named = [(name, id(module)) for name, module in model.named_modules()]
         assert [(name, id(module)) for name, module in walk(model)] == named
-        assert [id(module) for module in submodules(model)] == [id(module) for module in model.modules()]
+        assert [id(module) for module in all_modules(model)] == [id(module) for module in model.modules()]
 
 
 def test_walk_yields_a_shared_submodule_once_as_torch_does():
     shared = torch.nn.Linear(2, 2)
     model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Sequential(shared))
     assert [name for name, _ in walk(model)] == [name for name, _ in model.named_modules()] == ["", "0", "1", "3"]
+    assert [id(module) for module in all_modules(model)] == [id(module) for module in model.modules()]
 
 
 def test_own_attribute_reads_what_getattr_reads():
@@ -183,7 +184,9 @@ CHANGES = ["none", "accelerate hook on a leaf", "diffusers registry on a leaf", 
 
 
 def _every_module(model):
-    return tuple(walk(model))
+    """A census that marks every module: each scan then reads every module, as a scan of its own would."""
+    walked = tuple(walk(model))
+    return module_scan.Census(walked, tuple(module for _, module in walked))
 
 
 @pytest.mark.parametrize("size", [FluxSize(num_layers=1, num_single_layers=2), FluxSize()])

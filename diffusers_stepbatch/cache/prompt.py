@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..engine.batch import WorkItem
-from ..module_scan import execution_device as current_execution_device, submodules
+from ..module_scan import all_modules, execution_device as current_execution_device
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 _SAMPLES_PER_TENSOR = 4096
@@ -151,7 +151,7 @@ class _Fingerprints:
         self._lock = threading.Lock()
 
     def __call__(self, module: torch.nn.Module) -> str:
-        signature = tuple((id(t), t._version) for sub in submodules(module)
+        signature = tuple((id(t), t._version) for sub in all_modules(module)
                           for group in (sub._parameters, sub._buffers) for t in group.values() if t is not None)
         with self._lock:
             memo = self._memo.get(module)
