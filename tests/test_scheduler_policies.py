@@ -191,6 +191,33 @@ def test_an_early_outlier_is_measured_again_soon():
     assert decisions[-20:].count((16,)) >= 18, decisions  # every 50 decisions: still split at decision 60
 
 
+@pytest.mark.parametrize("slowdown", [2.0, 3.0])
+@pytest.mark.parametrize("group", [8, 16, 32])
+def test_a_remeasurement_replaces_stale_samples_of_its_size(group, slowdown):
+    # NOTE: as seen in the engine at 16 tiny Flux requests: the first two recorded whole-group forwards ran slow
+    # (47 and 38 ms, later 22-28 ms: the first calls at the largest size), while the halves, chosen from then on,
+    # were timed at every step. A fresh whole-group sample beside the two stale ones left the median stale, and
+    # the steps stayed split until the next re-measurement of that size, ~100 decisions later.
+    costs = BatchCostModel()  # the default schedule: explore_first=5, explore_every=50
+    seen = Counter()
+
+    def seconds(rows):
+        seen[rows] += 1
+        true = 0.010 + 0.001 * rows  # overhead-bound: the whole group is fastest
+        return slowdown * true if rows == group and seen[rows] <= 3 else true  # the warm-up, then two slow
+
+    decisions = []
+    for _ in range(60):
+        chunks = costs.chunk("denoise", [1] * group)
+        decisions.append(tuple(len(c) for c in chunks))
+        for chunk in chunks:
+            costs.observe("denoise", len(chunk), seconds(len(chunk)))
+    assert decisions[5:34].count((group,)) == 0, decisions  # the slow samples made halves look faster
+    assert decisions[34] == (group,), decisions  # re-measured: the neighbour of two halves on the other side
+    assert decisions[35:].count((group,)) >= 24, decisions  # the re-measurement at decision 34 sufficed
+    assert costs.estimate("denoise", group) == pytest.approx(0.010 + 0.001 * group)
+
+
 @pytest.mark.parametrize("first_alone", [False, True])
 @pytest.mark.parametrize("group", [8, 32])
 def test_a_slow_whole_group_runs_once_while_exploring(group, first_alone):
