@@ -163,7 +163,33 @@ def run_stepbatched(sb: StepBatched, make_kwargs, n: int, arrivals: list[float])
     result["engine_overhead_ms_per_step"] = stats["overhead_ms_per_step"]
     result["outside_model_ms_per_step"] = stats["outside_model_ms_per_step"]
     result["ms_per_step"] = 1000 * wall / max(stats["engine_steps"], 1)
+    result["model_seconds_by_kind"] = model_seconds_by_kind(sb.engine.metrics.calls)
     return result
+
+
+def model_seconds_by_kind(calls) -> dict[str, float]:
+    """Wall seconds of the round's engine calls per work kind (on CUDA: their launches; see engine/timing.py)."""
+    totals: dict[str, float] = {}
+    for call in calls:
+        totals[call.kind] = totals.get(call.kind, 0.0) + call.seconds
+    return totals
+
+
+def where_the_round_goes(batched: dict, ceiling: dict, steps: int) -> dict:
+    """One round's StepBatched seconds per stage next to the ceiling's, and the rest of its wall time.
+
+    NOTE: "outside model calls" is the round's wall time less its encode, denoise and decode calls: callers'
+    prologues before the first call, each request's own work between calls (latents, timesteps, scheduler
+    updates, postprocessing) and the engine's; the ceiling has none of it. Meaningful on a CPU, where a call's
+    wall time is its cost.
+    """
+    spent = batched["model_seconds_by_kind"]
+    stages = {"encode": ceiling["encode"]["seconds"], "denoise": steps * ceiling["forward"]["seconds"],
+              "decode": ceiling["decode"]["seconds"]}
+    report = {stage: {"stepbatched_s": spent.get(stage, 0.0), "ceiling_s": seconds} for stage, seconds in stages.items()}
+    report["outside model calls"] = {"stepbatched_s": batched["wall_s"] - sum(spent.get(s, 0.0) for s in stages),
+                                     "ceiling_s": 0.0}
+    return report
 
 
 def batch_sizes(n: int) -> list[int]:
@@ -268,6 +294,10 @@ def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: i
     def ratio(a: str, b: str) -> float:  # the median over rounds of each round's own ratio
         return statistics.median(x[a]["throughput_images_per_s"] / x[b]["throughput_images_per_s"] for x in per_round)
 
+    rounds_spent = [where_the_round_goes(x["stepbatched"], x["ceiling"], steps) for x in per_round]
+    spent = {part: {side: statistics.median(r[part][side] for r in rounds_spent) for side in rounds_spent[0][part]}
+             for part in rounds_spent[0]}
+
     return {
         "workload": workload.name,
         "compiled_transformer": compile_transformer,
@@ -280,6 +310,7 @@ def bench_workload(workload: Workload, n: int, steps: int, repeats: int, seed: i
         "poisson": {"rate_per_s": rate, "sequential": poisson_sequential, "stepbatched": poisson_batched},
         "ceiling": ceiling,
         "per_round": [{side: x[side]["throughput_images_per_s"] for side in x} for x in per_round],
+        "where_the_round_goes": spent,  # medians over rounds, seconds
         "ratios": {
             "closed_throughput_vs_sequential": ratio("stepbatched", "sequential"),
             "closed_throughput_vs_ceiling": ratio("stepbatched", "ceiling"),
@@ -361,6 +392,9 @@ def print_result(result: dict) -> None:
     best = ", ".join(f"{stage} {ceiling[stage]['best_rows']}" for stage in ("encode", "forward", "decode"))
     print(f"{'ceiling (raw batched)':28}{ceiling['throughput_images_per_s']:10.2f}   best rows per call: {best}; "
           f"all stages at {result['concurrency']} rows: {ceiling['batch_n_throughput_images_per_s']:.2f} images/s")
+    spent = ", ".join(f"{part} {1000 * times['stepbatched_s']:.0f} ({1000 * times['ceiling_s']:.0f})"
+                      for part, times in result["where_the_round_goes"].items())
+    print(f"where a StepBatched round goes, ms (the ceiling's): {spent}")
     print(f"medians of {result['rounds']} interleaved rounds; ratios are medians of each round's own ratio")
     print(f"ratios: StepBatched/sequential {ratios['closed_throughput_vs_sequential']:.2f}x, "
           f"StepBatched/ceiling {ratios['closed_throughput_vs_ceiling']:.2f}, "
