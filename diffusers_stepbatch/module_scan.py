@@ -29,7 +29,11 @@ _DIFFUSERS_HOOKS = "_diffusers_hook"  # diffusers' HookRegistry (group offloadin
 
 
 def walk(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """`module.named_modules()`: the same (name, module) pairs in the same order, without its generator chain."""
+    """`module.named_modules()`: the same (name, module) pairs in the same order, without its generator chain.
+
+    NOTE: the package's scans read `_census` (the same walk, naming only the modules it marks); this one is the
+    every-module reference that tests/test_module_scan.py and benchmarks/prologue.py compare the census against.
+    """
     seen: set[int] = set()
     stack = [("", module)]
     while stack:
