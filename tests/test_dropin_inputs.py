@@ -10,6 +10,7 @@ import torch
 from diffusers import ConsistencyDecoderVAE, StableDiffusionPipeline, StableDiffusionXLPipeline
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
+from diffusers_stepbatch.toy import load_pipeline
 
 from .dropin_helpers import call_kwargs, pipe_for, run
 from .references import TOLERANCE, max_diff, seeded, single_thread  # noqa: F401  (fixture)
@@ -123,6 +124,30 @@ def test_sizes_diffusers_resizes_are_resized_with_its_warning(name, height, capl
         got = run(sb, kwargs)
         assert "Dimensions will be resized accordingly" in caplog.text
     assert got.shape == expected.shape and max_diff(got, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["flux", "qwen-tiny", "toy"])
+@pytest.mark.parametrize("side", ["height", "width"])
+def test_a_side_below_one_latent_patch_fails_in_the_caller(name, side):
+    # NOTE: Flux and Qwen-Image round sides down to vae_scale_factor x 2; below that the plain pipeline fails
+    # inside a model (a RuntimeError from a conv or a reshape), wrapped it fails in the caller, naming the side.
+    pipe = load_pipeline() if name == "toy" else pipe_for(name)
+    pipe.set_progress_bar_config(disable=True)
+    smallest = pipe.vae_scale_factor * 2
+    kwargs = call_kwargs("flux" if name == "toy" else name, num_inference_steps=2, **{side: smallest - 1})
+    with pytest.raises(RuntimeError):
+        run(pipe, kwargs)
+    sb = StepBatched(pipe)
+    try:
+        with pytest.raises(ValueError, match=rf"{side}={smallest - 1} is below .*smallest image side, {smallest} "):
+            sb.submit(**seeded(kwargs))
+        assert sb.engine._thread is None  # nothing reached the engine
+        kwargs[side] = smallest  # the smallest side the pipeline makes works, with the plain output
+        expected = run(pipe, kwargs)
+        got = run(sb, kwargs)
+        assert got.shape == expected.shape and max_diff(got, expected) <= TOLERANCE
+    finally:
+        sb.close()
 
 
 @pytest.mark.parametrize("name", ["sd3-tiny", "sdxl-euler", "sd-euler"])

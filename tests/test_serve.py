@@ -184,6 +184,20 @@ def test_bad_input_is_a_400_naming_the_field(client, served, body, param):
     assert served.sb.stats()["requests_finished"] == before  # nothing was queued
 
 
+@pytest.mark.parametrize("size", ["8x8", "64x15"])
+def test_a_size_below_the_models_smallest_side_is_a_400(client, served, size):
+    # NOTE: the plain pipeline fails inside a model there (a RuntimeError); the request must not reach the engine
+    before = served.sb.stats()["requests_finished"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.images.generate(model=MODEL, prompt="a red circle", size=size, extra_body={"num_inference_steps": 2})
+    error = caught.value.body
+    width, height = map(int, size.split("x"))
+    side, value = ("height", height) if height < 16 else ("width", width)
+    assert caught.value.status_code == 400 and error["param"] == "size", error
+    assert f"{side}={value} is below ToyFluxPipeline's smallest image side, 16 pixels" in error["message"]
+    assert served.sb.stats()["requests_finished"] == before
+
+
 def test_pipeline_validation_message_is_the_python_apis(client, served):
     with pytest.raises(ValueError) as python_error:
         served.sb.submit("a red circle", num_inference_steps=0, max_sequence_length=16)

@@ -55,6 +55,7 @@ from .validation import (
     as_list,
     check_call_size,
     check_given_embeds_not_repeated,
+    check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
     freeze,
@@ -86,6 +87,7 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    check_latent_patches(height, width, pipe)
     pipe.check_inputs(
         args["prompt"], args["prompt_2"], height, width,
         negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],

@@ -51,6 +51,7 @@ from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
     check_call_size,
+    check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
     freeze,
@@ -87,6 +88,7 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    check_latent_patches(height, width, pipe)
     pipe.check_inputs(
         args["prompt"], height, width, negative_prompt=args["negative_prompt"],
         prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],

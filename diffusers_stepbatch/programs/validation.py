@@ -82,6 +82,19 @@ def check_generator(generator: Any, num_images: int) -> None:
         )
 
 
+def check_latent_patches(height: int, width: int, pipe: Any) -> None:
+    """Flux and Qwen-Image round height and width down to a multiple of vae_scale_factor x 2 (2x2 latent
+    patches); a side below that multiple has no patch at all, and the plain pipeline fails deep inside a model
+    (a conv's or a reshape's RuntimeError), so the request would fail in the engine. Raised here instead."""
+    multiple = pipe.vae_scale_factor * 2
+    for name, value in (("height", height), ("width", width)):
+        if int(value) < multiple:
+            raise ValueError(
+                f"{name}={value} is below {type(pipe).__name__}'s smallest image side, {multiple} pixels "
+                f"(vae_scale_factor {pipe.vae_scale_factor} x 2x2 latent patches); pass {name} >= {multiple}"
+            )
+
+
 def check_latents(latents: torch.Tensor | None, expected_shape: tuple[int, ...]) -> None:
     if latents is None:
         return
