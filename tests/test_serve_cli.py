@@ -52,6 +52,28 @@ def test_bad_flags_fail_with_the_config_message(capsys):
     assert exit_.value.code == 2 and "max_batch_size=0 must be >= 1" in capsys.readouterr().err
 
 
+def test_help_and_flag_checks_import_neither_torch_nor_diffusers():
+    # NOTE: the package's names load on first use; `--help` took 6 s here while it imported torch and diffusers
+    code = ("import sys\nfrom diffusers_stepbatch.serve.cli import main\n"
+            "for argv in (['serve', '--help'], ['serve', '--max-batch-size', '0']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(name for name in ('torch', 'diffusers', 'transformers', 'fastapi') if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "--max-batch-size" in done.stdout and "max_batch_size=0 must be >= 1" in done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_package_names_load_on_first_use():
+    code = ("import sys, diffusers_stepbatch as d\nassert 'torch' not in sys.modules\n"
+            "from diffusers_stepbatch import *\nfrom diffusers_stepbatch.wrapper import StepBatched\n"
+            "assert d.StepBatched is StepBatched and set(d.__all__) <= set(dir(d))\n"
+            "print(sorted(name for name in d.__all__ if name not in globals()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
