@@ -58,8 +58,7 @@ def test_help_and_flag_checks_import_neither_torch_nor_diffusers():
             "for argv in (['serve', '--help'], ['serve', '--max-batch-size', '0']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print(sorted(name for name in ('torch', 'diffusers', 'transformers', 'fastapi') if name in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
+    done = _python(code)
     assert "--max-batch-size" in done.stdout and "max_batch_size=0 must be >= 1" in done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
@@ -69,9 +68,14 @@ def test_the_package_names_load_on_first_use():
             "from diffusers_stepbatch import *\nfrom diffusers_stepbatch.wrapper import StepBatched\n"
             "assert d.StepBatched is StepBatched and set(d.__all__) <= set(dir(d))\n"
             "print(sorted(name for name in d.__all__ if name not in globals()))")
+    assert _python(code).stdout.strip().splitlines()[-1] == "[]"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """`code` run by this interpreter in a fresh process (a clean sys.modules); it must succeed."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    return done
 
 
 def _free_port() -> int:
