@@ -128,7 +128,9 @@ class StepBatched:
             config = dataclasses.replace(config, max_batch_size=max_batch_size)
         if not isinstance(mixed_resolution, bool):
             raise ValueError(f"mixed_resolution={mixed_resolution!r} must be True or False")
-        self.engine = EngineCore(config, mixed_shapes=mixed_resolution)
+        # NOTE: as after each plain call, offloaded models go back to the CPU (enable_model_cpu_offload) and
+        # stateful diffusers hooks reset, here once the engine's work runs out.
+        self.engine = EngineCore(config, mixed_shapes=mixed_resolution, on_idle=pipe.maybe_free_model_hooks)
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
         self._finalizer = weakref.finalize(self, self.engine.close, True, _FINALIZER_JOIN_S)
 

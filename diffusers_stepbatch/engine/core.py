@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +52,7 @@ class EngineCore:
     """Runs requests' step programs in one background thread, batching their compatible work items."""
 
     def __init__(self, config: SchedulerConfig, name: str = "StepBatched-engine", mixed_shapes: bool = True,
-                 timer: CallTimer | None = None):
+                 timer: CallTimer | None = None, on_idle: Callable[[], None] | None = None):
         self.config = config
         self.scheduler = StepScheduler(config)
         self.costs = BatchCostModel()
@@ -72,6 +72,9 @@ class EngineCore:
         self._preparing = 0  # calls between `preparing()` and their submit, in callers' threads
         self._last_submit = 0.0
         self._last_arrival = 0.0  # the latest submit or `preparing()` entry
+        self._on_idle = on_idle  # run in the engine thread when its work runs out (`_run_idle_hook`)
+        self._idle_hook_due = False  # a step ran since the hook last ran
+        self._in_idle_hook = False  # callers' `preparing()` waits while it runs
 
     # ----------------------------------------------------------------------------------- caller side
     def submit(self, request: Request) -> None:
@@ -95,6 +98,7 @@ class EngineCore:
         While any caller is preparing and nothing runs, the engine waits for it (`SchedulerConfig.burst_wait_s`).
         """
         with self._wakeup:
+            self._wakeup.wait_for(lambda: not self._in_idle_hook)  # NOTE: it may change what a prologue reads
             self._preparing += 1
             self._last_arrival = time.perf_counter()
         try:
@@ -159,18 +163,19 @@ class EngineCore:
         torch.set_grad_enabled(False)  # grad mode is per thread; diffusers runs pipelines under no_grad
         while True:
             with self._wakeup:
-                while not self._inbox and not self.scheduler.has_work() and not self._closing:
-                    self._idle = True
-                    self._wakeup.notify_all()  # `wait_idle` callers
-                    self._wakeup.wait()
-                self._idle = False
-                self._wait_for_preparing_callers()
-                arrived, self._inbox = self._inbox, []
-                closing, cancel = self._closing, self._cancel_on_close
+                idle_hook_turn = self._sleep_until_work()
+                if not idle_hook_turn:
+                    self._wait_for_preparing_callers()
+                    arrived, self._inbox = self._inbox, []
+                    closing, cancel = self._closing, self._cancel_on_close
+            if idle_hook_turn:
+                self._run_idle_hook()
+                continue
             for request in arrived:
                 self.scheduler.add(request)
             if cancel or (closing and not self.scheduler.has_work()):
                 break
+            self._idle_hook_due = self._on_idle is not None
             try:
                 self.step()
             except BaseException as exc:  # an engine bug must not strand anyone, nor spin: fail what it holds
@@ -180,6 +185,32 @@ class EngineCore:
                         self._finish(request, RequestStatus.FINISHED_ERROR, exc)
         for request in self.scheduler.drain():
             self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _sleep_until_work(self) -> bool:
+        """Sleep (under `self._wakeup`) until there is work or the engine closes. True instead when the idle
+        hook's turn comes first: the work ran out since it last ran and no caller is preparing a request."""
+        while not self._inbox and not self.scheduler.has_work() and not self._closing:
+            if self._idle_hook_due and not self._preparing:
+                self._idle_hook_due = False
+                self._in_idle_hook = True
+                return True
+            self._idle = True
+            self._wakeup.notify_all()  # `wait_idle` callers
+            self._wakeup.wait()
+        self._idle = False
+        return False
+
+    def _run_idle_hook(self) -> None:
+        """Run `on_idle` (the wrapper: the pipeline's `maybe_free_model_hooks`, as after a plain call); callers
+        that start preparing meanwhile wait for it, `wait_idle` returns after it."""
+        try:
+            self._on_idle()
+        except Exception:  # NOTE: requests already have their results; the engine goes on
+            logger.exception("StepBatched engine's idle hook failed")
+        finally:
+            with self._wakeup:
+                self._in_idle_hook = False
+                self._wakeup.notify_all()
 
     def _wait_for_preparing_callers(self) -> None:
         """With nothing running, wait for callers still preparing requests: until none is left and none arrived

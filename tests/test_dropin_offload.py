@@ -1,0 +1,126 @@
+"""`pipe.enable_model_cpu_offload()` under StepBatched: outputs equal the plain offloaded pipeline's, and, as after
+each plain call (diffusers' `maybe_free_model_hooks`), the offloaded models go back to the CPU once the engine's
+work runs out: with no request in flight, never while a caller's prologue reads the pipeline.
+
+This CPU has no accelerator to offload from (`device="cpu"`), so the tests watch what moves the models:
+`maybe_free_model_hooks`, which re-attaches the offload hooks (`pipe._all_hooks` are new objects afterwards)."""
+
+import logging
+import threading
+import time
+
+import pytest
+
+from diffusers_stepbatch import StepBatched
+
+from .dropin_helpers import call_kwargs, run
+from .references import TOLERANCE, family_pipe, flux_pipe, max_diff, output_images, seeded, single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPTS = ["a red circle", "a blue square", "a green cat"]
+
+
+def fresh_pipe(name: str):
+    """A pipeline of its own (the shared cached ones must not carry these tests' offload hooks and patches)."""
+    pipe = flux_pipe.__wrapped__("dev-tiny") if name == "flux" else family_pipe.__wrapped__(name)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def offloaded(name: str):
+    pipe = fresh_pipe(name)
+    pipe.enable_model_cpu_offload(device="cpu")
+    return pipe
+
+
+def watch_frees(pipe, handles: list, body=None) -> list[int]:
+    """Wrap `pipe.maybe_free_model_hooks`: each call records how many of `handles` were still in flight."""
+    in_flight_at_free: list[int] = []
+    free = pipe.maybe_free_model_hooks
+
+    def watched():
+        in_flight_at_free.append(sum(not handle.done() for handle in handles))
+        if body is not None:
+            body()
+        free()
+
+    pipe.maybe_free_model_hooks = watched  # NOTE: before wrapping: StepBatched binds it then
+    return in_flight_at_free
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3-tiny", "qwen-tiny", "sdxl-euler", "pixart-tiny"])
+@pytest.mark.parametrize("concurrent", [1, 3])
+def test_offloaded_models_are_freed_once_the_work_runs_out(name, concurrent):
+    calls = [call_kwargs(name, prompt=prompt, seed=i) for i, prompt in enumerate(PROMPTS[:concurrent])]
+    plain = offloaded(name)
+    hooks = list(plain._all_hooks)
+    expected = [run(plain, kwargs) for kwargs in calls]
+    assert all(new is not old for new, old in zip(plain._all_hooks, hooks))  # what a plain call does at its end
+
+    pipe = offloaded(name)
+    handles: list = []
+    in_flight_at_free = watch_frees(pipe, handles)
+    sb = StepBatched(pipe)
+    hooks = list(pipe._all_hooks)
+    handles += [sb.submit(**seeded(kwargs)) for kwargs in calls]
+    outputs = [output_images(handle.result()) for handle in handles]
+    assert sb.engine.wait_idle(timeout=30)
+
+    for output, reference in zip(outputs, expected):
+        assert max_diff(output, reference) < TOLERANCE
+    assert in_flight_at_free and in_flight_at_free[-1] == 0, in_flight_at_free
+    if name != "pixart-tiny":  # NOTE: the generic program runs the pipeline's own __call__, which frees at its end
+        assert set(in_flight_at_free) == {0}, in_flight_at_free
+    assert all(new is not old for new, old in zip(pipe._all_hooks, hooks))
+    sb.close()
+
+
+def test_a_caller_arriving_while_models_are_freed_waits_for_it():
+    """The free re-attaches hooks, which changes what a prologue reads (the execution device): a call that
+    arrives meanwhile starts planning only after it."""
+    freeing = threading.Event()
+    entered = threading.Event()
+
+    def slow_free():
+        freeing.set()
+        entered.set()
+        time.sleep(0.3)
+        freeing.clear()
+
+    pipe = offloaded("flux")
+    handles: list = []
+    watch_frees(pipe, handles, body=slow_free)
+    check_inputs = pipe.check_inputs
+    planned_while_freeing: list[bool] = []
+
+    def watched_check_inputs(*args, **kwargs):
+        planned_while_freeing.append(freeing.is_set())
+        return check_inputs(*args, **kwargs)
+
+    pipe.check_inputs = watched_check_inputs
+    sb = StepBatched(pipe)
+    first, second = call_kwargs("flux"), call_kwargs("flux", prompt="a blue square", seed=1)
+    run(sb, first)
+    assert entered.wait(timeout=30)
+    assert max_diff(run(sb, second), run(offloaded("flux"), second)) < TOLERANCE
+    assert planned_while_freeing == [False, False]
+    sb.close()
+
+
+def test_a_failing_free_is_logged_and_the_engine_goes_on(caplog):
+    pipe = fresh_pipe("flux")
+
+    def broken_free():
+        raise RuntimeError("broken offload hook")
+
+    pipe.maybe_free_model_hooks = broken_free
+    sb = StepBatched(pipe)
+    kwargs = call_kwargs("flux")
+    with caplog.at_level(logging.ERROR, logger="diffusers_stepbatch.engine.core"):
+        first = run(sb, kwargs)
+        assert sb.engine.wait_idle(timeout=30)
+        second = run(sb, kwargs)
+    assert "idle hook failed" in caplog.text
+    assert max_diff(first, second) == 0
+    sb.close()
