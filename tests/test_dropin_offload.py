@@ -1,4 +1,5 @@
-"""`pipe.enable_model_cpu_offload()` under StepBatched: outputs equal the plain offloaded pipeline's, and, as after
+"""Offloading under StepBatched. Group offloading (diffusers' hooks, `model.enable_group_offload(...)`): outputs
+equal the plain pipeline's. `pipe.enable_model_cpu_offload()`: outputs equal the plain offloaded pipeline's, and, as after
 each plain call (diffusers' `maybe_free_model_hooks`), the offloaded models go back to the CPU once the engine's
 work runs out: with no request in flight, never while a caller's prologue reads the pipeline.
 
@@ -10,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from diffusers_stepbatch import StepBatched
 
@@ -123,4 +125,22 @@ def test_a_failing_free_is_logged_and_the_engine_goes_on(caplog):
         second = run(sb, kwargs)
     assert "idle hook failed" in caplog.text
     assert max_diff(first, second) == 0
+    sb.close()
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3-tiny", "qwen-tiny", "sdxl-euler", "pixart-tiny"])
+@pytest.mark.parametrize("offload_type", ["leaf_level", "block_level"])
+def test_group_offloaded_models_give_the_plain_outputs(name, offload_type):
+    calls = [call_kwargs(name, prompt=prompt, seed=i) for i, prompt in enumerate(PROMPTS)]
+    expected = [run(fresh_pipe(name), kwargs) for kwargs in calls]
+    pipe = fresh_pipe(name)
+    options = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    grouped = [component for component in pipe.components.values() if hasattr(component, "enable_group_offload")]
+    for component in grouped:
+        component.enable_group_offload(onload_device=torch.device("cpu"), offload_type=offload_type, **options)
+    assert grouped
+    sb = StepBatched(pipe)
+    handles = [sb.submit(**seeded(kwargs)) for kwargs in calls]
+    for handle, reference in zip(handles, expected):
+        assert max_diff(output_images(handle.result()), reference) < TOLERANCE
     sb.close()
