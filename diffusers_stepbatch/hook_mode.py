@@ -17,10 +17,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from .programs.registry import HOOK_MODE_ENGINE
 from .programs.request_state import active_view_of, copy_call_state
 from .signature import signed, wrapper_signature
 
-_ENGINE = "_stepbatch_engine"  # in the pipeline's instance dict while hook mode is on
+_ENGINE = HOOK_MODE_ENGINE  # in the pipeline's instance dict while hook mode is on
 
 
 def enable_step_batching(pipe: Any, **options: Any) -> Any:

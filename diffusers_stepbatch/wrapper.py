@@ -11,7 +11,7 @@ import numbers
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .adapters.state import NOT_GIVEN, planning_with_adapters
@@ -128,9 +128,7 @@ class StepBatched:
             config = dataclasses.replace(config, max_batch_size=max_batch_size)
         if not isinstance(mixed_resolution, bool):
             raise ValueError(f"mixed_resolution={mixed_resolution!r} must be True or False")
-        # NOTE: as after each plain call, offloaded models go back to the CPU (enable_model_cpu_offload) and
-        # stateful diffusers hooks reset, here once the engine's work runs out.
-        self.engine = EngineCore(config, mixed_shapes=mixed_resolution, on_idle=pipe.maybe_free_model_hooks)
+        self.engine = EngineCore(config, mixed_shapes=mixed_resolution, on_idle=_freeing_models_of(pipe))
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
         self._finalizer = weakref.finalize(self, self.engine.close, True, _FINALIZER_JOIN_S)
 
@@ -337,6 +335,23 @@ def _signed_class(pipeline_class: type) -> type:
         "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__,
     }
     return type(base.__name__, (base,), namespace)
+
+
+def _freeing_models_of(pipe: Any) -> Callable[[], None]:
+    """What the engine runs once its work runs out: the pipeline's `maybe_free_model_hooks`, as at the end of a
+    plain call (offloaded models back to the CPU, stateful diffusers hooks reset).
+
+    NOTE: through a weak reference: the engine thread must not keep the pipeline alive (in hook mode the pipeline
+    holds this wrapper, whose collection closes the engine).
+    """
+    pipeline = weakref.ref(pipe)
+
+    def free_models() -> None:
+        pipe = pipeline()
+        if pipe is not None:
+            pipe.maybe_free_model_hooks()
+
+    return free_models
 
 
 def _check_option(name: str, value: Any, expected: type, *allowed: Any) -> None:

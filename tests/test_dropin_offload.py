@@ -6,9 +6,11 @@ work runs out: with no request in flight, never while a caller's prologue reads 
 This CPU has no accelerator to offload from (`device="cpu"`), so the tests watch what moves the models:
 `maybe_free_model_hooks`, which re-attaches the offload hooks (`pipe._all_hooks` are new objects afterwards)."""
 
+import gc
 import logging
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -144,3 +146,24 @@ def test_group_offloaded_models_give_the_plain_outputs(name, offload_type):
     for handle, reference in zip(handles, expected):
         assert max_diff(output_images(handle.result()), reference) < TOLERANCE
     sb.close()
+
+
+@pytest.mark.parametrize("hook_mode", [False, True])
+def test_a_dropped_wrapper_stops_its_engine(hook_mode):
+    """The engine's idle free reaches the pipeline weakly: dropping every reference to the wrapper (in hook mode,
+    to the pipeline) still collects it and stops the engine thread."""
+    from diffusers_stepbatch import enable_step_batching
+
+    pipe = fresh_pipe("flux")
+    sb = enable_step_batching(pipe) if hook_mode else StepBatched(pipe)
+    run(pipe if hook_mode else sb, call_kwargs("flux"))
+    assert sb.engine.wait_idle(timeout=30)
+    engine, wrapper = sb.engine, weakref.ref(sb)
+    assert engine.is_alive
+    del sb
+    if hook_mode:
+        del pipe
+    gc.collect()
+    assert wrapper() is None
+    engine._thread.join(timeout=10)
+    assert not engine.is_alive

@@ -28,7 +28,7 @@ import torch
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import NamedKey, named_key
 from ..module_scan import diffusers_hooks, marked_modules
-from .request_state import active_view
+from .request_state import active_view, view_source
 
 _ids = itertools.count()
 # model -> (key, weakref) of the HookedDenoiser whose turn it is
@@ -120,7 +120,7 @@ class _BranchRun:
 def _request_timestep(view: Any) -> Iterator[None]:
     """Inside the forward, `sb.current_timestep` and the plain `pipe.current_timestep` are this request's
     (PyramidAttentionBroadcast and FasterCache read them through `current_timestep_callback`)."""
-    pipe = view.__dict__.get("_stepbatch_source")
+    pipe = view_source(view)
     missing = object()
     saved = pipe.__dict__.get("_current_timestep", missing) if pipe is not None else missing
     if pipe is not None:

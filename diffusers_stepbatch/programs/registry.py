@@ -81,6 +81,10 @@ def program_for(pipe: Any) -> PlanFn | None:
     return None
 
 
+# NOTE: where hook mode (`enable_step_batching`) keeps the pipeline's engine, in its instance dict.
+HOOK_MODE_ENGINE = "_stepbatch_engine"
+
+
 def unhooked_class(pipe: Any) -> type:
     """The pipeline's own class, also in hook mode (`enable_step_batching` swaps in a subclass)."""
     return getattr(type(pipe), "_stepbatch_original_class", type(pipe))
@@ -103,6 +107,9 @@ def request_pipeline(pipe: Any) -> Any:
     """
     view = copy.copy(pipe)
     view.__class__ = unhooked_class(pipe)  # in hook mode, the view's own __call__ is the pipeline's
+    # NOTE: and it holds no engine: a caller's thread keeps its last call's view (`sb.num_timesteps`, ...), which
+    # would keep a dropped hook-mode pipeline's engine and wrapper alive.
+    view.__dict__.pop(HOOK_MODE_ENGINE, None)
     # NOTE: write the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config.
     view.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
     record_view(pipe, view)

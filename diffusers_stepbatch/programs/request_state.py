@@ -18,19 +18,28 @@ import contextlib
 import contextvars
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
-_SOURCE = "_stepbatch_source"  # on a view: the pipeline it was made from
+# NOTE: on a view, a weak reference to the pipeline it was made from: a caller's thread keeps its last call's view
+# (`sb.num_timesteps`, ...), and in hook mode the pipeline holds its engine, which must stop once it is dropped.
+_SOURCE = "_stepbatch_source"
 _created: contextvars.ContextVar[list | None] = contextvars.ContextVar("stepbatch_views", default=None)
 _active = threading.local()
 
 
 def record_view(pipe: Any, view: Any) -> None:
-    view.__dict__[_SOURCE] = pipe
+    view.__dict__[_SOURCE] = weakref.ref(pipe)
     created = _created.get()
     if created is not None:
         created.append(view)
+
+
+def view_source(view: Any) -> Any:
+    """The pipeline a view was made from (None for anything else, or once that pipeline is gone)."""
+    source = view.__dict__.get(_SOURCE)
+    return source() if source is not None else None
 
 
 @contextlib.contextmanager
@@ -56,7 +65,7 @@ def active_view(view: Any) -> Iterator[None]:
 def active_view_of(pipe: Any) -> Any:
     """The view active in this thread (a callback or a hooked forward running), if it was made from `pipe`."""
     stack = getattr(_active, "stack", None)
-    if stack and stack[-1].__dict__.get(_SOURCE) is pipe:
+    if stack and view_source(stack[-1]) is pipe:
         return stack[-1]
     return None
 
