@@ -1,7 +1,7 @@
 """Offloading under StepBatched. Group offloading (diffusers' hooks, `model.enable_group_offload(...)`): outputs
-equal the plain pipeline's. `pipe.enable_model_cpu_offload()`: outputs equal the plain offloaded pipeline's, and, as after
-each plain call (diffusers' `maybe_free_model_hooks`), the offloaded models go back to the CPU once the engine's
-work runs out: with no request in flight, never while a caller's prologue reads the pipeline.
+equal the plain pipeline's. `pipe.enable_model_cpu_offload()`: outputs equal the plain offloaded pipeline's, and,
+as after each plain call (diffusers' `maybe_free_model_hooks`), the offloaded models go back to the CPU once the
+engine's work runs out: with no request in flight, never while a caller's prologue reads the pipeline.
 
 This CPU has no accelerator to offload from (`device="cpu"`), so the tests watch what moves the models:
 `maybe_free_model_hooks`, which re-attaches the offload hooks (`pipe._all_hooks` are new objects afterwards)."""
@@ -17,8 +17,9 @@ import torch
 
 from diffusers_stepbatch import StepBatched
 
-from .dropin_helpers import call_kwargs, run
-from .references import TOLERANCE, family_pipe, flux_pipe, max_diff, output_images, seeded, single_thread  # noqa: F401  (fixture)
+from .dropin_helpers import FAMILIES, call_kwargs, run
+from .references import (TOLERANCE, family_pipe, flux_pipe, max_diff, output_images, seeded,  # noqa: F401
+                         single_thread)  # (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -49,11 +50,11 @@ def watch_frees(pipe, handles: list, body=None) -> list[int]:
             body()
         free()
 
-    pipe.maybe_free_model_hooks = watched  # NOTE: before wrapping: StepBatched binds it then
+    pipe.maybe_free_model_hooks = watched  # the engine looks it up on the pipeline at each free
     return in_flight_at_free
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3-tiny", "qwen-tiny", "sdxl-euler", "pixart-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("concurrent", [1, 3])
 def test_offloaded_models_are_freed_once_the_work_runs_out(name, concurrent):
     calls = [call_kwargs(name, prompt=prompt, seed=i) for i, prompt in enumerate(PROMPTS[:concurrent])]
@@ -74,7 +75,7 @@ def test_offloaded_models_are_freed_once_the_work_runs_out(name, concurrent):
     for output, reference in zip(outputs, expected):
         assert max_diff(output, reference) < TOLERANCE
     assert in_flight_at_free and in_flight_at_free[-1] == 0, in_flight_at_free
-    if name != "pixart-tiny":  # NOTE: the generic program runs the pipeline's own __call__, which frees at its end
+    if not name.startswith("pixart"):  # NOTE: the generic program runs the pipeline's own __call__, which frees at its end
         assert set(in_flight_at_free) == {0}, in_flight_at_free
     assert all(new is not old for new, old in zip(pipe._all_hooks, hooks))
     sb.close()
@@ -130,7 +131,7 @@ def test_a_failing_free_is_logged_and_the_engine_goes_on(caplog):
     sb.close()
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3-tiny", "qwen-tiny", "sdxl-euler", "pixart-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("offload_type", ["leaf_level", "block_level"])
 def test_group_offloaded_models_give_the_plain_outputs(name, offload_type):
     calls = [call_kwargs(name, prompt=prompt, seed=i) for i, prompt in enumerate(PROMPTS)]
