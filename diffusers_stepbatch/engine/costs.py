@@ -9,7 +9,10 @@ is estimated instead of explored, so that traffic whose group sizes change every
 ...; at 32 requests 11, 20, 6, 26, ...) concludes in a few groups. A neighbouring size of the preferred split is
 measured again after `explore_first` decisions, then ever less often, down to every `explore_every` decisions,
 so the estimates follow the machine's load; one call of that size measures it, the rest of the group runs at
-the preferred split, and that size's estimate starts again from the new measurement.
+the preferred split, and that size's estimate starts again from the new measurement. Between re-measurements, the
+sizes not run move with the key's load level, which every call of an already measured size updates: samples are
+kept relative to the level at their time, so a size measured in a quiet moment is not compared, unscaled, with
+one measured in a busy one.
 Pure Python: no torch, tested with made-up timings.
 """
 
@@ -107,7 +110,9 @@ class BatchCostModel:
         # "until a split stops helping": per-row cost need not be monotonic (a CPU's VAE decoded 6 rows as fast
         # as 2 x 3, and one row 1.5x faster per row), and an overhead-bound model's halves lose by far more.
         self.explore_tolerance = explore_tolerance
-        self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)
+        self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)  # seconds / the load level then
+        # per key: the load levels its last calls of measured sizes implied (their time / their size's estimate)
+        self._levels: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=self.window))
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
         self._largest_run: dict[Hashable, int] = {}  # per key: the most rows of any call so far
@@ -128,6 +133,7 @@ class BatchCostModel:
         if largest is None or rows > largest:
             self._warm_ups[key].add(rows)
             return
+        load = self._follow_load(key, rows, seconds)
         samples = self._samples[key].setdefault(rows, deque(maxlen=self.window))
         if self._remeasuring.get(key) == rows:
             # NOTE: a re-measurement starts its size's estimate afresh. The samples it replaces date from when
@@ -138,7 +144,24 @@ class BatchCostModel:
             # the size it makes preferred is measured at every step from then on.
             del self._remeasuring[key]
             samples.clear()
-        samples.append(seconds)
+        samples.append(seconds / load)
+
+    def _follow_load(self, key: Hashable, rows: int, seconds: float) -> float:
+        """Record the load level this call implies, if its size has an estimate; return the key's level now.
+
+        NOTE: the level is the median of the last calls' levels, so one slow call moves no estimate, and a lasting
+        change of load moves the level, not the size's own estimate: every size's estimate follows it alike. A size
+        being re-measured implies no level: its samples are the stale ones the re-measurement replaces.
+        """
+        samples = self._samples[key].get(rows)
+        if samples and self._remeasuring.get(key) != rows:
+            self._levels[key].append(seconds / statistics.median(samples))
+        return self._load(key)
+
+    def _load(self, key: Hashable) -> float:
+        """The key's load level: 1.0 until calls of sizes already measured ran again."""
+        levels = self._levels.get(key)
+        return statistics.median(levels) if levels else 1.0
 
     def estimate(self, key: Hashable, rows: int) -> float | None:
         """Median measured seconds for `rows`, else linear interpolation between the nearest measured sizes."""
@@ -146,7 +169,7 @@ class BatchCostModel:
         if not measured:
             return None
         if rows in measured:
-            return statistics.median(measured[rows])
+            return statistics.median(measured[rows]) * self._load(key)
         sizes = sorted(measured)
         below = [s for s in sizes if s < rows]
         above = [s for s in sizes if s > rows]
