@@ -9,10 +9,10 @@ is estimated instead of explored, so that traffic whose group sizes change every
 ...; at 32 requests 11, 20, 6, 26, ...) concludes in a few groups. A neighbouring size of the preferred split is
 measured again after `explore_first` decisions, then ever less often, down to every `explore_every` decisions,
 so the estimates follow the machine's load; one call of that size measures it, the rest of the group runs at
-the preferred split, and that size's estimate starts again from the new measurement. Between re-measurements, the
-sizes not run move with the key's load level, which every call of an already measured size updates: samples are
-kept relative to the level at their time, so a size measured in a quiet moment is not compared, unscaled, with
-one measured in a busy one.
+the preferred split, and that size's estimate starts again from the new measurement. Estimates are relative to the
+key's load level: a size's first `window` calls since it was (re)measured set its estimate (each divided by the
+level at its time), its later calls move the level, and every size's estimate follows the level alike. So a size
+measured in a quiet moment is not compared, unscaled, with one measured in a busy one.
 Pure Python: no torch, tested with made-up timings.
 """
 
@@ -43,17 +43,33 @@ def _sizes(item_rows: Sequence[int], option: list[list[int]]) -> list[int]:
     return [sum(item_rows[i] for i in chunk) for chunk in option]
 
 
-def _probe(item_rows: Sequence[int], preferred: list[list[int]], neighbour: list[list[int]]) -> list[list[int]]:
-    """`neighbour`'s first chunk, then the other items split as `preferred` splits (at its largest chunk).
+def _probe(item_rows: Sequence[int], preferred: list[list[int]], neighbour: list[list[int]],
+           lead: int) -> tuple[list[list[int]], int]:
+    """One call of `neighbour`'s first chunk's size among `preferred`'s: up to `lead` chunks of `preferred` first,
+    then the probe, then the rest as `preferred` splits (at its largest chunk). Returns the chunks and the probe's
+    index among them.
 
     NOTE: measuring a neighbouring size needs one call of it, not the whole group at that size: where one image
     per decode call is fastest (a CPU's VAE: 25 ms, two images 69 ms), re-measuring the 2-row neighbour as a
-    group of 8 decodes ran 4 x 69 ms instead of 8 x 25 ms; one 2-row call costs 19 ms more.
+    group of 8 decodes ran 4 x 69 ms instead of 8 x 25 ms; one 2-row call costs 19 ms more. The preferred calls
+    before it set the load level its time is read against (`BatchCostModel.observe`): a burst's first
+    decodes ran faster than the previous burst's last ones, whose level a probe run first was read against (a
+    2-row probe then looked as fast as two 1-row calls, and the next burst decoded 2 images per call).
     """
-    head = neighbour[0]
-    start = len(head)
-    rest = partition(item_rows[start:], max(_sizes(item_rows, preferred)))
-    return [head] + [[start + index for index in chunk] for chunk in rest]
+    capacity = max(_sizes(item_rows, preferred))
+    probe_items = len(neighbour[0])
+    chunks: list[list[int]] = []
+    start = 0
+    for chunk in preferred[:lead]:
+        if len(item_rows) - start - len(chunk) < probe_items:
+            break
+        chunks.append(chunk)
+        start += len(chunk)
+    head = partition(item_rows[start:], max(_sizes(item_rows, neighbour)))[0]
+    chunks.append([start + index for index in head])
+    start += len(head)
+    rest = partition(item_rows[start:], capacity)
+    return chunks + [[start + index for index in chunk] for chunk in rest], len(chunks) - 1
 
 
 def _ladder(item_rows: Sequence[int], capacity: int) -> list[list[int]]:
@@ -111,7 +127,7 @@ class BatchCostModel:
         # as 2 x 3, and one row 1.5x faster per row), and an overhead-bound model's halves lose by far more.
         self.explore_tolerance = explore_tolerance
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)  # seconds / the load level then
-        # per key: the load levels its last calls of measured sizes implied (their time / their size's estimate)
+        # per key: the load levels its last calls of fully measured sizes implied (their time / their size's estimate)
         self._levels: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=self.window))
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
@@ -120,6 +136,8 @@ class BatchCostModel:
         self._reexplorations: Counter = Counter()  # per key: re-measurements so far
         self._next_reexploration: dict[Hashable, int] = {}  # per key: the decision that re-measures next
         self._remeasuring: dict[Hashable, int] = {}  # per key: the row count a re-measurement runs, until observed
+        self._last_preferred: dict[Hashable, int] = {}  # per key: the option index its last decision preferred
+        self._confirming: dict[Hashable, tuple[int, int]] = {}  # per key: (decision, option) to measure after a switch
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
         # NOTE: a key's first call, and a first call with more rows than any before it, pay one-time costs (lazy
@@ -133,7 +151,6 @@ class BatchCostModel:
         if largest is None or rows > largest:
             self._warm_ups[key].add(rows)
             return
-        load = self._follow_load(key, rows, seconds)
         samples = self._samples[key].setdefault(rows, deque(maxlen=self.window))
         if self._remeasuring.get(key) == rows:
             # NOTE: a re-measurement starts its size's estimate afresh. The samples it replaces date from when
@@ -141,25 +158,21 @@ class BatchCostModel:
             # size's are recent: at 16 tiny Flux requests two 16-row forwards timed in the first burst (47 and 38
             # ms, later 22-28 ms) kept the median of [47, 38, 28] above two 8-row calls (2 x 15 ms), and the
             # denoise steps split for ~100 decisions. A re-measurement that was low by chance costs a few steps:
-            # the size it makes preferred is measured at every step from then on.
+            # the size it makes preferred is measured again at its next calls, until its window is full.
             del self._remeasuring[key]
             samples.clear()
-        samples.append(seconds / load)
-
-    def _follow_load(self, key: Hashable, rows: int, seconds: float) -> float:
-        """Record the load level this call implies, if its size has an estimate; return the key's level now.
-
-        NOTE: the level is the median of the last calls' levels, so one slow call moves no estimate, and a lasting
-        change of load moves the level, not the size's own estimate: every size's estimate follows it alike. A size
-        being re-measured implies no level: its samples are the stale ones the re-measurement replaces.
-        """
-        samples = self._samples[key].get(rows)
-        if samples and self._remeasuring.get(key) != rows:
+        if samples:  # every call of a measured size measures the load
             self._levels[key].append(seconds / statistics.median(samples))
-        return self._load(key)
+        if len(samples) < self.window:
+            samples.append(seconds / self._load(key))
+        # NOTE: a size measured `window` times keeps its estimate (relative to the load level). Were its later calls
+        # to refresh its samples, each lagging level would leak into them, and the split between the two drift: in
+        # a simulation where each group's load rose from 1 to 1.6, one-row decodes' own estimate rose 60% while the
+        # level fell, until 8-row calls, measured once, looked faster.
 
     def _load(self, key: Hashable) -> float:
-        """The key's load level: 1.0 until calls of sizes already measured ran again."""
+        """The key's load level: the median of its last calls' levels (one slow call moves no estimate); 1.0 until
+        a size was measured `window` times and ran again."""
         levels = self._levels.get(key)
         return statistics.median(levels) if levels else 1.0
 
@@ -225,16 +238,35 @@ class BatchCostModel:
                 fastest = cost if fastest is None else min(fastest, cost)
             self._concluded.add(key)
         best = self._preferred(self._estimates(key, item_rows, options))
-        if self.explore_every and decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):
+        previous = self._last_preferred.get(key, best)
+        self._last_preferred[key] = best
+        if not self.explore_every:
+            return options[best]
+        if previous != best:
+            # NOTE: a switch rests on one re-measurement, read against a load level that may lag (a burst's first
+            # calls after the last burst's busy tail): the option left is measured again soon, against the level
+            # of the new one's calls, and a switch made on a biased reading goes back within a few decisions.
+            self._confirming[key] = (decision + self.explore_first, previous)
+        due, confirm = self._confirming.get(key, (None, None))
+        if due is not None and decision >= due:
+            del self._confirming[key]
+            if confirm < len(options) and confirm != best:
+                return self._remeasure(key, item_rows, options[best], options[confirm])
+        if decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):
             # re-measure a neighbour of the best option so the choice follows the machine's current load
             count = self._reexplorations[key]
             self._reexplorations[key] += 1
             self._next_reexploration[key] = decision + self._interval(count + 1)
             neighbours = [k for k in (best - 1, best + 1) if 0 <= k < len(options)]
-            probe = _probe(item_rows, options[best], options[neighbours[count % len(neighbours)]])
-            self._remeasuring[key] = sum(item_rows[i] for i in probe[0])
-            return probe
+            return self._remeasure(key, item_rows, options[best], options[neighbours[count % len(neighbours)]])
         return options[best]
+
+    def _remeasure(self, key: Hashable, item_rows: Sequence[int], preferred: list[list[int]],
+                   other: list[list[int]]) -> list[list[int]]:
+        """The preferred split with one call of `other`'s size (`_probe`), whose estimate starts afresh."""
+        probe, at = _probe(item_rows, preferred, other, self.window)
+        self._remeasuring[key] = sum(item_rows[i] for i in probe[at])
+        return probe
 
     def _only_warmed_up(self, key: Hashable, item_rows: Sequence[int], option: list[list[int]]) -> bool:
         """Whether `option` is the whole group in one call, not known yet, and run before as an unrecorded warm-up.
