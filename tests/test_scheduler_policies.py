@@ -105,15 +105,16 @@ def test_overhead_bound_costs_keep_one_big_batch():
     costs = BatchCostModel(explore_every=0)
     decisions = feed(costs, "tiny", lambda rows: 0.010 + 0.001 * rows)
     # the whole group once (a first call at a new shape is not recorded, nor run again to be measured), one group
-    # that measures a half, a quarter and one row; the whole group, estimated from its half, is then chosen
-    assert decisions[:2] == [(8,), (4, 2, 1, 1)]
+    # that measures one row, a quarter and a half (smallest first); the whole group, estimated from its half, is
+    # then chosen
+    assert decisions[:2] == [(8,), (1, 1, 2, 4)]
     assert set(decisions[2:]) == {(8,)}  # splits were slower: no further exploration
 
 
 def test_compute_bound_costs_split_into_faster_forwards():
     costs = BatchCostModel(explore_every=0)
     decisions = feed(costs, "big", lambda rows: 0.1 * rows ** 1.2)  # superlinear: batching loses
-    assert decisions[:2] == [(8,), (4, 2, 1, 1)]  # the whole group, then every smaller size in one group
+    assert decisions[:2] == [(8,), (1, 1, 2, 4)]  # the whole group, then every smaller size in one group
     assert decisions[2:] == [(1,) * 8] * 12
 
 
@@ -427,3 +428,22 @@ def test_a_remeasurement_is_read_against_the_load_of_its_own_group(group, ramp):
             costs.observe("decode", len(chunk), busy * decode_like(len(chunk)))
     assert all(max(d) <= 2 for d in decisions), decisions  # one image per call, or one 2-row re-measurement
     assert sum(d != (1,) * group for d in decisions) >= 10, decisions  # and re-measurements did run
+
+
+@pytest.mark.parametrize("group", [8, 16, 32])
+def test_an_exploring_group_runs_its_smallest_calls_first(group):
+    # NOTE: as a burst's decodes on a CPU: each call finishes its requests, whose callers then run under the GIL
+    # during the group's later calls; timed last, one-row decodes looked slower per image than batches
+    costs = BatchCostModel(explore_every=0)
+    decisions = []
+    for _ in range(6):
+        chunks = costs.chunk("decode", [1] * group)
+        decisions.append(tuple(len(c) for c in chunks))
+        finished = 0
+        for chunk in chunks:
+            busy = 1 + 0.6 * finished / group  # the callers woken so far in this group
+            costs.observe("decode", len(chunk), busy * one_row_fastest(len(chunk)))
+            finished += len(chunk)
+    ladder = tuple(2 ** k for k in range(group.bit_length() - 1))  # 1, 2, 4, ..., group / 2
+    assert decisions[1] == (1,) + ladder, decisions
+    assert decisions[2:] == [(1,) * group] * 4, decisions
