@@ -447,3 +447,15 @@ def test_an_exploring_group_runs_its_smallest_calls_first(group):
     ladder = tuple(2 ** k for k in range(group.bit_length() - 1))  # 1, 2, 4, ..., group / 2
     assert decisions[1] == (1,) + ladder, decisions
     assert decisions[2:] == [(1,) * group] * 4, decisions
+
+
+def test_calls_timed_at_zero_seconds_leave_the_load_level_alone():
+    # NOTE: host arithmetic under a fake device clock (tests/test_engine_timing.py) takes 0 device seconds
+    costs = BatchCostModel()
+    for seconds in (0.0, 0.0, 0.0, 0.002, 0.0):
+        costs.observe("k", 2, seconds)
+    assert costs.estimate("k", 2) == 0.0
+    costs.observe("other", 1, 0.004)
+    costs.observe("other", 1, 0.004)
+    costs.observe("other", 1, 0.0)
+    assert costs.estimate("other", 1) == pytest.approx(0.002)  # the median of 0.004 and 0.0; the level still 1

@@ -11,8 +11,9 @@ measured again after `explore_first` decisions, then ever less often, down to ev
 so the estimates follow the machine's load; one call of that size measures it, the rest of the group runs at
 the preferred split, and that size's estimate starts again from the new measurement. Estimates are relative to the
 key's load level: a size's first `window` calls since it was (re)measured set its estimate (each divided by the
-level at its time), its later calls move the level, and every size's estimate follows the level alike. So a size
-measured in a quiet moment is not compared, unscaled, with one measured in a busy one.
+level at its time), every call of a measured size moves the level, and every size's estimate follows the level
+alike. So a size measured in a quiet moment is not compared, unscaled, with one measured in a busy one. A switch
+to another split is checked by measuring the split left again a few decisions later.
 Pure Python: no torch, tested with made-up timings.
 """
 
@@ -131,7 +132,7 @@ class BatchCostModel:
         # as 2 x 3, and one row 1.5x faster per row), and an overhead-bound model's halves lose by far more.
         self.explore_tolerance = explore_tolerance
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)  # seconds / the load level then
-        # per key: the load levels its last calls of fully measured sizes implied (their time / their size's estimate)
+        # per key: the load levels its last calls of measured sizes implied (their time / their size's estimate)
         self._levels: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=self.window))
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
@@ -140,8 +141,8 @@ class BatchCostModel:
         self._reexplorations: Counter = Counter()  # per key: re-measurements so far
         self._next_reexploration: dict[Hashable, int] = {}  # per key: the decision that re-measures next
         self._remeasuring: dict[Hashable, int] = {}  # per key: the row count a re-measurement runs, until observed
-        self._last_preferred: dict[Hashable, int] = {}  # per key: the option index its last decision preferred
-        self._confirming: dict[Hashable, tuple[int, int]] = {}  # per key: (decision, option) to measure after a switch
+        self._last_preferred: dict[Hashable, tuple[int, int]] = {}  # per key: (option index, rows per call) preferred
+        self._confirming: dict[Hashable, tuple[int, int]] = {}  # per key: (decision, rows per call) to measure again
 
     def observe(self, key: Hashable, rows: int, seconds: float) -> None:
         # NOTE: a key's first call, and a first call with more rows than any before it, pay one-time costs (lazy
@@ -165,8 +166,9 @@ class BatchCostModel:
             # the size it makes preferred is measured again at its next calls, until its window is full.
             del self._remeasuring[key]
             samples.clear()
-        if samples:  # every call of a measured size measures the load
-            self._levels[key].append(seconds / statistics.median(samples))
+        reference = statistics.median(samples) if samples else 0.0
+        if reference > 0 and seconds > 0:  # every call of a measured size measures the load (a 0 s call: none)
+            self._levels[key].append(seconds / reference)
         if len(samples) < self.window:
             samples.append(seconds / self._load(key))
         # NOTE: a size measured `window` times keeps its estimate (relative to the load level). Were its later calls
@@ -176,7 +178,7 @@ class BatchCostModel:
 
     def _load(self, key: Hashable) -> float:
         """The key's load level: the median of its last calls' levels (one slow call moves no estimate); 1.0 until
-        a size was measured `window` times and ran again."""
+        a measured size ran again."""
         levels = self._levels.get(key)
         return statistics.median(levels) if levels else 1.0
 
@@ -242,20 +244,21 @@ class BatchCostModel:
                 fastest = cost if fastest is None else min(fastest, cost)
             self._concluded.add(key)
         best = self._preferred(self._estimates(key, item_rows, options))
-        previous = self._last_preferred.get(key, best)
-        self._last_preferred[key] = best
+        preferred = (best, max(_sizes(item_rows, options[best])))
+        previous = self._last_preferred.get(key, preferred)
+        self._last_preferred[key] = preferred
         if not self.explore_every:
             return options[best]
-        if previous != best:
+        if previous[0] != preferred[0] and previous[1] != preferred[1]:  # NOTE: not a group of another size
             # NOTE: a switch rests on one re-measurement, read against a load level that may lag (a burst's first
-            # calls after the last burst's busy tail): the option left is measured again soon, against the level
+            # calls after the last burst's busy tail): the split left is measured again soon, against the level
             # of the new one's calls, and a switch made on a biased reading goes back within a few decisions.
-            self._confirming[key] = (decision + self.explore_first, previous)
-        due, confirm = self._confirming.get(key, (None, None))
+            self._confirming[key] = (decision + self.explore_first, previous[1])
+        due, left = self._confirming.get(key, (None, None))
         if due is not None and decision >= due:
             del self._confirming[key]
-            if confirm < len(options) and confirm != best:
-                return self._remeasure(key, item_rows, options[best], options[confirm])
+            if left != preferred[1] and left <= sum(item_rows):
+                return self._remeasure(key, item_rows, options[best], partition(item_rows, left))
         if decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):
             # re-measure a neighbour of the best option so the choice follows the machine's current load
             count = self._reexplorations[key]
