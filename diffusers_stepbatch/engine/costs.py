@@ -44,11 +44,10 @@ def _sizes(item_rows: Sequence[int], option: list[list[int]]) -> list[int]:
     return [sum(item_rows[i] for i in chunk) for chunk in option]
 
 
-def _probe(item_rows: Sequence[int], preferred: list[list[int]], neighbour: list[list[int]],
+def _probe(item_rows: Sequence[int], preferred: list[list[int]], probe_rows: int,
            lead: int) -> tuple[list[list[int]], int]:
-    """One call of `neighbour`'s first chunk's size among `preferred`'s: up to `lead` chunks of `preferred` first,
-    then the probe, then the rest as `preferred` splits (at its largest chunk). Returns the chunks and the probe's
-    index among them.
+    """One call of at most `probe_rows` rows among `preferred`'s: up to `lead` chunks of `preferred` first, then the
+    probe, then the rest as `preferred` splits (at its largest chunk). Returns the chunks and the probe's index.
 
     NOTE: measuring a neighbouring size needs one call of it, not the whole group at that size: where one image
     per decode call is fastest (a CPU's VAE: 25 ms, two images 69 ms), re-measuring the 2-row neighbour as a
@@ -58,7 +57,7 @@ def _probe(item_rows: Sequence[int], preferred: list[list[int]], neighbour: list
     2-row probe then looked as fast as two 1-row calls, and the next burst decoded 2 images per call).
     """
     capacity = max(_sizes(item_rows, preferred))
-    probe_items = len(neighbour[0])
+    probe_items = len(partition(item_rows, probe_rows)[0])
     chunks: list[list[int]] = []
     start = 0
     for chunk in preferred[:lead]:
@@ -66,7 +65,7 @@ def _probe(item_rows: Sequence[int], preferred: list[list[int]], neighbour: list
             break
         chunks.append(chunk)
         start += len(chunk)
-    head = partition(item_rows[start:], max(_sizes(item_rows, neighbour)))[0]
+    head = partition(item_rows[start:], probe_rows)[0]
     chunks.append([start + index for index in head])
     start += len(head)
     rest = partition(item_rows[start:], capacity)
@@ -244,11 +243,11 @@ class BatchCostModel:
                 fastest = cost if fastest is None else min(fastest, cost)
             self._concluded.add(key)
         best = self._preferred(self._estimates(key, item_rows, options))
+        if not self.explore_every:
+            return options[best]
         preferred = (best, max(_sizes(item_rows, options[best])))
         previous = self._last_preferred.get(key, preferred)
         self._last_preferred[key] = preferred
-        if not self.explore_every:
-            return options[best]
         if previous[0] != preferred[0] and previous[1] != preferred[1]:  # NOTE: not a group of another size
             # NOTE: a switch rests on one re-measurement, read against a load level that may lag (a burst's first
             # calls after the last burst's busy tail): the split left is measured again soon, against the level
@@ -258,20 +257,21 @@ class BatchCostModel:
         if due is not None and decision >= due:
             del self._confirming[key]
             if left != preferred[1] and left <= sum(item_rows):
-                return self._remeasure(key, item_rows, options[best], partition(item_rows, left))
+                return self._remeasure(key, item_rows, options[best], left)
         if decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):
             # re-measure a neighbour of the best option so the choice follows the machine's current load
             count = self._reexplorations[key]
             self._reexplorations[key] += 1
             self._next_reexploration[key] = decision + self._interval(count + 1)
             neighbours = [k for k in (best - 1, best + 1) if 0 <= k < len(options)]
-            return self._remeasure(key, item_rows, options[best], options[neighbours[count % len(neighbours)]])
+            neighbour = options[neighbours[count % len(neighbours)]]
+            return self._remeasure(key, item_rows, options[best], max(_sizes(item_rows, neighbour)))
         return options[best]
 
     def _remeasure(self, key: Hashable, item_rows: Sequence[int], preferred: list[list[int]],
-                   other: list[list[int]]) -> list[list[int]]:
-        """The preferred split with one call of `other`'s size (`_probe`), whose estimate starts afresh."""
-        probe, at = _probe(item_rows, preferred, other, self.window)
+                   probe_rows: int) -> list[list[int]]:
+        """The preferred split with one call of up to `probe_rows` rows (`_probe`), whose estimate starts afresh."""
+        probe, at = _probe(item_rows, preferred, probe_rows, self.window)
         self._remeasuring[key] = sum(item_rows[i] for i in probe[at])
         return probe
 
