@@ -8,16 +8,20 @@ After warm-up rounds on a long-lived engine, one closed-loop round (N requests a
 the device's busy time (kernels) and so its idle share, host time per thread (the engine thread against the
 callers'), the ops that took the most device and host time, and every host-device sync the CUDA runtime
 recorded (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`; `cudaMemcpy*` calls are
-counted apart). The same round runs as sequential plain pipeline calls for comparison. `--trace` also writes
-the Chrome trace (chrome://tracing).
+counted apart), and where the device sat idle: the gaps between its kernels from the Chrome trace, by length
+and by where in the round they fell (a host-bound step loop leaves gaps every step; prologues and the tail
+leave long ones at the ends). The same round runs as sequential plain pipeline calls for comparison.
+`--trace` keeps the StepBatched round's Chrome trace (chrome://tracing).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from throughput import command_line, in_worker_thread, run_clients, write_report  # noqa: E402
+from throughput import command_line, in_worker_thread, rows_per_call_by_kind, run_clients, write_report  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline  # noqa: E402
@@ -113,6 +117,43 @@ def summarize(prof, wall_s: float, top: int) -> dict:
     }
 
 
+DEVICE_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_gaps(trace_path: Path, top: int = 8) -> dict | None:
+    """Where the device sat idle in a Chrome trace: the gaps between its activities (kernels, copies, sets),
+    summed by length and by the tenth of the span they fell in; None where the trace has no timed device work."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in DEVICE_ACTIVITY and e.get("dur", 0) > 0)
+    if not spans:
+        return None
+    busy = [list(spans[0])]
+    for start, end in spans[1:]:
+        if start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    first, last = busy[0][0], busy[-1][1]
+    gaps = [(before[1], after[0]) for before, after in zip(busy, busy[1:])]
+    by_length = collections.Counter()
+    by_tenth = [0.0] * 10
+    for start, end in gaps:
+        length = end - start  # microseconds
+        by_length["<50us" if length < 50 else "50us-1ms" if length < 1000 else "1-5ms" if length < 5000
+                  else ">=5ms"] += length / 1000
+        by_tenth[min(int(10 * (start - first) / (last - first)), 9)] += length / 1000
+    return {
+        "span_ms": (last - first) / 1000,
+        "busy_ms": sum(end - start for start, end in busy) / 1000,
+        "idle_ms": sum(end - start for start, end in gaps) / 1000,
+        "idle_ms_by_gap_length": dict(by_length),
+        "idle_ms_by_tenth_of_span": [round(ms, 2) for ms in by_tenth],
+        "longest_gaps_ms": [{"at_ms": round((start - first) / 1000, 2), "ms": round((end - start) / 1000, 2)}
+                            for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:top]],
+    }
+
+
 def all_threads_config(cuda: bool):
     """Kineto options: every thread, and (CUDA) the synchronizations the host waited for; None where this
     torch lacks them.
@@ -125,8 +166,8 @@ def all_threads_config(cuda: bool):
         return None
 
 
-def profiled(fn, activities):
-    config = all_threads_config(ProfilerActivity.CUDA in activities)
+def profiled(fn, activities, all_threads: bool = True):
+    config = all_threads_config(ProfilerActivity.CUDA in activities) if all_threads else None
     with profile(activities=activities, **({} if config is None else {"experimental_config": config})) as prof:
         wall = fn()
     return prof, wall
@@ -140,7 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup-rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=15, help="ops listed per table")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model: 2 requests x 2 steps at 64 px")
-    parser.add_argument("--trace", type=Path, default=None, help="also write the StepBatched round's Chrome trace")
+    parser.add_argument("--trace", type=Path, default=None, help="keep the StepBatched round's Chrome trace here")
+    parser.add_argument("--caller-thread-only", action="store_true",
+                        help="profile host ops of the starting thread only (kineto's default; device work is "
+                             "recorded either way)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "profile_steps.json")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -162,27 +206,37 @@ def main(argv: list[str] | None = None) -> dict:
         sequential_round(pipe, 1, side, steps, offset=0)
     sb.engine.wait_idle()
     hooks = mark_transformer_calls(pipe.transformer)
-    batched_prof, batched_wall = profiled(lambda: closed_round(sb, n, side, steps, offset=0), activities)
+    all_threads = not args.caller_thread_only
+    calls_before = len(sb.engine.metrics.calls)
+    batched_prof, batched_wall = profiled(lambda: closed_round(sb, n, side, steps, offset=0), activities, all_threads)
     sb.engine.wait_idle()
-    sequential_prof, sequential_wall = profiled(lambda: sequential_round(pipe, n, side, steps, offset=0), activities)
+    batched_calls = len(sb.engine.metrics.calls) - calls_before
+    sequential_prof, sequential_wall = profiled(lambda: sequential_round(pipe, n, side, steps, offset=0), activities,
+                                                all_threads)
     for hook in hooks:
         hook.remove()
     stats = sb.stats()
+    # NOTE: the profiled round's calls (the last ones: the sequential side ran the plain pipeline)
+    round_calls = list(sb.engine.metrics.calls)[-batched_calls:] if batched_calls else []
     sb.close()
-    if args.trace is not None:
-        args.trace.parent.mkdir(parents=True, exist_ok=True)
-        batched_prof.export_chrome_trace(str(args.trace))
+    gaps = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, prof in (("stepbatched", batched_prof), ("sequential", sequential_prof)):
+            path = args.trace if name == "stepbatched" and args.trace is not None else Path(scratch) / "trace.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(path))
+            gaps[name] = device_gaps(path)
     report = {
         "command": command_line("benchmarks/profile_steps.py", argv),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "concurrency": n, "steps": steps, "side": side,
-        "all_threads_profiled": all_threads_config(cuda) is not None,
-        "stepbatched": {**summarize(batched_prof, batched_wall, args.top),
-                        "mean_denoise_rows": stats["mean_denoise_rows"],
+        "all_threads_profiled": all_threads and all_threads_config(cuda) is not None,
+        "stepbatched": {**summarize(batched_prof, batched_wall, args.top), "device_gaps": gaps["stepbatched"],
+                        "rows_per_call_by_kind": rows_per_call_by_kind(round_calls),
                         "outside_model_ms_per_step": stats["outside_model_ms_per_step"]},
-        "sequential": summarize(sequential_prof, sequential_wall, args.top),
+        "sequential": {**summarize(sequential_prof, sequential_wall, args.top), "device_gaps": gaps["sequential"]},
     }
     report["sequential_over_stepbatched_wall"] = sequential_wall / batched_wall
     print_report(report)
@@ -201,6 +255,13 @@ def print_report(report: dict) -> None:
               f"host ops: model thread {r['host_op_ms_model_thread']:.1f} ms, other threads "
               f"{r['host_op_ms_other_threads']:.1f} ms; host syncs {r['host_syncs'] or 'none'}, "
               f"copies {r['copy_calls'] or 'none'}")
+        if "rows_per_call_by_kind" in r:
+            print(f"  rows per call: {r['rows_per_call_by_kind']}")
+        if r["device_gaps"]:
+            g = r["device_gaps"]
+            print(f"  device timeline: span {g['span_ms']:.1f} ms, busy {g['busy_ms']:.1f}, idle {g['idle_ms']:.1f} "
+                  f"ms; idle by gap length {g['idle_ms_by_gap_length']}; idle per tenth of the span "
+                  f"{g['idle_ms_by_tenth_of_span']}; longest gaps {g['longest_gaps_ms']}")
         for title, table in (("device", r["top_device_ops_ms"]), ("host", r["top_host_ops_ms"])):
             if table:
                 print(f"  top {title} ops (self ms): " + ", ".join(f"{k} {v:.1f}" for k, v in list(table.items())[:8]))

@@ -165,7 +165,16 @@ def run_stepbatched(sb: StepBatched, make_kwargs, n: int, arrivals: list[float])
     result["outside_model_ms_per_step"] = stats["outside_model_ms_per_step"]
     result["ms_per_step"] = 1000 * wall / max(stats["engine_steps"], 1)
     result["model_seconds_by_kind"] = model_seconds_by_kind(sb.engine.metrics.calls)
+    result["rows_per_call_by_kind"] = rows_per_call_by_kind(sb.engine.metrics.calls)
     return result
+
+
+def rows_per_call_by_kind(calls) -> dict[str, list[int]]:
+    """The rows of each of the round's engine calls per work kind, in order: how the cost model split groups."""
+    rows: dict[str, list[int]] = {}
+    for call in calls:
+        rows.setdefault(call.kind, []).append(call.rows)
+    return rows
 
 
 def model_seconds_by_kind(calls) -> dict[str, float]:
