@@ -9,6 +9,7 @@ import torch
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.engine import host_sync
+from diffusers_stepbatch.engine.core import EngineCore
 from diffusers_stepbatch.engine.timing import CallTimer
 
 from .references import TOLERANCE, family_pipe, flux_pipe, in_lockstep, max_diff, seeded
@@ -90,6 +91,16 @@ def test_cost_model_decides_on_device_time_not_launch_time(no_sync):
     assert rows[-8:] == [1] * 8, f"the engine kept batching although the device said it costs more: {rows}"
     for kwargs, image in zip(requests, got):
         assert max_diff(image, pipe(**seeded(kwargs)).images) <= TOLERANCE
+
+
+@pytest.mark.parametrize(("events", "warm_up_every_size"), [(FakeDevice().event, True), (None, False)])
+def test_calls_timed_on_a_device_warm_up_every_row_count(events, warm_up_every_size):
+    """Where calls are timed with device events (CUDA), every row count's first call pays one-time costs."""
+    engine = EngineCore(SchedulerConfig(), timer=CallTimer(events=events))
+    assert engine.costs.warm_up_every_size is warm_up_every_size
+    engine.costs.observe("k", 8, 0.010)
+    engine.costs.observe("k", 2, 0.030)  # a new, smaller row count: cuDNN plans and cuBLAS picks on CUDA
+    assert engine.costs.is_measured("k", 2) is not warm_up_every_size
 
 
 class HostReads:

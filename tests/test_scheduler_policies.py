@@ -262,6 +262,48 @@ def test_a_first_call_with_fewer_rows_than_before_is_recorded_one_with_more_is_n
     assert costs.estimate("k", 2 * largest) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("largest", [4, 16])
+def test_on_cuda_every_row_count_has_its_first_call_unrecorded(largest):
+    costs = BatchCostModel(warm_up_every_size=True)
+    costs.observe("k", largest, 9.0)
+    costs.observe("k", largest - 1, 3.0)  # fewer rows, but a new shape: cuDNN plans, cuBLAS kernels chosen
+    assert costs.estimate("k", largest - 1) is None
+    costs.observe("k", largest - 1, 0.5)
+    assert costs.estimate("k", largest - 1) == pytest.approx(0.5)
+    costs.observe("k", largest, 1.0)  # the first size's second call
+    assert costs.estimate("k", largest) == pytest.approx(1.0)
+
+
+def per_shape_warm_up_rounds(group: int, first_call_extra: float, warm_up_every_size: bool, rounds: int = 8):
+    """A host-bound encode (5 ms + 0.2 ms a row) whose first call at each row count costs `first_call_extra` more
+    (as CUDA's per-shape plans do); one group of `group` one-row items a round, as a closed loop's burst."""
+    costs = BatchCostModel(warm_up_every_size=warm_up_every_size)
+    seen: set[int] = set()
+    decisions = []
+    for _ in range(rounds):
+        chunks = costs.chunk("encode", [1] * group)
+        decisions.append(tuple(len(chunk) for chunk in chunks))
+        for chunk in chunks:
+            extra = 0.0 if len(chunk) in seen else first_call_extra
+            costs.observe("encode", len(chunk), 0.005 + 0.0002 * len(chunk) + extra)
+            seen.add(len(chunk))
+    return decisions
+
+
+@pytest.mark.parametrize(("group", "first_call_extra"), [(8, 0.03), (8, 0.08), (16, 0.08), (6, 0.08)])
+def test_one_time_costs_per_shape_leave_a_batching_group_whole(group, first_call_extra):
+    decisions = per_shape_warm_up_rounds(group, first_call_extra, warm_up_every_size=True)
+    assert decisions[0] == (group,)  # the whole group first (its warm-up)
+    assert sum(len(d) > 1 for d in decisions[3:]) <= 1, decisions  # one re-measurement probe at most
+    assert decisions[-3:] == [(group,)] * 3, decisions
+
+
+def test_recorded_first_calls_per_shape_split_the_group_for_good():
+    # NOTE: the contrast, as a profiled H200 round showed it: encodes one row at a time, then in pairs
+    decisions = per_shape_warm_up_rounds(8, 0.08, warm_up_every_size=False)
+    assert all(len(d) > 1 for d in decisions[2:]), decisions
+
+
 def decode_like(rows):
     # NOTE: a CPU's tiny VAE: one image per call fastest, batches slower per image the more rows they hold
     return 0.014 if rows == 1 else 0.020 * rows * (1 + rows / 40)

@@ -55,9 +55,10 @@ class EngineCore:
                  timer: CallTimer | None = None, on_idle: Callable[[], None] | None = None):
         self.config = config
         self.scheduler = StepScheduler(config)
-        self.costs = BatchCostModel()
-        self.row_caps = RowCaps()
         self.timer = timer or CallTimer()  # device-true call times for the cost models (engine/timing.py)
+        # NOTE: where calls are timed on an asynchronous device (CUDA), each row count's first call is a warm-up
+        self.costs = BatchCostModel(warm_up_every_size=self.timer.events is not None)
+        self.row_caps = RowCaps()
         self.packing = PackingCostModel(self.costs)
         self.mixed_shapes = mixed_shapes  # items of different shapes may share a packed call (`WorkItem.pack`)
         self.metrics = EngineMetrics()
