@@ -3,12 +3,14 @@
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
-from profile_steps import device_gaps  # noqa: E402
+from profile_steps import device_gaps, profile_device_spans, trace_device_spans  # noqa: E402
 
 
 def write_trace(tmp_path, spans, cat="kernel"):
@@ -22,7 +24,8 @@ def write_trace(tmp_path, spans, cat="kernel"):
 @pytest.mark.parametrize("cat", ["kernel", "gpu_memcpy", "gpu_memset"])
 def test_gaps_between_overlapping_and_separate_device_work(tmp_path, cat):
     # busy 0-150 (two overlapping kernels) and 160-170, 2000-3000, 9000-10000 (microseconds)
-    gaps = device_gaps(write_trace(tmp_path, [(0, 100), (50, 100), (160, 10), (2000, 1000), (9000, 1000)], cat))
+    spans = trace_device_spans(write_trace(tmp_path, [(0, 100), (50, 100), (160, 10), (2000, 1000), (9000, 1000)], cat))
+    gaps = device_gaps(spans[::-1])  # in any order
     assert gaps["span_ms"] == pytest.approx(10.0)
     assert gaps["busy_ms"] == pytest.approx(0.15 + 0.01 + 1 + 1)
     assert gaps["idle_ms"] == pytest.approx(0.01 + 1.83 + 6.0)
@@ -32,5 +35,33 @@ def test_gaps_between_overlapping_and_separate_device_work(tmp_path, cat):
 
 
 def test_untimed_or_missing_device_work_gives_no_timeline(tmp_path):
-    assert device_gaps(write_trace(tmp_path, [])) is None
-    assert device_gaps(write_trace(tmp_path, [(0, 0), (0, 0)])) is None  # kernels without durations
+    assert trace_device_spans(write_trace(tmp_path, [])) == []
+    assert trace_device_spans(write_trace(tmp_path, [(0, 0), (0, 0)])) == []  # kernels without durations
+    assert device_gaps([]) is None
+
+
+class FakeKinetoEvent:
+    def __init__(self, device, start_ns, duration_ns):
+        self._device, self._start, self._duration = device, start_ns, duration_ns
+
+    def device_type(self):
+        return self._device
+
+    def start_ns(self):
+        return self._start
+
+    def end_ns(self):
+        return self._start + self._duration
+
+    def duration_ns(self):
+        return self._duration
+
+
+def test_device_spans_from_the_profilers_own_records():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [FakeKinetoEvent(cuda, 1_000, 2_000), FakeKinetoEvent(cpu, 0, 50_000),
+              FakeKinetoEvent(cuda, 9_000, 0), FakeKinetoEvent(cuda, 5_000, 1_000)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    spans = profile_device_spans(prof)
+    assert spans == [(1.0, 3.0), (5.0, 6.0)]  # microseconds; host ops and untimed kernels left out
+    assert device_gaps(spans)["idle_ms"] == pytest.approx(0.002)
