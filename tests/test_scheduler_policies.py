@@ -309,13 +309,9 @@ def decode_like(rows):
     return 0.014 if rows == 1 else 0.020 * rows * (1 + rows / 40)
 
 
-@pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("requests", [24, 32])
-def test_decode_groups_of_a_new_size_every_time_stop_exploring_whole_groups_soon(seed, requests):
-    # NOTE: as a call log at 32 requests showed: each round's finishers decode in two groups of new sizes (11 + 21,
-    # 20 + 12, ...); exploring each new size as a whole group first ran 16 whole-group decodes of 3-31 rows
+def decode_groups_of_new_sizes(costs: BatchCostModel, requests: int, seed: int, seconds) -> list[tuple[int, ...]]:
+    """12 rounds of a burst's finishers decoding in two groups of random sizes; each call takes `seconds(rows)`."""
     rng = random.Random(seed)
-    costs = BatchCostModel()
     decisions = []
     for _ in range(12):
         first = rng.randint(1, requests - 1)
@@ -323,7 +319,16 @@ def test_decode_groups_of_a_new_size_every_time_stop_exploring_whole_groups_soon
             chunks = costs.chunk("decode", [1] * rows)
             decisions.append(tuple(len(c) for c in chunks))
             for chunk in chunks:
-                costs.observe("decode", len(chunk), decode_like(len(chunk)))
+                costs.observe("decode", len(chunk), seconds(len(chunk)))
+    return decisions
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("requests", [24, 32])
+def test_decode_groups_of_a_new_size_every_time_stop_exploring_whole_groups_soon(seed, requests):
+    # NOTE: as a call log at 32 requests showed: each round's finishers decode in two groups of new sizes (11 + 21,
+    # 20 + 12, ...); exploring each new size as a whole group first ran 16 whole-group decodes of 3-31 rows
+    decisions = decode_groups_of_new_sizes(BatchCostModel(), requests, seed, decode_like)
     several = [d for d in decisions if max(d) > 1]  # calls of several rows: exploration or re-measurement
     assert len(several) <= 10, decisions
     assert sum(max(d) > 1 for d in decisions[-8:]) <= 1, decisions  # one image per call from then on
@@ -335,18 +340,14 @@ def test_on_cuda_decode_groups_of_a_new_size_every_time_still_settle_on_whole_gr
     # NOTE: as above, with every row count's first call a warm-up and 50 ms dearer (CUDA's per-shape plans), and
     # a device where batching pays (8 ms a call + 1 ms a row): ever new sizes must not keep the groups exploring.
     # (Recording the first calls instead ran 30-87 calls for the same 24 groups, 47 or more in 7 of the 10 cases.)
-    rng = random.Random(seed)
-    costs = BatchCostModel(warm_up_every_size=True)
     seen: set[int] = set()
-    decisions = []
-    for _ in range(12):
-        first = rng.randint(1, requests - 1)
-        for rows in (first, requests - first):
-            chunks = costs.chunk("decode", [1] * rows)
-            decisions.append(tuple(len(c) for c in chunks))
-            for chunk in chunks:
-                costs.observe("decode", len(chunk), 0.008 + 0.001 * len(chunk) + (0 if len(chunk) in seen else 0.05))
-                seen.add(len(chunk))
+
+    def seconds(rows: int) -> float:
+        first_call = rows not in seen
+        seen.add(rows)
+        return 0.008 + 0.001 * rows + (0.05 if first_call else 0.0)
+
+    decisions = decode_groups_of_new_sizes(BatchCostModel(warm_up_every_size=True), requests, seed, seconds)
     # mostly whole groups: one exploration ladder and a few re-measurements in 24 decisions
     assert sum(len(d) == 1 for d in decisions) >= 18, decisions
     assert sum(len(d) for d in decisions) <= 36, decisions
