@@ -2,6 +2,7 @@
 
 import collections
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.engine import host_sync
+from diffusers_stepbatch.engine.batch import WorkItem
 from diffusers_stepbatch.engine.core import EngineCore
 from diffusers_stepbatch.engine.timing import CallTimer
 
@@ -72,9 +74,10 @@ def test_cost_model_decides_on_device_time_not_launch_time(no_sync):
     """Made-up device costs where a batch of n rows takes n^2 ms: the engine learns to run rows alone."""
     pipe = flux_pipe("dev-tiny")
     device = FakeDevice()
-    handle = pipe.transformer.register_forward_pre_hook(
-        lambda module, args, kwargs: setattr(device, "clock_ms", device.clock_ms + kwargs["hidden_states"].shape[0] ** 2),
-        with_kwargs=True)
+    def run_on_device(module, args, kwargs):
+        device.clock_ms += kwargs["hidden_states"].shape[0] ** 2
+
+    handle = pipe.transformer.register_forward_pre_hook(run_on_device, with_kwargs=True)
     requests = [dict(prompt=f"a red circle {i}", height=32, width=32, num_inference_steps=12, seed=i,
                      output_type="pt", max_sequence_length=16) for i in range(4)]
     try:
@@ -93,14 +96,20 @@ def test_cost_model_decides_on_device_time_not_launch_time(no_sync):
         assert max_diff(image, pipe(**seeded(kwargs)).images) <= TOLERANCE
 
 
-@pytest.mark.parametrize(("events", "warm_up_every_size"), [(FakeDevice().event, True), (None, False)])
-def test_calls_timed_on_a_device_warm_up_every_row_count(events, warm_up_every_size):
-    """Where calls are timed with device events (CUDA), every row count's first call pays one-time costs."""
-    engine = EngineCore(SchedulerConfig(), timer=CallTimer(events=events))
-    assert engine.costs.warm_up_every_size is warm_up_every_size
-    engine.costs.observe("k", 8, 0.010)
-    engine.costs.observe("k", 2, 0.030)  # a new, smaller row count: cuDNN plans and cuBLAS picks on CUDA
-    assert engine.costs.is_measured("k", 2) is not warm_up_every_size
+@pytest.mark.parametrize("device_output", [True, False])
+def test_calls_timed_on_the_device_warm_up_every_row_count(no_sync, device_output):
+    """A call timed by device events (CUDA) paid one-time costs at its row count; a wall-timed one did not."""
+    device = FakeDevice()
+    engine = EngineCore(SchedulerConfig(), timer=CallTimer(events=device.event, on_device=lambda o: device_output))
+    seen = []
+    engine.costs.observe = lambda key, rows, seconds, new_size_warms_up: seen.append((rows, new_size_warms_up))
+    engine._deliver = lambda *args, **kwargs: None
+    item = WorkItem("denoise", "k", {"x": [torch.zeros(1), torch.zeros(1)]}, lambda x: torch.stack(x), rows=2)
+    request = SimpleNamespace(pending=item)
+    engine._execute([request])
+    engine.timer.poll()
+    assert seen == [(2, device_output)]
+    assert engine.costs.warm_up_every_size is False  # nothing said: the CPU's warm-ups
 
 
 class HostReads:

@@ -55,10 +55,9 @@ class EngineCore:
                  timer: CallTimer | None = None, on_idle: Callable[[], None] | None = None):
         self.config = config
         self.scheduler = StepScheduler(config)
-        self.timer = timer or CallTimer()  # device-true call times for the cost models (engine/timing.py)
-        # NOTE: where calls are timed on an asynchronous device (CUDA), each row count's first call is a warm-up
-        self.costs = BatchCostModel(warm_up_every_size=self.timer.events is not None)
+        self.costs = BatchCostModel()
         self.row_caps = RowCaps()
+        self.timer = timer or CallTimer()  # device-true call times for the cost models (engine/timing.py)
         self.packing = PackingCostModel(self.costs)
         self.mixed_shapes = mixed_shapes  # items of different shapes may share a packed call (`WorkItem.pack`)
         self.metrics = EngineMetrics()
@@ -356,8 +355,10 @@ class EngineCore:
                 self._execute([request])
             return
         self.row_caps.record_success((kind, batch.key), batch.num_rows)
-        elapsed = self.timer.stop(timing, output,
-                                  functools.partial(self.costs.observe, (kind, batch.key), batch.num_rows))
+        # NOTE: a call timed on the device (CUDA) paid one-time costs at each new row count (`BatchCostModel`)
+        observe = functools.partial(self.costs.observe, (kind, batch.key), batch.num_rows,
+                                    new_size_warms_up=self.timer.device_timed(timing, output))
+        elapsed = self.timer.stop(timing, output, observe)
         self._record_call(kind, batch.num_rows, elapsed, members[0].pending.immediate)
         self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)

@@ -121,7 +121,8 @@ class BatchCostModel:
         # NOTE: on CUDA the first call at any new row count pays one-time costs, not only a larger one: cuDNN
         # attention builds an execution plan per shape and cuBLAS picks kernels per shape. Recorded, those first
         # calls make every size but the first look slow: in a profiled H200 round (Flux at FLUX.1 width) eight
-        # prompts were encoded one by one, and one forward took 112 ms against 25 ms for the others.
+        # prompts were encoded one by one, and one forward took 112 ms against 25 ms for the others. The default
+        # for `observe`; the engine says per call (calls timed by CUDA events).
         self.warm_up_every_size = warm_up_every_size
         self.explore_every = explore_every
         # NOTE: re-measurements come every `explore_first` decisions at first, then twice as far apart each time,
@@ -148,7 +149,9 @@ class BatchCostModel:
         self._last_preferred: dict[Hashable, tuple[int, int]] = {}  # per key: (option index, rows per call) preferred
         self._confirming: dict[Hashable, tuple[int, int]] = {}  # per key: (decision, rows per call) to measure again
 
-    def observe(self, key: Hashable, rows: int, seconds: float) -> None:
+    def observe(self, key: Hashable, rows: int, seconds: float, new_size_warms_up: bool | None = None) -> None:
+        """Record a call of `rows` rows that took `seconds`; `new_size_warms_up`: whether the first call at any row
+        count is a warm-up (default `warm_up_every_size`)."""
         # NOTE: a key's first call, and a first call with more rows than any before it, pay one-time costs (lazy
         # init, allocator pools growing); one such outlier would otherwise decide the exploration, so they are not
         # recorded. (Recording them until a second call replaced them was tried: a first 2-row image-encode call
@@ -159,7 +162,9 @@ class BatchCostModel:
         largest = self._largest_run.get(key)
         self._largest_run[key] = max(rows, largest or 0)
         new_size = rows not in self._warm_ups[key] and rows not in self._samples.get(key, {})
-        if largest is None or rows > largest or (self.warm_up_every_size and new_size):
+        if new_size_warms_up is None:
+            new_size_warms_up = self.warm_up_every_size
+        if largest is None or rows > largest or (new_size_warms_up and new_size):
             self._warm_ups[key].add(rows)
             return
         samples = self._samples[key].setdefault(rows, deque(maxlen=self.window))

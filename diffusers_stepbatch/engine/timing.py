@@ -77,6 +77,10 @@ class CallTimer:
             event.record()
         return Started(time.perf_counter(), event)
 
+    def device_timed(self, started: Started, output: Any) -> bool:
+        """Whether the call that began at `started` and returned `output` is timed by device events."""
+        return started.event is not None and self.on_device(output)
+
     def stop(self, started: Started, output: Any, deliver: Callable[[float], None]) -> float:
         """Measure the call that began at `started`; returns its wall time (what the host saw).
 
@@ -84,7 +88,7 @@ class CallTimer:
         finished for device outputs.
         """
         wall = time.perf_counter() - started.wall
-        if started.event is None or not self.on_device(output):
+        if not self.device_timed(started, output):
             deliver(wall)
             return wall
         end = self.events()
