@@ -74,6 +74,7 @@ def test_cost_model_decides_on_device_time_not_launch_time(no_sync):
     """Made-up device costs where a batch of n rows takes n^2 ms: the engine learns to run rows alone."""
     pipe = flux_pipe("dev-tiny")
     device = FakeDevice()
+
     def run_on_device(module, args, kwargs):
         device.clock_ms += kwargs["hidden_states"].shape[0] ** 2
 

@@ -158,7 +158,7 @@ class BatchCostModel:
         # at 2.7x its later time split that key's groups.) On the CPU a call with fewer rows than an earlier one
         # reuses that memory and is recorded at once: at 32 requests decode groups have a new size nearly every
         # time (11, 20, 6, 26, 3, 29, ... rows), and discarding every first call kept 16 whole-group decodes
-        # exploring. On CUDA every size's first call is a warm-up (`warm_up_every_size`).
+        # exploring. Calls timed on CUDA make every size's first call a warm-up (`new_size_warms_up`).
         largest = self._largest_run.get(key)
         self._largest_run[key] = max(rows, largest or 0)
         new_size = rows not in self._warm_ups[key] and rows not in self._samples.get(key, {})
