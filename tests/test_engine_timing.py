@@ -113,6 +113,37 @@ def test_calls_timed_on_the_device_warm_up_every_row_count(no_sync, device_outpu
     assert engine.costs.warm_up_every_size is False  # nothing said: the CPU's warm-ups
 
 
+@pytest.mark.parametrize("first_call_extra_ms", [30.0, 80.0])
+def test_a_bursts_prompts_encode_in_one_call_though_each_new_row_count_costs_more_once(no_sync, first_call_extra_ms):
+    """Made-up device costs for the T5 encoder: 5 ms + 0.2 ms a row, and more at each row count's first call (as
+    CUDA's per-shape plans): the engine still settles on one encode call for a burst's eight prompts."""
+    pipe = flux_pipe("dev-tiny")
+    device = FakeDevice()
+    seen_rows: set[int] = set()
+
+    def encode_on_device(module, args, kwargs):
+        rows = (args[0] if args else kwargs["input_ids"]).shape[0]
+        device.clock_ms += 5 + 0.2 * rows + (0 if rows in seen_rows else first_call_extra_ms)
+        seen_rows.add(rows)
+
+    handle = pipe.text_encoder_2.register_forward_pre_hook(encode_on_device, with_kwargs=True)
+    encodes = []
+    try:
+        sb = StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=8), mixed_resolution=False, prompt_cache=None)
+        sb.engine.timer = CallTimer(events=device.event, on_device=lambda output: True)
+        for burst in range(6):
+            calls = [dict(prompt=f"burst {burst}: a red circle {i}", height=32, width=32, num_inference_steps=1,
+                          seed=i, output_type="latent", max_sequence_length=16) for i in range(8)]
+            before = len(sb.engine.metrics.calls)
+            in_lockstep(sb, calls)
+            encodes.append([call.rows for call in list(sb.engine.metrics.calls)[before:] if call.kind == "encode"])
+    finally:
+        handle.remove()
+    # the whole burst first (a warm-up), two exploring bursts, then one call; one re-measurement probe among them
+    assert encodes[0] == [8] and encodes[3] == [8] and encodes[5] == [8], encodes
+    assert all(len(calls) <= 2 for calls in encodes[3:]), encodes
+
+
 class HostReads:
     """Counts implicit device-to-host reads (`float(t)`, `t.item()`, `if t:` ...) made in the engine thread."""
 
