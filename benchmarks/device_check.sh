@@ -2,6 +2,7 @@
 # Every GPU check of this round in one run (a few minutes on an H200), for a session that is lent a CUDA machine.
 #
 #   bash benchmarks/device_wheels.sh                     # here: the wheels that machine lacks, into .whl/
+#   bash benchmarks/device_preflight.sh                  # here: they import on that image's versions
 #   # there (device tool, carry [".whl"]), from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
 #       PYTHONPATH=/tmp/site:$PWD bash benchmarks/device_check.sh
