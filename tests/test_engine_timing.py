@@ -110,7 +110,6 @@ def test_calls_timed_on_the_device_warm_up_every_row_count(no_sync, device_outpu
     engine._execute([request])
     engine.timer.poll()
     assert seen == [(2, device_output)]
-    assert engine.costs.warm_up_every_size is False  # nothing said: the CPU's warm-ups
 
 
 @pytest.mark.parametrize("first_call_extra_ms", [30.0, 80.0])

@@ -264,35 +264,45 @@ def test_a_first_call_with_fewer_rows_than_before_is_recorded_one_with_more_is_n
 
 @pytest.mark.parametrize("largest", [4, 16])
 def test_on_cuda_every_row_count_has_its_first_call_unrecorded(largest):
-    costs = BatchCostModel(warm_up_every_size=True)
-    costs.observe("k", largest, 9.0)
-    costs.observe("k", largest - 1, 3.0)  # fewer rows, but a new shape: cuDNN plans, cuBLAS kernels chosen
+    costs = BatchCostModel()
+    costs.observe("k", largest, 9.0, new_size_warms_up=True)
+    costs.observe("k", largest - 1, 3.0, new_size_warms_up=True)  # fewer rows, but a new shape (cuDNN, cuBLAS)
     assert costs.estimate("k", largest - 1) is None
-    costs.observe("k", largest - 1, 0.5)
+    costs.observe("k", largest - 1, 0.5, new_size_warms_up=True)
     assert costs.estimate("k", largest - 1) == pytest.approx(0.5)
-    costs.observe("k", largest, 1.0)  # the first size's second call
+    costs.observe("k", largest, 1.0, new_size_warms_up=True)  # the first size's second call
     assert costs.estimate("k", largest) == pytest.approx(1.0)
 
 
-def per_shape_warm_up_rounds(group: int, first_call_extra: float, warm_up_every_size: bool, rounds: int = 8):
-    """A host-bound encode (5 ms + 0.2 ms a row) whose first call at each row count costs `first_call_extra` more
-    (as CUDA's per-shape plans do); one group of `group` one-row items a round, as a closed loop's burst."""
-    costs = BatchCostModel(warm_up_every_size=warm_up_every_size)
+def first_calls_dearer(seconds, extra: float):
+    """`seconds(rows)`, plus `extra` at each row count's first call (as CUDA's per-shape plans cost)."""
     seen: set[int] = set()
+
+    def timed(rows: int) -> float:
+        first_call = rows not in seen
+        seen.add(rows)
+        return seconds(rows) + (extra if first_call else 0.0)
+
+    return timed
+
+
+def per_shape_warm_up_rounds(group: int, first_call_extra: float, new_size_warms_up: bool, rounds: int = 8):
+    """A host-bound encode (5 ms + 0.2 ms a row) whose first call at each row count costs `first_call_extra` more;
+    one group of `group` one-row items a round, as a closed loop's burst."""
+    costs = BatchCostModel()
+    seconds = first_calls_dearer(lambda rows: 0.005 + 0.0002 * rows, first_call_extra)
     decisions = []
     for _ in range(rounds):
         chunks = costs.chunk("encode", [1] * group)
         decisions.append(tuple(len(chunk) for chunk in chunks))
         for chunk in chunks:
-            extra = 0.0 if len(chunk) in seen else first_call_extra
-            costs.observe("encode", len(chunk), 0.005 + 0.0002 * len(chunk) + extra)
-            seen.add(len(chunk))
+            costs.observe("encode", len(chunk), seconds(len(chunk)), new_size_warms_up=new_size_warms_up)
     return decisions
 
 
 @pytest.mark.parametrize(("group", "first_call_extra"), [(8, 0.03), (8, 0.08), (16, 0.08), (6, 0.08)])
 def test_one_time_costs_per_shape_leave_a_batching_group_whole(group, first_call_extra):
-    decisions = per_shape_warm_up_rounds(group, first_call_extra, warm_up_every_size=True)
+    decisions = per_shape_warm_up_rounds(group, first_call_extra, new_size_warms_up=True)
     assert decisions[0] == (group,)  # the whole group first (its warm-up)
     assert sum(len(d) > 1 for d in decisions[3:]) <= 1, decisions  # one re-measurement probe at most
     assert decisions[-3:] == [(group,)] * 3, decisions
@@ -300,7 +310,7 @@ def test_one_time_costs_per_shape_leave_a_batching_group_whole(group, first_call
 
 def test_recorded_first_calls_per_shape_split_the_group_for_good():
     # NOTE: the contrast, as a profiled H200 round showed it: encodes one row at a time, then in pairs
-    decisions = per_shape_warm_up_rounds(8, 0.08, warm_up_every_size=False)
+    decisions = per_shape_warm_up_rounds(8, 0.08, new_size_warms_up=False)
     assert all(len(d) > 1 for d in decisions[2:]), decisions
 
 
@@ -309,7 +319,8 @@ def decode_like(rows):
     return 0.014 if rows == 1 else 0.020 * rows * (1 + rows / 40)
 
 
-def decode_groups_of_new_sizes(costs: BatchCostModel, requests: int, seed: int, seconds) -> list[tuple[int, ...]]:
+def decode_groups_of_new_sizes(costs: BatchCostModel, requests: int, seed: int, seconds,
+                               new_size_warms_up: bool = False) -> list[tuple[int, ...]]:
     """12 rounds of a burst's finishers decoding in two groups of random sizes; each call takes `seconds(rows)`."""
     rng = random.Random(seed)
     decisions = []
@@ -319,7 +330,7 @@ def decode_groups_of_new_sizes(costs: BatchCostModel, requests: int, seed: int, 
             chunks = costs.chunk("decode", [1] * rows)
             decisions.append(tuple(len(c) for c in chunks))
             for chunk in chunks:
-                costs.observe("decode", len(chunk), seconds(len(chunk)))
+                costs.observe("decode", len(chunk), seconds(len(chunk)), new_size_warms_up=new_size_warms_up)
     return decisions
 
 
@@ -340,14 +351,8 @@ def test_on_cuda_decode_groups_of_a_new_size_every_time_still_settle_on_whole_gr
     # NOTE: as above, with every row count's first call a warm-up and 50 ms dearer (CUDA's per-shape plans), and
     # a device where batching pays (8 ms a call + 1 ms a row): ever new sizes must not keep the groups exploring.
     # (Recording the first calls instead ran 30-87 calls for the same 24 groups, 47 or more in 7 of the 10 cases.)
-    seen: set[int] = set()
-
-    def seconds(rows: int) -> float:
-        first_call = rows not in seen
-        seen.add(rows)
-        return 0.008 + 0.001 * rows + (0.05 if first_call else 0.0)
-
-    decisions = decode_groups_of_new_sizes(BatchCostModel(warm_up_every_size=True), requests, seed, seconds)
+    seconds = first_calls_dearer(lambda rows: 0.008 + 0.001 * rows, 0.05)
+    decisions = decode_groups_of_new_sizes(BatchCostModel(), requests, seed, seconds, new_size_warms_up=True)
     # mostly whole groups: one exploration ladder and a few re-measurements in 24 decisions
     assert sum(len(d) == 1 for d in decisions) >= 18, decisions
     assert sum(len(d) for d in decisions) <= 36, decisions

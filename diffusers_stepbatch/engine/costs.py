@@ -116,14 +116,8 @@ class BatchCostModel:
     """
 
     def __init__(self, window: int = 5, explore_every: int = 50, split_margin: float = 0.05,
-                 explore_tolerance: float = 0.25, explore_first: int = 5, warm_up_every_size: bool = False):
+                 explore_tolerance: float = 0.25, explore_first: int = 5):
         self.window = window
-        # NOTE: on CUDA the first call at any new row count pays one-time costs, not only a larger one: cuDNN
-        # attention builds an execution plan per shape and cuBLAS picks kernels per shape. Recorded, those first
-        # calls make every size but the first look slow: in a profiled H200 round (Flux at FLUX.1 width) eight
-        # prompts were encoded one by one, and one forward took 112 ms against 25 ms for the others. The default
-        # for `observe`; the engine says per call (calls timed by CUDA events).
-        self.warm_up_every_size = warm_up_every_size
         self.explore_every = explore_every
         # NOTE: re-measurements come every `explore_first` decisions at first, then twice as far apart each time,
         # up to `explore_every`: an early sample taken while callers' prologues held the GIL (16 rows: 21.6 ms,
@@ -149,22 +143,23 @@ class BatchCostModel:
         self._last_preferred: dict[Hashable, tuple[int, int]] = {}  # per key: (option index, rows per call) preferred
         self._confirming: dict[Hashable, tuple[int, int]] = {}  # per key: (decision, rows per call) to measure again
 
-    def observe(self, key: Hashable, rows: int, seconds: float, new_size_warms_up: bool | None = None) -> None:
-        """Record a call of `rows` rows that took `seconds`; `new_size_warms_up`: whether the first call at any row
-        count is a warm-up (default `warm_up_every_size`)."""
+    def observe(self, key: Hashable, rows: int, seconds: float, new_size_warms_up: bool = False) -> None:
+        """Record a call of `rows` rows that took `seconds`; `new_size_warms_up`: the first call at any row count
+        is a warm-up (the engine says so for calls timed by CUDA events)."""
         # NOTE: a key's first call, and a first call with more rows than any before it, pay one-time costs (lazy
         # init, allocator pools growing); one such outlier would otherwise decide the exploration, so they are not
         # recorded. (Recording them until a second call replaced them was tried: a first 2-row image-encode call
         # at 2.7x its later time split that key's groups.) On the CPU a call with fewer rows than an earlier one
         # reuses that memory and is recorded at once: at 32 requests decode groups have a new size nearly every
         # time (11, 20, 6, 26, 3, 29, ... rows), and discarding every first call kept 16 whole-group decodes
-        # exploring. Calls timed on CUDA make every size's first call a warm-up (`new_size_warms_up`).
+        # exploring. On CUDA the first call at any new row count pays one-time costs, not only a larger one (cuDNN
+        # attention builds an execution plan per shape, cuBLAS picks kernels per shape); recorded, those first calls
+        # make every size but the first look slow: in a profiled H200 round (Flux at FLUX.1 width) eight prompts
+        # were encoded one by one, and one forward took 112 ms against 25 ms for the others (`new_size_warms_up`).
         largest = self._largest_run.get(key)
         self._largest_run[key] = max(rows, largest or 0)
-        new_size = rows not in self._warm_ups[key] and rows not in self._samples.get(key, {})
-        if new_size_warms_up is None:
-            new_size_warms_up = self.warm_up_every_size
-        if largest is None or rows > largest or (new_size_warms_up and new_size):
+        if largest is None or rows > largest or (
+                new_size_warms_up and rows not in self._warm_ups[key] and rows not in self._samples.get(key, {})):
             self._warm_ups[key].add(rows)
             return
         samples = self._samples[key].setdefault(rows, deque(maxlen=self.window))
