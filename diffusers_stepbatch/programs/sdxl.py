@@ -276,8 +276,8 @@ def decode_item(vae, latents: torch.Tensor, generator) -> WorkItem:
 
     `generator`: what the pipeline passes to `vae.decode` (SD passes the call's; SDXL passes none).
     """
-    if isinstance(vae, AutoencoderKL):  # NOTE: SDXL's pipeline moves the latents to the VAE's device first
-        return vae_decode_item(vae, latents, to_vae_placement=True)
+    if isinstance(vae, AutoencoderKL):  # NOTE: SDXL's pipeline moves the latents to the VAE's device first (SD's
+        return vae_decode_item(vae, latents, to_vae_placement=True)  # does not; both programs keep the move)
     key = ("vae.decode.own", id(latents))
     run = functools.partial(_decode_with_generator, vae, generator)
     return WorkItem("decode", key, {"latents": latents}, run, rows=latents.shape[0])
