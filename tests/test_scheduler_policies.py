@@ -92,12 +92,17 @@ def test_row_budget_caps_admission():
 def feed(costs, key, seconds_for_rows, rounds=14, group=8):
     """Drive chunk() like the engine does for `rounds` groups of `group` one-row items: run what it decides,
     report made-up times."""
+    return feed_groups(costs, key, seconds_for_rows, [group] * rounds)
+
+
+def feed_groups(costs, key, seconds_for_rows, groups, new_size_warms_up=False):
+    """`feed` for groups of the sizes in `groups`, in turn; one tuple of call rows per group."""
     decisions = []
-    for _ in range(rounds):
+    for group in groups:
         chunks = costs.chunk(key, [1] * group)
         decisions.append(tuple(len(c) for c in chunks))
         for chunk in chunks:
-            costs.observe(key, len(chunk), seconds_for_rows(len(chunk)))
+            costs.observe(key, len(chunk), seconds_for_rows(len(chunk)), new_size_warms_up=new_size_warms_up)
     return decisions
 
 
@@ -289,15 +294,8 @@ def first_calls_dearer(seconds, extra: float):
 def per_shape_warm_up_rounds(group: int, first_call_extra: float, new_size_warms_up: bool, rounds: int = 8):
     """A host-bound encode (5 ms + 0.2 ms a row) whose first call at each row count costs `first_call_extra` more;
     one group of `group` one-row items a round, as a closed loop's burst."""
-    costs = BatchCostModel()
     seconds = first_calls_dearer(lambda rows: 0.005 + 0.0002 * rows, first_call_extra)
-    decisions = []
-    for _ in range(rounds):
-        chunks = costs.chunk("encode", [1] * group)
-        decisions.append(tuple(len(chunk) for chunk in chunks))
-        for chunk in chunks:
-            costs.observe("encode", len(chunk), seconds(len(chunk)), new_size_warms_up=new_size_warms_up)
-    return decisions
+    return feed_groups(BatchCostModel(), "encode", seconds, [group] * rounds, new_size_warms_up)
 
 
 @pytest.mark.parametrize(("group", "first_call_extra"), [(8, 0.03), (8, 0.08), (16, 0.08), (6, 0.08)])
@@ -323,15 +321,11 @@ def decode_groups_of_new_sizes(costs: BatchCostModel, requests: int, seed: int, 
                                new_size_warms_up: bool = False) -> list[tuple[int, ...]]:
     """12 rounds of a burst's finishers decoding in two groups of random sizes; each call takes `seconds(rows)`."""
     rng = random.Random(seed)
-    decisions = []
+    groups = []
     for _ in range(12):
         first = rng.randint(1, requests - 1)
-        for rows in (first, requests - first):
-            chunks = costs.chunk("decode", [1] * rows)
-            decisions.append(tuple(len(c) for c in chunks))
-            for chunk in chunks:
-                costs.observe("decode", len(chunk), seconds(len(chunk)), new_size_warms_up=new_size_warms_up)
-    return decisions
+        groups += [first, requests - first]
+    return feed_groups(costs, "decode", seconds, groups, new_size_warms_up)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -385,14 +379,7 @@ def one_row_fastest(rows):
 def test_group_sizes_that_change_every_time_conclude_in_a_few_rounds(groups, seconds):
     # NOTE: like decodes on a CPU, where one image at a time is fastest: each round's groups have new sizes
     costs = BatchCostModel(explore_every=0)
-    decisions = []
-    for _ in range(6):
-        for group in groups:
-            for rows in group:
-                chunks = costs.chunk("decode", [1] * rows)
-                decisions.append(tuple(len(c) for c in chunks))
-                for chunk in chunks:
-                    costs.observe("decode", len(chunk), seconds(len(chunk)))
+    decisions = feed_groups(costs, "decode", seconds, [rows for _ in range(6) for group in groups for rows in group])
     trials = [i for i, d in enumerate(decisions) if max(d) > 1]  # decisions that ran calls of several rows
     # NOTE: exploring only while splitting helped and only exactly measured sizes, this took 12-15 decisions
     assert trials and trials[-1] < 10, decisions
