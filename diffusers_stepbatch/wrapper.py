@@ -35,7 +35,8 @@ from .programs.request_state import active_view_of, capturing_views, is_call_sta
 from .signature import ENGINE_DEFAULT, signed, wrapper_signature
 from .streaming import stream_call
 
-_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "options", "pid", "_plan", "_signature", "_finalizer", "_calls"})
+_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "options", "pid", "_plan", "_signature", "_finalizer", "_calls",
+                             "_owner"})
 _DEFAULT = ENGINE_DEFAULT  # "not given": a fresh PromptCache() for the engine, the engine's teacache for a call
 # NOTE: the exit-time finalizer waits this long for the engine thread at most (it is a daemon thread).
 _FINALIZER_JOIN_S = 2.0
@@ -95,6 +96,7 @@ class StepBatched:
         pid_exit_step: int | float | None = None,
         mixed_resolution: bool = True,
         packed_attention: str = "auto",
+        _owner: StepBatched | None = None,
     ):
         plan = program_for(pipe)
         if plan is None:
@@ -123,6 +125,10 @@ class StepBatched:
             buffers=LatentBuffers() if latent_buffers else None,
             packed_attention=check_packed_attention(packed_attention),
         )
+        self._owner = _owner
+        if _owner is not None:  # a sibling: its calls go to the owner's engine (see `sibling`)
+            self.engine, self._finalizer = _owner.engine, None
+            return
         config = scheduler or SchedulerConfig()
         if max_batch_size is not None:
             config = dataclasses.replace(config, max_batch_size=max_batch_size)
@@ -131,6 +137,22 @@ class StepBatched:
         self.engine = EngineCore(config, mixed_shapes=mixed_resolution, on_idle=_freeing_models_of(pipe))
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
         self._finalizer = weakref.finalize(self, self.engine.close, True, _FINALIZER_JOIN_S)
+
+    def sibling(self, pipe: Any) -> StepBatched:
+        """A `StepBatched` for another pipeline over the same models whose calls go to this engine.
+
+        Calls of both share its batches wherever their model calls are compatible (e.g. an inpainting and an
+        img2img pipeline built from one FLUX model's components) and its prompt cache; the sibling decodes with
+        the VAE and runs exact steps (no decoder or TeaCache of this wrapper). It keeps this wrapper alive;
+        closing either closes the one engine.
+
+        >>> inpaint = sb.sibling(FluxInpaintPipeline(**sb.pipe.components))
+        """
+        if self._owner is not None:
+            return self._owner.sibling(pipe)
+        return StepBatched(pipe, prompt_cache=self.options.prompt_cache, cfg_policy=self.options.cfg_policy,
+                           latent_buffers=self.options.buffers is not None,
+                           packed_attention=self.options.packed_attention, _owner=self)
 
     # ------------------------------------------------------------------------------------- calls
     def __call__(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> Any:

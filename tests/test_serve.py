@@ -71,7 +71,7 @@ def aborted_requests(served) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- generation
-@pytest.mark.parametrize("size", ["64x64", "48x32"])
+@pytest.mark.parametrize("size", ["64x64", "96x48"])
 def test_generate_n2_matches_the_plain_pipeline(client, plain_pipe, size):
     width, height = map(int, size.split("x"))
     prompt = "a blue square at the bottom right on a white background"
@@ -184,12 +184,35 @@ def test_bad_input_is_a_400_naming_the_field(client, served, body, param):
     assert served.sb.stats()["requests_finished"] == before  # nothing was queued
 
 
+@pytest.mark.parametrize("size", ["32x32", "144x144", "128x48", "64x72"])
+def test_the_toy_model_refuses_sizes_it_was_not_trained_for(client, served, size):
+    before = served.sb.stats()["requests_finished"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.images.generate(model=MODEL, prompt="a red circle", size=size)
+    error = caught.value.body
+    assert error["param"] == "size" and error["code"] == "unsupported_size", error
+    assert f"size='{size}'" in error["message"] and "multiples of 16 from 48 to 128 pixels" in error["message"]
+    assert "1:2 to 2:1" in error["message"]
+    assert served.sb.stats()["requests_finished"] == before
+
+
+@pytest.fixture(scope="module")
+def any_size_client(served):
+    """The same engine served without a size range (as a model other than the toy is)."""
+    from diffusers_stepbatch.serve import ServingModel
+
+    model = ServingModel(sb=served.sb, name=MODEL, call_defaults=served.call_defaults)
+    with ServerThread(create_app(ServeConfig(), model=model, close_model=False)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 @pytest.mark.parametrize("size", ["8x8", "64x15"])
-def test_a_size_below_the_models_smallest_side_is_a_400(client, served, size):
+def test_a_size_below_the_models_smallest_side_is_a_400(any_size_client, served, size):
     # NOTE: the plain pipeline fails inside a model there (a RuntimeError); the request must not reach the engine
     before = served.sb.stats()["requests_finished"]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.images.generate(model=MODEL, prompt="a red circle", size=size, extra_body={"num_inference_steps": 2})
+        any_size_client.images.generate(model=MODEL, prompt="a red circle", size=size,
+                                        extra_body={"num_inference_steps": 2})
     error = caught.value.body
     width, height = map(int, size.split("x"))
     side, value = ("height", height) if height < 16 else ("width", width)

@@ -43,6 +43,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--teacache", type=float, default=None, metavar="THRESHOLD", help="TeaCache threshold (e.g. 0.4)")
     add("--decoder", default=None, help="'pid' or another registered decoder name")
     add("--pid-exit-step", type=_number, default=None, help="step index K or a fraction of the steps")
+    add("--edits", action=argparse.BooleanOptionalAction, default=defaults.edits,
+        help="serve /v1/images/edits with the model's inpainting / img2img / reference-edit pipelines")
+    add("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="largest request body (413 beyond)")
+    add("--max-prompt-chars", type=int, default=defaults.max_prompt_chars, help="longest prompt")
+    add("--max-input-images", type=int, default=defaults.max_input_images, help="most images in one edit")
+    add("--max-image-pixels", type=int, default=defaults.max_image_pixels, help="most pixels of an input image")
+    add("--allow-remote-images", action="store_true", help="let edits name http(s) image URLs (the server fetches)")
     add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add("--access-log", action=argparse.BooleanOptionalAction, default=True)

@@ -29,6 +29,11 @@ class ServeConfig:
         decoder, pid_exit_step: decode with PiD (`StepBatched(decoder=..., pid_exit_step=...)`).
         shutdown_timeout_s: on SIGTERM/SIGINT, how long in-flight requests may take to finish.
         retry_after_s: the `Retry-After` a 429 (queue full) carries.
+        edits: serve `/v1/images/edits` with the model's inpainting / img2img / reference-edit pipelines.
+        max_body_bytes: the largest request body (413 beyond it, before the body is read).
+        max_prompt_chars: the longest `prompt` / `negative_prompt` (OpenAI's limit: 32,000 characters).
+        max_input_images, max_image_pixels: how many images an edit may send, and how large each may be.
+        allow_remote_images: let the JSON form of an edit name http(s) image URLs, which the server fetches.
     """
 
     model: str = TOY_MODEL
@@ -52,6 +57,12 @@ class ServeConfig:
     pid_exit_step: float | None = None
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1
+    edits: bool = True
+    max_body_bytes: int = 64 * 2**20
+    max_prompt_chars: int = 32_000
+    max_input_images: int = 16
+    max_image_pixels: int = 4096 * 4096
+    allow_remote_images: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -62,6 +73,9 @@ class ServeConfig:
             raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s} must be >= 0")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 0")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         elif self.api_key == "":

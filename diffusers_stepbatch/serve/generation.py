@@ -15,10 +15,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import PIL.Image
+
 from .encoding import encode_image, preview_image, size_of
 from .model import ServingModel
-from .protocol import ImageGenerationRequest, bad_request, check_request, parse_size
+from .protocol import ImageEditRequest, ImageOptions, bad_request, check_request, parse_size
 
+# Pipeline argument -> the request field a client sets it with (the `param` of a 400 about that argument).
+FIELD_OF_ARGUMENT = {
+    "prompt": "prompt", "height": "size", "width": "size", "num_images_per_prompt": "n",
+    "negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
+    "guidance_scale": "guidance_scale", "true_cfg_scale": "true_cfg_scale", "generator": "seed",
+    "strength": "strength", "image": "image", "mask_image": "mask", "deadline": "deadline_s", "priority": "priority",
+}
 _EXTRA_ARGUMENTS = ("negative_prompt", "num_inference_steps", "guidance_scale", "true_cfg_scale")
 
 
@@ -36,8 +45,13 @@ class RequestFailed(Exception):
 
 @dataclass
 class Generation:
-    """One planned request: the pipeline's arguments and how the answer is shaped."""
+    """One planned request: the engine it goes to, the pipeline's arguments and how the answer is shaped.
 
+    `kind` is "generation" or "edit" (the names of the streamed events); `task` what served it ("generate",
+    "inpaint", "img2img", "reference").
+    """
+
+    sb: Any
     kwargs: dict[str, Any]
     priority: int
     deadline: float | None
@@ -48,6 +62,10 @@ class Generation:
     compression: int | None
     partial_images: int
     seed: int
+    kind: str = "generation"
+    task: str = "generate"
+    user: str | None = None
+    stream: bool = False
 
     def partial_steps(self) -> list[int]:
         """The steps after which a partial image is sent: `partial_images` evenly spread, none at the end."""
@@ -55,23 +73,68 @@ class Generation:
         steps = {round(self.num_steps * (i + 1) / (k + 1)) for i in range(k)}
         return sorted(s for s in steps if 1 <= s < self.num_steps)
 
+    @property
+    def event_prefix(self) -> str:
+        return "image_edit" if self.kind == "edit" else "image_generation"
 
-def plan_generation(model: ServingModel, body: ImageGenerationRequest) -> Generation:
-    """Map the OpenAI request onto the pipeline's `__call__` arguments; 400 for what the model can't take."""
-    check_request(body)
+
+def plan_generation(model: ServingModel, body: ImageOptions, max_prompt_chars: int) -> Generation:
+    """Map an OpenAI generation request onto the pipeline's `__call__` arguments; 400 for what it can't take."""
+    check_request(body, max_prompt_chars)
     width, height = parse_size(body.size, model.default_size)
-    pipe_name = type(model.sb.pipe).__name__
-    kwargs = {k: v for k, v in model.call_defaults.items() if model.accepts(k)}
-    kwargs.update(prompt=body.prompt, height=height, width=width, output_type="pil")
+    if model.sizes is not None:
+        model.sizes.check(width, height, model.name)
+    return _plan(model, model.generation_engine(), body, width, height, {})
+
+
+def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prompt_chars: int) -> Generation:
+    """Map an edit (its images already decoded and checked) onto the edit pipeline that serves it."""
+    from .edits import pick_edit
+
+    check_request(body, max_prompt_chars)
+    task, sb = pick_edit(model.edits, inputs.mask is not None, model.name)
+    first = inputs.images[0]
+    if body.size in (None, "auto"):
+        width, height = first.size
+        if model.sizes is not None and not model.sizes.accepts(width, height):
+            width, height = model.sizes.nearest(width, height)  # NOTE: "auto": the closest size the model draws
+    else:
+        width, height = parse_size(body.size, first.size)
+        if model.sizes is not None:
+            model.sizes.check(width, height, model.name)
+    images = [image if image.size == (width, height) else image.resize((width, height), PIL.Image.Resampling.LANCZOS)
+              for image in inputs.images]
+    if len(images) > 1 and task != "reference":
+        raise bad_request(f"image: {len(images)} images sent, but {type(sb.pipe).__name__} edits one image "
+                          f"({task}); send one", "image", code="too_many_images")
+    arguments: dict[str, Any] = {"image": images if len(images) > 1 else images[0]}
+    if task == "inpaint":
+        mask = inputs.mask or PIL.Image.new("L", first.size, 255)  # NOTE: no mask: the whole image is redrawn
+        arguments["mask_image"] = mask if mask.size == (width, height) else mask.resize((width, height))
+    if body.strength is not None:
+        if not model.accepts("strength", sb):
+            raise bad_request(f"strength={body.strength} is not an argument of {type(sb.pipe).__name__} ({task} "
+                              f"edits); leave it out", "strength", code="unsupported_parameter")
+        arguments["strength"] = body.strength
+    generation = _plan(model, sb, body, width, height, arguments)
+    generation.kind, generation.task = "edit", task
+    return generation
+
+
+def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: int,
+          arguments: dict[str, Any]) -> Generation:
+    pipe_name = type(sb.pipe).__name__
+    kwargs = {k: v for k, v in model.call_defaults.items() if model.accepts(k, sb)}
+    kwargs.update(prompt=body.prompt, height=height, width=width, output_type="pil", **arguments)
     if body.n != 1:
-        if not model.accepts("num_images_per_prompt"):
+        if not model.accepts("num_images_per_prompt", sb):
             raise bad_request(f"n={body.n}: {pipe_name} makes one image per call; use n=1", "n")
         kwargs["num_images_per_prompt"] = body.n
     for name in _EXTRA_ARGUMENTS:
         value = getattr(body, name)
         if value is None:
             continue
-        if not model.accepts(name):
+        if not model.accepts(name, sb):
             raise bad_request(f"{name}={value!r} is not an argument of {pipe_name}; leave it out", name,
                               code="unsupported_parameter")
         kwargs[name] = value
@@ -81,24 +144,30 @@ def plan_generation(model: ServingModel, body: ImageGenerationRequest) -> Genera
     # NOTE: a CPU generator gives the same image for a seed on every device (diffusers' randn_tensor moves it).
     kwargs["generator"] = torch.Generator().manual_seed(seed)
     return Generation(
-        kwargs=kwargs, priority=body.priority, deadline=body.deadline_s, width=width, height=height,
-        num_steps=kwargs.get("num_inference_steps") or _default_steps(model), output_format=body.output_format,
-        compression=body.output_compression, partial_images=body.partial_images or 0, seed=seed,
+        sb=sb, kwargs=kwargs, priority=body.priority, deadline=body.deadline_s, width=width, height=height,
+        num_steps=kwargs.get("num_inference_steps") or _default_steps(sb), output_format=body.output_format,
+        compression=body.output_compression, partial_images=body.partial_images or 0, seed=seed, user=body.user,
+        stream=body.stream,
     )
 
 
-def _default_steps(model: ServingModel) -> int:
-    parameter = inspect.signature(type(model.sb.pipe).__call__).parameters.get("num_inference_steps")
+def _default_steps(sb: Any) -> int:
+    parameter = inspect.signature(type(sb.pipe).__call__).parameters.get("num_inference_steps")
     return parameter.default if parameter is not None and isinstance(parameter.default, int) else 1
 
 
 def usage(model: ServingModel, generation: Generation, images: list[Any]) -> dict[str, Any]:
-    """OpenAI's usage object: prompt tokens from the pipeline's tokenizer, output = 16x16-pixel patches."""
+    """OpenAI's usage object: prompt tokens from the pipeline's tokenizer; image tokens = 16x16-pixel patches of
+    the input images (edits) and of the output images."""
     tokenizer = getattr(model.sb.pipe, "tokenizer", None)
     text_tokens = len(tokenizer(generation.kwargs["prompt"]).input_ids) if tokenizer is not None else 0
+    inputs = generation.kwargs.get("image")
+    inputs = [] if inputs is None else inputs if isinstance(inputs, list) else [inputs]
+    image_tokens = sum((image.width // 16) * (image.height // 16) for image in inputs)
     output_tokens = sum((image.width // 16) * (image.height // 16) for image in images)
-    return {"input_tokens": text_tokens, "input_tokens_details": {"text_tokens": text_tokens, "image_tokens": 0},
-            "output_tokens": output_tokens, "total_tokens": text_tokens + output_tokens}
+    return {"input_tokens": text_tokens + image_tokens,
+            "input_tokens_details": {"text_tokens": text_tokens, "image_tokens": image_tokens},
+            "output_tokens": output_tokens, "total_tokens": text_tokens + image_tokens + output_tokens}
 
 
 class DisconnectWatch:
@@ -129,7 +198,7 @@ class DisconnectWatch:
 async def generate(model: ServingModel, generation: Generation, watch: DisconnectWatch) -> list[Any]:
     """Run one request to its PIL images; a disconnect (or a cancelled task) aborts it in the engine."""
     # NOTE: submit only validates and plans (no model call): inline, a thread hop per request cost more here
-    handle = model.sb.submit(priority=generation.priority, deadline=generation.deadline, **generation.kwargs)
+    handle = generation.sb.submit(priority=generation.priority, deadline=generation.deadline, **generation.kwargs)
     try:
         output = await watch.race(asyncio.wrap_future(handle))
     except (ClientDisconnected, RequestFailed):
@@ -182,19 +251,19 @@ class StreamPump:
 
 async def open_stream(model: ServingModel, generation: Generation) -> StreamPump:
     """Submit a streaming request (bad input raises here, before anything is sent) and start its pump."""
-    iterator = model.sb.stream(preview_every=1, priority=generation.priority, deadline=generation.deadline,
+    iterator = generation.sb.stream(preview_every=1, priority=generation.priority, deadline=generation.deadline,
                                **generation.kwargs)
     return StreamPump(iterator, asyncio.get_running_loop())
 
 
 def partial_events(generation: Generation, preview: Any, index: int, scale: int) -> list[dict[str, Any]]:
-    """`image_generation.partial_image` events (one per image of the request) for one preview."""
+    """`image_generation.partial_image` (or `image_edit.partial_image`) events, one per image, for one preview."""
     created = int(time.time())
     events = []
     for i, thumbnail in enumerate(preview.images):
         image = preview_image(thumbnail, scale)
         events.append({
-            "type": "image_generation.partial_image", "partial_image_index": index, "image_index": i,
+            "type": f"{generation.event_prefix}.partial_image", "partial_image_index": index, "image_index": i,
             "b64_json": encode_image(image, generation.output_format, generation.compression),
             "created_at": created, "size": size_of(image), "output_format": generation.output_format,
             "quality": "auto", "background": "opaque"})
@@ -202,10 +271,10 @@ def partial_events(generation: Generation, preview: Any, index: int, scale: int)
 
 
 def completed_events(generation: Generation, images: list[Any], usage_: dict[str, Any]) -> list[dict[str, Any]]:
-    """`image_generation.completed` events, one per image."""
+    """`image_generation.completed` (or `image_edit.completed`) events, one per image."""
     created = int(time.time())
     return [
-        {"type": "image_generation.completed", "image_index": i,
+        {"type": f"{generation.event_prefix}.completed", "image_index": i,
          "b64_json": encode_image(image, generation.output_format, generation.compression),
          "created_at": created, "size": size_of(image), "output_format": generation.output_format,
          "quality": "auto", "background": "opaque", "usage": usage_}

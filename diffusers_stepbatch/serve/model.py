@@ -1,15 +1,20 @@
-"""`ServingModel`: the engine a server runs, its public name and the call arguments it fills in by default."""
+"""`ServingModel`: the engine a server runs, its public name, the call arguments it fills in by default, the
+sizes it draws and the pipelines it edits with."""
 
 from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import TOY_MODEL, ServeConfig
+from .sizes import SizeRange
 
 logger = logging.getLogger(__name__)
+
+EDIT_TASKS = ("inpaint", "reference", "img2img")
 
 
 @dataclass
@@ -17,23 +22,36 @@ class ServingModel:
     """One `StepBatched` engine behind a server.
 
     Args:
-        sb: the engine.
+        sb: the engine (text-to-image, or the served pipeline whatever it is).
         name: the model name clients pass as `model` (`/v1/models` lists it).
         call_defaults: pipeline arguments every request gets unless it sets them (the toy model's
             `max_sequence_length=16`, its native size and steps).
+        sizes: the sizes the model draws well (`/v1/models` lists them; others are a 400); None: any size the
+            pipeline takes.
+        edits: task ("inpaint", "reference", "img2img") -> the `StepBatched` that serves edits of that kind,
+            siblings of `sb` on its engine (`edits.edit_pipelines`); empty: `/v1/images/edits` is a 400.
+        generic_twin: `sb`'s pipeline under the generic step program, on the same engine: while edits are in
+            flight, generations go there so that they share forwards with the edits (same images either way).
     """
 
     sb: Any
     name: str
     call_defaults: dict[str, Any] = field(default_factory=dict)
     created: int = 0
+    sizes: SizeRange | None = None
+    edits: dict[str, Any] = field(default_factory=dict)
+    generic_twin: Any = None
 
     def __post_init__(self):
         self.parameters = frozenset(inspect.signature(type(self.sb.pipe).__call__).parameters)
+        self._edits_in_flight = 0
+        self._lock = threading.Lock()
 
-    def accepts(self, argument: str) -> bool:
-        """Whether the wrapped pipeline's `__call__` takes `argument`."""
-        return argument in self.parameters
+    def accepts(self, argument: str, sb: Any = None) -> bool:
+        """Whether the wrapped pipeline's (or `sb`'s) `__call__` takes `argument`."""
+        if sb is None or sb is self.sb:
+            return argument in self.parameters
+        return argument in inspect.signature(type(sb.pipe).__call__).parameters
 
     @property
     def default_size(self) -> tuple[int, int]:
@@ -42,12 +60,31 @@ class ServingModel:
         fallback = getattr(pipe, "default_sample_size", 64) * getattr(pipe, "vae_scale_factor", 8)
         return self.call_defaults.get("width", fallback), self.call_defaults.get("height", fallback)
 
+    def generation_engine(self) -> Any:
+        """Where a generation goes now: the generic twin while edits run (so they share forwards), else `sb`."""
+        return self.generic_twin if self.generic_twin is not None and self._edits_in_flight else self.sb
+
+    def edit_started(self) -> None:
+        with self._lock:
+            self._edits_in_flight += 1
+
+    def edit_finished(self) -> None:
+        with self._lock:
+            self._edits_in_flight -= 1
+
+    def card(self) -> dict[str, Any]:
+        """What `/v1/models` says about the model beyond OpenAI's fields."""
+        width, height = self.default_size
+        return {"pipeline": type(self.sb.pipe).__name__, "default_size": f"{width}x{height}",
+                "sizes": None if self.sizes is None else self.sizes.card(),
+                "edits": {task: type(sb.pipe).__name__ for task, sb in self.edits.items()}}
+
     def close(self) -> None:
         self.sb.close()
 
 
 def load_model(config: ServeConfig) -> ServingModel:
-    """Load the pipeline `config.model` names and wrap it in a `StepBatched` engine.
+    """Load the pipeline `config.model` names and wrap it in a `StepBatched` engine (with its edit pipelines).
 
     >>> model = load_model(ServeConfig())   # the toy model: offline, ~0.2 s
     """
@@ -57,15 +94,19 @@ def load_model(config: ServeConfig) -> ServingModel:
 
     from ..cache.teacache import TeaCacheConfig
     from ..wrapper import StepBatched
+    from .edits import edit_pipelines, generic_twin
 
     dtype = getattr(torch, config.dtype)
+    sizes = None
     if config.model == TOY_MODEL:
         from ..toy import DEFAULT_GUIDANCE, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH, NATIVE_SIZE, load_pipeline
+        from ..toy.build import MAX_ASPECT, MAX_SIDE, MIN_SIDE, SIZE_MULTIPLE
 
         pipe = load_pipeline(device=config.device, dtype=dtype)
         # NOTE: the toy model was trained on 16 text tokens; FluxPipeline's default of 512 pads far beyond that.
         defaults = {"height": NATIVE_SIZE, "width": NATIVE_SIZE, "num_inference_steps": DEFAULT_STEPS,
                     "guidance_scale": DEFAULT_GUIDANCE, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+        sizes = SizeRange(MIN_SIDE, MAX_SIDE, SIZE_MULTIPLE, MAX_ASPECT)
     else:
         from diffusers import DiffusionPipeline
 
@@ -79,5 +120,8 @@ def load_model(config: ServeConfig) -> ServingModel:
         decoder=config.decoder,
         pid_exit_step=config.pid_exit_step,
     )
-    logger.info("serving %s as %r: %r", config.model, config.model_name, sb)
-    return ServingModel(sb=sb, name=config.model_name, call_defaults=defaults, created=int(time.time()))
+    edits = edit_pipelines(sb) if config.edits else {}
+    twin = generic_twin(sb) if edits and config.teacache is None and config.decoder is None else None
+    logger.info("serving %s as %r: %r; edits: %s", config.model, config.model_name, sb, sorted(edits) or "none")
+    return ServingModel(sb=sb, name=config.model_name, call_defaults=defaults, created=int(time.time()),
+                        sizes=sizes, edits=edits, generic_twin=twin)

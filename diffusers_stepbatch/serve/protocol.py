@@ -1,5 +1,6 @@
-"""The OpenAI Images API as this server speaks it: the request body, error objects and the checks that need
-no model. Field names and event types are OpenAI's; `negative_prompt` ... `deadline_s` are our extras."""
+"""The OpenAI Images API as this server speaks it: request bodies, error objects and the checks that need no
+model. Field names and event types are OpenAI's; `negative_prompt` ... `deadline_s` and `strength` are our
+extras."""
 
 from __future__ import annotations
 
@@ -30,34 +31,66 @@ def bad_request(message: str, param: str | None, code: str = "invalid_value") ->
     return APIError(400, message, param=param, code=code)
 
 
-class ImageGenerationRequest(BaseModel):
-    """`POST /v1/images/generations`. Unknown fields are ignored, as OpenAI's server does for other models'.
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
 
-    Extras: `negative_prompt`, `num_inference_steps`, `guidance_scale`, `true_cfg_scale`, `seed` (pipeline
-    arguments), `priority` (the "priority" policy) and `deadline_s` (seconds from now; SLO admission).
-    """
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's error object (`param` names the request field at fault, when there is one)."""
+
+    error: ErrorDetail
+
+
+class ImageOptions(BaseModel):
+    """The fields generations and edits share."""
 
     model_config = ConfigDict(extra="ignore")
 
-    prompt: str
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_IMAGES)
-    size: str | None = None
-    response_format: str | None = None
-    output_format: str = "png"
-    output_compression: int | None = Field(None, ge=0, le=100)
-    quality: str | None = None
-    background: str | None = None
-    user: str | None = None
-    stream: bool = False
-    partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES)
-    negative_prompt: str | None = None
-    num_inference_steps: int | None = None  # NOTE: checked by the pipeline, as in the Python API
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    priority: int = 0
-    deadline_s: float | None = Field(None, gt=0)
+    prompt: str = Field(description="What to draw (at most the server's --max-prompt-chars characters)")
+    model: str | None = Field(None, description="The served model's name; another is a 404")
+    n: int = Field(1, ge=1, le=MAX_IMAGES, description="Images to make (num_images_per_prompt)")
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto'; /v1/models lists what the model draws")
+    response_format: str | None = Field(None, description="'b64_json' only: images are returned inline")
+    output_format: str = Field("png", description="png, jpeg or webp")
+    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
+    quality: str | None = Field(None, description="Accepted and ignored")
+    background: str | None = Field(None, description="Accepted and ignored")
+    user: str | None = Field(None, description="An end-user id; the web page's live panel names requests by it")
+    stream: bool = Field(False, description="Server-sent image_generation.* / image_edit.* events")
+    partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES, description="Partial images to stream")
+    negative_prompt: str | None = Field(None, description="Extra: the pipeline's negative_prompt")
+    num_inference_steps: int | None = Field(None, description="Extra: denoising steps (checked by the pipeline)")
+    guidance_scale: float | None = Field(None, description="Extra: the pipeline's guidance_scale")
+    true_cfg_scale: float | None = Field(None, description="Extra: the pipeline's true_cfg_scale")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Extra: a CPU torch.Generator seed")
+    priority: int = Field(0, description="Extra: admission order under the 'priority' policy")
+    deadline_s: float | None = Field(None, gt=0, description="Extra: seconds from now (SLO admission)")
+
+
+class ImageGenerationRequest(ImageOptions):
+    """`POST /v1/images/generations`. Unknown fields are ignored, as OpenAI's server does for other models'."""
+
+
+class ImageReference(BaseModel):
+    """An input image of the JSON form of an edit: a data URL (or, with --allow-remote-images, an https URL)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    image_url: str | None = None
+    file_id: str | None = Field(None, description="Not supported (this server keeps no files): a 400")
+
+
+class ImageEditRequest(ImageOptions):
+    """`POST /v1/images/edits`: multipart `image` (or `image[]`, one or several files) and `mask`, or this JSON
+    form with `images` / `mask` as image references. The mask applies to the first image."""
+
+    images: list[ImageReference | str] | None = Field(None, description="JSON form: the input images")
+    mask: ImageReference | str | None = Field(None, description="JSON form: the mask of the first image")
+    input_fidelity: str | None = Field(None, description="Accepted and ignored")
+    strength: float | None = Field(None, gt=0, le=1, description="Extra: how much of the image is redrawn")
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
@@ -76,7 +109,7 @@ def parse_size(size: str | None, default: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
-def check_request(body: ImageGenerationRequest) -> None:
+def check_request(body: ImageOptions, max_prompt_chars: int) -> None:
     """The checks OpenAI's API makes that need no model (the pipeline's own come at submit)."""
     if body.response_format not in (None, "b64_json"):
         raise bad_request(f"response_format={body.response_format!r} is not supported: this server returns images "
@@ -85,23 +118,10 @@ def check_request(body: ImageGenerationRequest) -> None:
         raise bad_request(f"output_format={body.output_format!r} is not one of {OUTPUT_FORMATS}", "output_format")
     if body.partial_images and not body.stream:
         raise bad_request(f"partial_images={body.partial_images} needs stream=true", "partial_images")
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(body, name)
+        if text is not None and len(text) > max_prompt_chars:
+            raise bad_request(f"{name} has {len(text)} characters; the most this server takes is {max_prompt_chars}",
+                              name, code="string_above_max_length")
     if not body.prompt.strip():
         raise bad_request("prompt='' is empty; describe the image", "prompt")
-
-
-# Pipeline argument -> the request field a client set it with (for the `param` of a 400).
-_PARAM_OF_ARGUMENT = {
-    "height": "size", "width": "size", "num_images_per_prompt": "n", "prompt": "prompt",
-    "negative_prompt": "negative_prompt", "num_inference_steps": "num_inference_steps",
-    "guidance_scale": "guidance_scale", "true_cfg_scale": "true_cfg_scale", "generator": "seed",
-    "deadline": "deadline_s", "priority": "priority",
-}
-_ARGUMENT = re.compile(r"`?\b([a-z_]+)`?\s*(?:=|has to be|must be|should be|is )")
-
-
-def param_of_error(message: str) -> str | None:
-    """The request field a pipeline's validation message names, if any ("height=500 must be ..." -> "size")."""
-    for name in _ARGUMENT.findall(message):
-        if name in _PARAM_OF_ARGUMENT:
-            return _PARAM_OF_ARGUMENT[name]
-    return None

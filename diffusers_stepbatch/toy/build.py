@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 MAX_SEQUENCE_LENGTH = 16
 TEXT_DIM = 64
 NATIVE_SIZE = 64
+# NOTE: the sizes the multi-size fine-tune (toy.train_sizes) covers: every side a multiple of SIZE_MULTIPLE
+# (vae_scale_factor * 2) in [MIN_SIDE, MAX_SIDE], the longer side at most MAX_ASPECT times the shorter.
+MIN_SIDE, MAX_SIDE, SIZE_MULTIPLE, MAX_ASPECT = 48, 128, 16, 2
 
 WORDS = (
     "a", "at", "the", "in", "on", "top", "bottom", "left", "right", "center", "background",
@@ -72,6 +75,12 @@ SCHEDULER_CONFIG = dict(
     base_shift=0.5,
     max_shift=1.15,
 )
+
+
+def supported_sizes() -> list[tuple[int, int]]:
+    """Every (width, height) the toy model was trained to draw."""
+    sides = range(MIN_SIDE, MAX_SIDE + 1, SIZE_MULTIPLE)
+    return [(w, h) for h in sides for w in sides if max(w, h) <= MAX_ASPECT * min(w, h)]
 
 
 def build_clip_tokenizer() -> CLIPTokenizer:

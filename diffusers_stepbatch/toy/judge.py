@@ -122,15 +122,18 @@ def evaluate_vae(vae, count: int = 256, seed: int = 1234) -> Scores:
     return Scores(judged.color, judged.position, float(np.mean(values)), count)
 
 
-def evaluate_pipeline(pipe, guidance_scale: float = 3.5, steps: int = 20, seed: int = 0) -> Scores:
-    """Generate one image per held-out caption in one batch and judge them."""
+def evaluate_pipeline(
+    pipe, guidance_scale: float = 3.5, steps: int = 20, seed: int = 0, size: int | tuple[int, int] | None = None
+) -> Scores:
+    """Generate one image per held-out caption in one batch and judge them; `size` is a side or (width, height)."""
     import torch
 
-    from diffusers_stepbatch.toy.scenes import NATIVE_SIZE, heldout_captions
+    from diffusers_stepbatch.toy.scenes import NATIVE_SIZE, heldout_captions, image_size
 
+    width, height = image_size(NATIVE_SIZE if size is None else size)
     captions = heldout_captions()
     images = pipe(
-        captions, height=NATIVE_SIZE, width=NATIVE_SIZE, num_inference_steps=steps,
+        captions, height=height, width=width, num_inference_steps=steps,
         guidance_scale=guidance_scale, max_sequence_length=pipe.tokenizer_2.model_max_length,
         generator=torch.Generator().manual_seed(seed),
     ).images  # fmt: skip

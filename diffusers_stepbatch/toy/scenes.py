@@ -1,8 +1,9 @@
 """Procedural toy scenes: one coloured shape on a plain background, with a fixed caption grammar.
 
 A scene is a small dataclass of discrete attributes (caption) plus continuous jitter (size and offset), so
-the same scene renders at any resolution: `render_scene(scene, 64)` for training and
-`render_scene(scene, 256)` as 4x ground truth draw the same picture.
+the same scene renders at any resolution and aspect ratio: `render_scene(scene, 64)` for training,
+`render_scene(scene, 256)` as 4x ground truth and `render_scene(scene, (128, 64))` (width, height) draw the same
+picture. Positions are fractions of each side; the object's size is a fraction of the shorter side.
 
 >>> import numpy as np
 >>> scene = sample_scene(np.random.default_rng(0))
@@ -45,7 +46,7 @@ POSITIONS: dict[str, tuple[float, float]] = {
     "at the bottom right": (0.75, 0.75),
     "in the center": (0.5, 0.5),
 }
-SCALE_RANGE = (0.25, 1 / 3)  # object side as a fraction of the image side
+SCALE_RANGE = (0.25, 1 / 3)  # object side as a fraction of the image's shorter side
 MAX_OFFSET = 0.03  # centre jitter, fraction of the image side
 NATIVE_SIZE = 64  # training resolution of the shipped model
 SUPERSAMPLE = 4  # anti-aliasing: draw at 4x, then box-filter down
@@ -152,16 +153,23 @@ def sample_scene(rng: np.random.Generator, text: str | None = None) -> Scene:
     )
 
 
-def render_scene(scene: Scene, size: int) -> Image.Image:
-    """Draw `scene` as a `size` x `size` RGB image (anti-aliased, resolution independent)."""
-    if size < 8:
-        raise ValueError(f"size={size} is too small; use at least 8 pixels")
-    big = size * SUPERSAMPLE
-    image = Image.new("RGB", (big, big), BACKGROUNDS[scene.background])
+def image_size(size: int | tuple[int, int]) -> tuple[int, int]:
+    """`size` as (width, height): an int is a square side."""
+    width, height = (size, size) if isinstance(size, int) else size
+    if min(width, height) < 8:
+        raise ValueError(f"size={size} is too small; use at least 8 pixels per side")
+    return width, height
+
+
+def render_scene(scene: Scene, size: int | tuple[int, int]) -> Image.Image:
+    """Draw `scene` as a `size` x `size` (or `(width, height)`) RGB image, anti-aliased, resolution independent."""
+    width, height = image_size(size)
+    big_w, big_h = width * SUPERSAMPLE, height * SUPERSAMPLE
+    image = Image.new("RGB", (big_w, big_h), BACKGROUNDS[scene.background])
     draw = ImageDraw.Draw(image)
     ax, ay = POSITIONS[scene.position]
-    cx, cy = (ax + scene.dx) * big, (ay + scene.dy) * big
-    half = scene.scale * big / 2
+    cx, cy = (ax + scene.dx) * big_w, (ay + scene.dy) * big_h
+    half = scene.scale * min(big_w, big_h) / 2
     fill = COLORS[scene.color]
     if scene.shape == "circle":
         draw.ellipse([cx - half, cy - half, cx + half, cy + half], fill=fill)
@@ -173,10 +181,10 @@ def render_scene(scene: Scene, size: int) -> Image.Image:
         arm = half / 3
         draw.rectangle([cx - half, cy - arm, cx + half, cy + arm], fill=fill)
         draw.rectangle([cx - arm, cy - half, cx + arm, cy + half], fill=fill)
-    return image.resize((size, size), Image.Resampling.BOX)
+    return image.resize((width, height), Image.Resampling.BOX)
 
 
-def object_mask(scene: Scene, size: int) -> np.ndarray:
-    """Fractional coverage of the object per pixel, float32 in [0, 1], shape (size, size)."""
+def object_mask(scene: Scene, size: int | tuple[int, int]) -> np.ndarray:
+    """Fractional coverage of the object per pixel, float32 in [0, 1], shape (height, width)."""
     shadow = dataclasses.replace(scene, color="white", background="black")
     return np.asarray(render_scene(shadow, size), dtype=np.float32)[..., 0] / 255.0

@@ -1,0 +1,57 @@
+"""Engine and pipeline exceptions as the OpenAI error objects and HTTP statuses a client can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ..engine.core import EngineClosedError
+from ..engine.scheduler import DeadlineUnmeetable, QueueFull
+from .config import ServeConfig
+from .generation import FIELD_OF_ARGUMENT, RequestFailed
+from .protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+def engine_error(exc: BaseException, config: ServeConfig, arguments: dict[str, Any] | None = None) -> APIError:
+    """The answer to `exc`, raised by `submit` (the client's input: 400) or by a queued request (`RequestFailed`).
+
+    `arguments`: the pipeline arguments of the request, which `param` of a 400 is chosen from.
+    """
+    queued = isinstance(exc, RequestFailed)
+    if queued:
+        exc = exc.cause
+    if isinstance(exc, QueueFull):
+        return APIError(429, f"{exc}", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(config.retry_after_s)})
+    if isinstance(exc, DeadlineUnmeetable):
+        return APIError(504, f"{exc}; raise deadline_s or retry when the server is less busy", type="timeout_error",
+                        param="deadline_s", code="deadline_unmeetable")
+    if isinstance(exc, (EngineClosedError, asyncio.CancelledError)) or type(exc).__name__ == "CancelledError":
+        return APIError(503, "the server is shutting down; retry on another replica or later", type="server_error",
+                        code="server_stopping", headers={"Retry-After": str(max(1, config.retry_after_s))})
+    if isinstance(exc, (ValueError, TypeError)) and not queued:
+        return APIError(400, str(exc), param=param_of(exc, arguments or {}), code="invalid_value")
+    logger.error("request failed", exc_info=exc)
+    return APIError(500, f"the model failed on this request: {type(exc).__name__}: {exc}", type="server_error",
+                    code="generation_failed")
+
+
+def param_of(exc: BaseException, arguments: dict[str, Any]) -> str | None:
+    """The request field a `submit` error is about.
+
+    An error that names its argument (an `argument` attribute) is mapped through `FIELD_OF_ARGUMENT`. The
+    pipeline's own `check_inputs` raises plain ValueErrors, which name the argument only in their text
+    ("`height` and `width` have to be ...", "num_inference_steps=0 ..."): for those, the first of this request's
+    own arguments that the message names.
+    """
+    argument = getattr(exc, "argument", None)
+    if argument is not None:
+        return FIELD_OF_ARGUMENT.get(argument)
+    message = str(exc)
+    for name in arguments:
+        if name in FIELD_OF_ARGUMENT and (f"{name}=" in message or f"`{name}`" in message):
+            return FIELD_OF_ARGUMENT[name]
+    return None
