@@ -8,6 +8,7 @@ error object.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ from .limits import BodyLimitMiddleware
 from .metrics import HTTPMetrics, MetricsMiddleware, ReplicaHeaderMiddleware
 from .model import ServingModel, load_model
 from .protocol import APIError
-from .routes import router
+from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     app.state.server_state = state
     app.state.config = config
     app.include_router(router)
+    app.openapi = functools.partial(_openapi, app)
     for handled, handler in ((APIError, api_error), (RequestValidationError, validation_error),
                              (StarletteHTTPException, http_error)):
         app.add_exception_handler(handled, handler)
@@ -89,6 +91,16 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     if replica is not None:
         app.add_middleware(ReplicaHeaderMiddleware, replica=replica)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENT_SCHEMAS)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def api_error(request: Request, exc: APIError) -> JSONResponse:

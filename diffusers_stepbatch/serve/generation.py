@@ -118,6 +118,10 @@ def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prom
         arguments["strength"] = body.strength
     generation = _plan(model, sb, body, width, height, arguments)
     generation.kind, generation.task = "edit", task
+    strength = generation.kwargs.get("strength", _default(sb, "strength"))
+    if isinstance(strength, (int, float)):  # NOTE: img2img-style pipelines run only the last strength * N steps
+        steps = generation.num_steps
+        generation.num_steps = steps - int(max(steps - min(steps * strength, steps), 0))
     return generation
 
 
@@ -151,9 +155,14 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
     )
 
 
+def _default(sb: Any, argument: str) -> Any:
+    parameter = inspect.signature(type(sb.pipe).__call__).parameters.get(argument)
+    return None if parameter is None else parameter.default
+
+
 def _default_steps(sb: Any) -> int:
-    parameter = inspect.signature(type(sb.pipe).__call__).parameters.get("num_inference_steps")
-    return parameter.default if parameter is not None and isinstance(parameter.default, int) else 1
+    steps = _default(sb, "num_inference_steps")
+    return steps if isinstance(steps, int) else 1
 
 
 def usage(model: ServingModel, generation: Generation, images: list[Any]) -> dict[str, Any]:

@@ -149,6 +149,14 @@ async def generations(body: ImageGenerationRequest, request: Request) -> Any:
     return await _answer(server, generation, request)
 
 
+def _component_schemas() -> dict[str, Any]:
+    """`ImageEditRequest` and the models it uses, for the OpenAPI document's components (the edit route reads
+    its body itself: it takes a multipart form or JSON)."""
+    schema = ImageEditRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {**schema.pop("$defs", {}), "ImageEditRequest": schema}
+
+
+COMPONENT_SCHEMAS = _component_schemas()
 _EDIT_BODY = {
     "required": True,
     "content": {
