@@ -3,6 +3,7 @@
     python benchmarks/serve.py                     # 500 requests from 32 concurrent clients per side
     python benchmarks/serve.py --smoke             # seconds, for CI
     python benchmarks/serve.py --requests 200 --rounds 4
+    python benchmarks/serve.py --mix edits         # half inpainting edits (POST /v1/images/edits), half generations
 
 The toy-shapes model, a closed loop of `--concurrency` clients and a mixed workload (sizes, steps, seeds drawn
 once, the same for every side). Sides, interleaved round by round so that the machine's load hits them alike:
@@ -10,6 +11,9 @@ once, the same for every side). Sides, interleaved round by round so that the ma
 - in-process: one StepBatched in this process, client threads calling it directly (no HTTP, no PNG);
 - lock: a plain FastAPI app in its own process that runs the pipeline under a `threading.Lock` (what users
   write today), the same clients over HTTP.
+With `--mix edits`, every other request is an inpainting edit (a multipart upload of a rendered scene and an
+OpenAI mask over its top-left quadrant); the lock server runs those through `FluxInpaintPipeline` built from the
+same components, under the same lock.
 Bounded: every side runs exactly `--requests` requests, then the script stops. Every answer is checked (0
 lost, 0 5xx); the server processes' memory is sampled (flat after warm-up?). Besides wall-clock throughput it
 reports CPU milliseconds per request (server process + clients), which other load on a shared machine disturbs
@@ -39,7 +43,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads:
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: the in-process side and the server processes must run the same checkout (not an installed copy)
 sys.path.insert(0, str(ROOT))
-SIZES = ((64, 64), (48, 48), (32, 32))
+SIZES = ((64, 64), (48, 48), (96, 48))  # NOTE: sizes the toy model draws (the server refuses others)
 STEPS = (10, 20, 30)
 PROMPTS = (
     "a red circle at the top left on a white background",
@@ -56,9 +60,10 @@ def lock_app():
     import io
 
     import torch
-    from fastapi import FastAPI
+    from fastapi import FastAPI, File, Form
 
     from diffusers_stepbatch.toy import load_pipeline
+    from diffusers_stepbatch.toy.pipeline import ToyFluxInpaintPipeline
 
     pipe, lock, app = load_pipeline(), threading.Lock(), FastAPI()
 
@@ -79,7 +84,33 @@ def lock_app():
             data.append({"b64_json": base64.b64encode(buffer.getvalue()).decode()})
         return {"created": int(time.time()), "data": data}
 
+    inpaint = ToyFluxInpaintPipeline(**pipe.components)
+    inpaint.set_progress_bar_config(disable=True)
+
+    @app.post("/v1/images/edits")
+    def edit(image: bytes = File(), mask: bytes = File(), prompt: str = Form(), size: str = Form("64x64"),
+             num_inference_steps: int = Form(20), seed: int = Form(0)) -> dict:
+        from PIL import Image
+
+        width, height = map(int, size.split("x"))
+        source = Image.open(io.BytesIO(image)).convert("RGB")
+        repaint = Image.open(io.BytesIO(mask)).getchannel("A").point(lambda a: 255 - a)
+        with lock:
+            images = inpaint(prompt, image=source, mask_image=repaint, height=height, width=width,
+                             num_inference_steps=num_inference_steps, generator=torch.Generator().manual_seed(seed),
+                             **TOY_CALL).images
+        return {"created": int(time.time()), "data": [{"b64_json": _b64_png(im)} for im in images]}
+
     return app
+
+
+def _b64_png(image) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def run_lock_server(port: int) -> None:
@@ -91,10 +122,29 @@ def run_lock_server(port: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- clients
-def make_workload(count: int, seed: int, steps: tuple[int, ...]) -> list[dict]:
+def make_workload(count: int, seed: int, steps: tuple[int, ...], edits: bool = False) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": rng.choice(PROMPTS), "size": "{}x{}".format(*rng.choice(SIZES)), "num_inference_steps": rng.choice(steps),
-             "seed": rng.randrange(2**31)} for _ in range(count)]
+             "seed": rng.randrange(2**31), "edit": edits and i % 2 == 1} for i in range(count)]
+
+
+def edit_inputs(size: str) -> tuple[bytes, bytes]:
+    """PNG bytes of the image an edit uploads (a blue square) and its OpenAI mask (top-left quadrant clear)."""
+    import io
+
+    from PIL import Image
+
+    from diffusers_stepbatch.toy.scenes import Scene, render_scene
+
+    width, height = map(int, size.split("x"))
+    mask = Image.new("RGBA", (width, height), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (0, 0, width // 2, height // 2))
+    files = []
+    for image in (render_scene(Scene("blue", "square", "at the bottom right", "white"), (width, height)), mask):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        files.append(buffer.getvalue())
+    return files[0], files[1]
 
 
 async def _http_clients(url: str, workload: list[dict], concurrency: int) -> tuple[list[float], dict]:
@@ -110,7 +160,13 @@ async def _http_clients(url: str, workload: list[dict], concurrency: int) -> tup
                 body = {"model": "toy-shapes", **pending.pop()}
                 started = time.perf_counter()
                 try:
-                    response = await client.post("/v1/images/generations", json=body)
+                    if body.pop("edit"):
+                        image, mask = edit_inputs(body["size"])
+                        response = await client.post("/v1/images/edits", data={k: str(v) for k, v in body.items()},
+                                                     files={"image": ("image.png", image, "image/png"),
+                                                            "mask": ("mask.png", mask, "image/png")})
+                    else:
+                        response = await client.post("/v1/images/generations", json=body)
                 except httpx.HTTPError:
                     outcome["lost"] += 1
                     continue
@@ -141,14 +197,24 @@ def http_round(url: str, workload: list[dict], concurrency: int) -> tuple[float,
     return result["value"]
 
 
-def in_process_round(sb, workload: list[dict], concurrency: int) -> tuple[float, list[float], dict]:
+def in_process_round(engines: dict, workload: list[dict], concurrency: int) -> tuple[float, list[float], dict]:
+    """`engines`: "generate" -> the StepBatched, "edit" -> its inpainting sibling (same engine)."""
+    import io
+
     import torch
+    from PIL import Image
 
     def call(body: dict) -> float:
         width, height = map(int, body["size"].split("x"))
         started = time.perf_counter()
-        images = sb(body["prompt"], height=height, width=width, num_inference_steps=body["num_inference_steps"],
-                    generator=torch.Generator().manual_seed(body["seed"]), **TOY_CALL).images
+        extra, engine = {}, engines["generate"]
+        if body["edit"]:
+            image, mask = edit_inputs(body["size"])
+            engine = engines["edit"]
+            extra = {"image": Image.open(io.BytesIO(image)).convert("RGB"),
+                     "mask_image": Image.open(io.BytesIO(mask)).getchannel("A").point(lambda a: 255 - a)}
+        images = engine(body["prompt"], height=height, width=width, num_inference_steps=body["num_inference_steps"],
+                        generator=torch.Generator().manual_seed(body["seed"]), **TOY_CALL, **extra).images
         assert images
         return time.perf_counter() - started
 
@@ -213,8 +279,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sides", nargs="+", default=["server", "in-process", "lock"],
                         choices=["server", "in-process", "lock"])
     parser.add_argument("--smoke", action="store_true", help="24 requests, 8 clients, 2-4 steps: for CI")
+    parser.add_argument("--mix", choices=["generations", "edits"], default="generations",
+                        help="edits: every other request is an inpainting edit")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "serve.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/serve.json (serve_edits.json)")
     parser.add_argument("--lock-server", type=int, default=None, help=argparse.SUPPRESS)  # the baseline process
     args = parser.parse_args(argv)
     if args.lock_server is not None:
@@ -230,8 +298,11 @@ def main(argv: list[str] | None = None) -> dict:
     from diffusers_stepbatch.toy import load_pipeline
 
     torch.set_num_threads(1)
-    workload = make_workload(args.requests, args.seed, steps)
-    warmup = make_workload(args.warmup, args.seed + 1, steps)
+    edits = args.mix == "edits"
+    if args.out is None:
+        args.out = Path(__file__).parent / "results" / ("serve_edits.json" if edits else "serve.json")
+    workload = make_workload(args.requests, args.seed, steps, edits)
+    warmup = make_workload(args.warmup, args.seed + 1, steps, edits)
     per_round = -(-len(workload) // args.rounds)  # ceil
     rounds = [workload[i:i + per_round] for i in range(0, len(workload), per_round)]
 
@@ -252,7 +323,14 @@ def main(argv: list[str] | None = None) -> dict:
         sb = None
         if "in-process" in args.sides:
             sb = StepBatched(load_pipeline(), scheduler=SchedulerConfig(max_batch_size=args.max_batch_size))
-            runners["in-process"] = lambda w: in_process_round(sb, w, args.concurrency)
+            engines = {"generate": sb}
+            if edits:
+                from diffusers_stepbatch.toy.pipeline import ToyFluxInpaintPipeline
+
+                inpaint_pipe = ToyFluxInpaintPipeline(**sb.pipe.components)
+                inpaint_pipe.set_progress_bar_config(disable=True)
+                engines["edit"] = sb.sibling(inpaint_pipe)
+            runners["in-process"] = lambda w: in_process_round(engines, w, args.concurrency)
             pids["in-process"] = os.getpid()
 
         sides = [s for s in args.sides if s in runners]
@@ -314,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "benchmark": "serve", "smoke": args.smoke, "requests_per_side": args.requests,
         "concurrency": args.concurrency, "rounds": len(rounds), "max_batch_size": args.max_batch_size,
-        "workload": {"sizes": [f"{w}x{h}" for w, h in SIZES], "steps": list(steps), "prompts": len(PROMPTS)},
+        "workload": {"sizes": [f"{w}x{h}" for w, h in SIZES], "steps": list(steps), "prompts": len(PROMPTS),
+                     "mix": args.mix},
         "torch_threads": 1, "cpu_count": os.cpu_count(), "results": results, "ratios": ratios,
     }
     print(f"\n{'side':>10} | req/s | CPU ms/req | p50 s | p95 s | ok | lost | 5xx | RSS after warm-up -> max (MiB)")

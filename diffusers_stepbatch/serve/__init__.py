@@ -4,8 +4,9 @@
 >>> app = create_app(ServeConfig())            # the shipped toy model, loaded in the background at startup
 >>> # uvicorn.run(app, host="127.0.0.1", port=8000), or: `diffusers-stepbatch serve`
 
-Endpoints: `POST /v1/images/generations` (b64_json, OpenAI's streaming events with partial images),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus) and a web page at `/`. `serve.ray` runs the same
+Endpoints: `POST /v1/images/generations` and `POST /v1/images/edits` (b64_json, OpenAI's streaming events with
+partial images), `GET /v1/models` (with the sizes the model draws and its edit pipelines), `GET /v1/engine/live`,
+`GET /health`, `GET /metrics` (Prometheus) and a web page at `/`. `serve.ray` runs the same
 app as a Ray Serve deployment (one engine per replica). Nothing below this package imports it.
 """
 
