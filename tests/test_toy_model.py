@@ -1,4 +1,4 @@
-"""The shipped toy-shapes FLUX pipeline: scene grammar, pixel judge, and the quality targets of issue 6.
+"""The shipped toy-shapes FLUX pipeline: scene grammar, pixel judge, and its quality targets at every size.
 
 Quality is measured on held-out captions (never used in training) with the plain diffusers pipeline, seeded.
 """
@@ -13,6 +13,7 @@ import torch
 
 from diffusers_stepbatch.toy import DEFAULT_GUIDANCE, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH, WEIGHTS_DIR, load_pipeline
 from diffusers_stepbatch.toy.judge import evaluate_vae, judge_image, score_images
+from diffusers_stepbatch.toy.build import JUDGED_SIZES
 from diffusers_stepbatch.toy.scenes import (
     COLORS,
     POSITIONS,
@@ -155,6 +156,30 @@ def test_fluxpipeline_defaults_draw_the_trained_picture(pipe):
     assert np.abs(defaults - trained).max() == 0.0
     scores = score_images([(image * 255).round().astype(np.uint8) for image in defaults], captions)
     assert scores.color >= 0.90 and scores.position >= 0.80, scores
+
+
+@pytest.mark.parametrize("size", JUDGED_SIZES, ids=lambda size: "{}x{}".format(*size))
+def test_generation_matches_heldout_captions_at_every_trained_size(pipe, size):
+    """With FluxPipeline's defaults (28 steps, guidance 3.5), square and non-square sizes from 48 to 128 px."""
+    width, height = size
+    captions = heldout_captions()
+    images = pipe(captions, height=height, width=width, generator=torch.Generator().manual_seed(0)).images
+    assert images[0].size == (width, height)
+    scores = score_images(images, captions)
+    assert scores.color >= 0.95 and scores.position >= 0.95, scores
+
+
+def test_render_and_judge_non_square_scenes():
+    rng = np.random.default_rng(3)
+    for width, height in [(128, 64), (48, 96)]:
+        scenes = [sample_scene(rng) for _ in range(100)]
+        verdicts = [judge_image(render_scene(scene, (width, height))) for scene in scenes]
+        assert [v.color for v in verdicts] == [s.color for s in scenes]
+        assert [v.position for v in verdicts] == [s.position for s in scenes]
+    image = render_scene(Scene("red", "circle", "in the center", "white"), (128, 64))
+    mask = np.asarray(image, dtype=np.int16)[..., 1] < 128  # the red object
+    ys, xs = np.nonzero(mask)
+    assert abs((xs.max() - xs.min()) - (ys.max() - ys.min())) <= 1  # a circle, not an ellipse
 
 
 def test_vae_round_trip_keeps_pixels_and_hues(pipe):

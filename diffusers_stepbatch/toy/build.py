@@ -25,6 +25,8 @@ NATIVE_SIZE = 64
 # NOTE: the sizes the multi-size fine-tune (toy.train_sizes) covers: every side a multiple of SIZE_MULTIPLE
 # (vae_scale_factor * 2) in [MIN_SIDE, MAX_SIDE], the longer side at most MAX_ASPECT times the shorter.
 MIN_SIDE, MAX_SIDE, SIZE_MULTIPLE, MAX_ASPECT = 48, 128, 16, 2
+# (width, height) the held-out judge scores after training and in tests: square, 2:1, 1:2 and 5:7.
+JUDGED_SIZES = ((64, 64), (128, 128), (96, 48), (64, 128), (80, 112), (48, 48))
 
 WORDS = (
     "a", "at", "the", "in", "on", "top", "bottom", "left", "right", "center", "background",

@@ -35,8 +35,6 @@ from diffusers_stepbatch.toy.judge import evaluate_pipeline, images_to_tensor
 from diffusers_stepbatch.toy.scenes import render_scene, sample_scene, train_captions
 from diffusers_stepbatch.toy.train import _EMA, _log, _lr_factor, encode_captions
 
-# NOTE: sizes judged at the end of a run (and in tests/test_toy_model.py): square, 1:2, 2:1 and 2:3.
-EVAL_SIZES = ((64, 64), (128, 128), (96, 48), (64, 128), (80, 112), (48, 48))
 
 
 @dataclasses.dataclass
@@ -200,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     student.save_pretrained(out / "transformer", safe_serialization=True)
     _log(start, f"saved to {out}")
     pipe.transformer = student
-    for width, height in EVAL_SIZES:
+    for width, height in build.JUDGED_SIZES:
         scores = evaluate_pipeline(pipe, 3.5, 28, seed=0, size=(width, height))
         _log(start, f"held-out generation {width}x{height}, 28 steps, guidance 3.5: {scores}")
 
