@@ -247,6 +247,25 @@ def test_remote_image_urls_are_refused_unless_allowed(base_url, served):
     assert finished(served) == before
 
 
+def test_remote_image_urls_are_fetched_when_allowed(served):
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    picture = png(base_image())
+    images = Starlette(routes=[Route("/scene.png", lambda request: Response(picture, media_type="image/png"))])
+    with ServerThread(images) as image_host, ServerThread(create_app(ServeConfig(allow_remote_images=True),
+                                                                     model=served, close_model=False)) as url:
+        body = {"model": MODEL, "prompt": RED_TOP_LEFT, "images": [{"image_url": f"{image_host}/scene.png"}],
+                "seed": 4, "num_inference_steps": 4}
+        remote = httpx.post(f"{url}/v1/images/edits", json=body, timeout=60)
+        inline = httpx.post(f"{url}/v1/images/edits", json={**body, "images": [data_url(base_image())]}, timeout=60)
+        missing = httpx.post(f"{url}/v1/images/edits", json={**body, "images": [f"{image_host}/nothing.png"]})
+    assert remote.status_code == 200 and inline.status_code == 200, remote.text
+    assert remote.json()["data"][0]["b64_json"] == inline.json()["data"][0]["b64_json"]
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "invalid_image_url"
+
+
 def test_a_model_that_cannot_edit_is_a_400(served):
     model = ServingModel(sb=served.sb, name=MODEL, call_defaults=served.call_defaults, sizes=served.sizes)
     with ServerThread(create_app(ServeConfig(), model=model, close_model=False)) as url:

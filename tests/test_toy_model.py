@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from diffusers_stepbatch.toy import DEFAULT_GUIDANCE, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH, WEIGHTS_DIR, load_pipeline
-from diffusers_stepbatch.toy.judge import evaluate_vae, judge_image, score_images
 from diffusers_stepbatch.toy.build import JUDGED_SIZES
+from diffusers_stepbatch.toy.judge import evaluate_vae, judge_image, score_images
 from diffusers_stepbatch.toy.scenes import (
     COLORS,
     POSITIONS,
@@ -26,7 +26,6 @@ from diffusers_stepbatch.toy.scenes import (
     sample_scene,
     train_captions,
 )
-
 
 # --- scenes and judge (fast) ---
 

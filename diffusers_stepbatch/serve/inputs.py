@@ -160,18 +160,18 @@ async def _download(url: str, param: str, config: ServeConfig) -> bytes:
 
     limit = config.max_body_bytes
     try:
-        async with httpx.AsyncClient(timeout=_REMOTE_TIMEOUT_S, follow_redirects=True) as client:
-            async with client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise bad_request(f"{param}: GET {url} answered {response.status_code}", param,
-                                      code="invalid_image_url")
-                chunks, size = [], 0
-                async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > limit:
-                        raise APIError(413, f"{param}: the remote image is larger than {limit} bytes",
-                                       param=param, code="image_too_large")
-                    chunks.append(chunk)
+        async with (httpx.AsyncClient(timeout=_REMOTE_TIMEOUT_S, follow_redirects=True) as client,
+                    client.stream("GET", url) as response):
+            if response.status_code != 200:
+                raise bad_request(f"{param}: GET {url} answered {response.status_code}", param,
+                                  code="invalid_image_url")
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"{param}: the remote image is larger than {limit} bytes",
+                                   param=param, code="image_too_large")
+                chunks.append(chunk)
     except httpx.HTTPError as exc:
         raise bad_request(f"{param}: fetching {url} failed ({type(exc).__name__})", param,
                           code="invalid_image_url") from None

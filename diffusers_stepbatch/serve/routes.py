@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..preview import StreamPreview
@@ -192,10 +193,10 @@ async def edits(request: Request) -> Any:
     elif content_type.startswith("application/json"):
         try:
             body = ImageEditRequest.model_validate_json(await request.body())
-        except ValueError as exc:
-            errors = getattr(exc, "errors", lambda: [])()
-            param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-            raise bad_request(f"{param or 'body'}: {errors[0]['msg'] if errors else exc}", param) from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(part) for part in first["loc"]) or None
+            raise bad_request(f"{param or 'body'}: {first['msg']}", param) from None
         served = server.ready_model(body.model)
         inputs = await read_references(body, config)
     else:

@@ -36,7 +36,6 @@ from diffusers_stepbatch.toy.scenes import render_scene, sample_scene, train_cap
 from diffusers_stepbatch.toy.train import _EMA, _log, _lr_factor, encode_captions
 
 
-
 @dataclasses.dataclass
 class SizesConfig:
     """Args: step counts, learning rates and the image-token budget of one batch; `seed` derives all others."""
