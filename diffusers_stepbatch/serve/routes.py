@@ -98,8 +98,10 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if state.phase == "ready" else 503)
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
+    """Prometheus text: the engine's collector (batched calls by kind and rows, finished requests, busy fraction)
+    and the server's HTTP counters, latencies and requests in flight."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     return Response(generate_latest(server_of(request).registry), media_type=CONTENT_TYPE_LATEST)

@@ -11,7 +11,8 @@ guidance-distilled: one transformer forward per step, `guidance_scale` is an inp
 
 The pipeline is a `ToyFluxPipeline` (`toy/pipeline.py`), a FluxPipeline that caps the T5 input at the 16 tokens
 the model was trained with: FluxPipeline's default `max_sequence_length=512` would otherwise pad the T5 input
-far beyond anything the model saw, and draw the wrong picture.
+far beyond anything the model saw, and draw the wrong picture. It draws every size in `build.supported_sizes()`
+(sides that are multiples of 16 from 48 to 128 px, aspect 1:2 to 2:1); 64x64 is the default.
 """
 
 from __future__ import annotations
