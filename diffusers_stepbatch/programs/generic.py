@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.utils import BaseOutput
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..engine.ownership import current_owner, run_for
+from ..models.calls import DenoiserCall, NotRowWise, cut, describe_call, max_difference, probe_tolerance, run_call, slice_rows
 from ..module_scan import diffusers_hooks, marked_modules
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from .request_state import active_view
@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
 _HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
 _logged: set[tuple[str, str]] = set()
-_not_rowwise: set[Any] = set()  # call signatures whose outputs were not row-wise: they run alone from then on
+_not_rowwise: set[Any] = set()  # (model, call structure) pairs whose outputs were not row-wise: they run alone from then on
+_verified: set[Any] = set()  # (model, call structure) pairs whose merged outputs matched separate calls
 
 
 @register_program(DiffusionPipeline)
@@ -53,10 +54,10 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedReques
     branches = 2 if any(isinstance(args.get(name), (int, float)) and args[name] > 1
                         for name in ("guidance_scale", "true_cfg_scale")) else 1
     denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
-    reason = _unbatchable_reason(pipe, denoisers)
+    reason = _unbatchable_reason(pipe, denoisers, args)
     if reason is not None:
         _log_once(type(pipe).__name__, reason)
-        program = _whole_call_program(request_pipeline(pipe), positional, keywords)
+        program = _whole_call_program(request_pipeline(pipe), positional, keywords, reason)
     else:
         program = generic_program(pipe, request_pipeline(pipe), positional, keywords, denoisers)
     scale = getattr(pipe, "vae_scale_factor", None)
@@ -123,15 +124,26 @@ def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
     return positional, keywords
 
 
-def _unbatchable_reason(pipe, denoisers: list[str]) -> str | None:
+def _unbatchable_reason(pipe, denoisers: list[str], args: dict[str, Any]) -> str | None:
     if not denoisers:
         return f"no denoiser found among {list(DENOISER_NAMES)}"
+    if _uses_pag(pipe, args):
+        # NOTE: PAG swaps the shared denoiser's attention processors for the length of one call, and they split
+        # the batch into positional chunks (uncond / cond / perturbed): no other call may run meanwhile.
+        return "perturbed-attention guidance sets attention processors on the shared denoiser for its whole call"
     for name in denoisers:
         for _, module in marked_modules(getattr(pipe, name)):
             hooks = diffusers_hooks(module)
             if hooks:
                 return f"pipe.{name} has diffusers hooks ({list(hooks)}), whose state is not per request"
     return None
+
+
+def _uses_pag(pipe, args: dict[str, Any]) -> bool:
+    from diffusers.pipelines.pag.pag_utils import PAGMixin
+
+    scale = args.get("pag_scale")
+    return isinstance(pipe, PAGMixin) and isinstance(scale, (int, float)) and scale > 0
 
 
 def _log_once(pipeline: str, reason: str) -> None:
@@ -150,10 +162,11 @@ class _Holder:
         self.output = None
 
 
-def _whole_call_program(view, positional: list, keywords: dict) -> Generator[WorkItem, Any, Any]:
+def _whole_call_program(view, positional: list, keywords: dict, reason: str) -> Generator[WorkItem, Any, Any]:
     holder = _Holder()
     run = functools.partial(_run_whole_call, view, positional, keywords)
-    yield WorkItem("call", ("generic.call", id(holder)), {_HOLDERS: [holder]}, run, rows=1)
+    key = named_key(program="generic.call", **{f"generic program: {reason}": id(holder)})
+    yield WorkItem("call", key, {_HOLDERS: [holder]}, run, rows=1)
     return holder.output
 
 
@@ -250,122 +263,67 @@ def _run_in_helper(view, positional, keywords, handoff: _Handoff) -> None:
 def denoiser_item(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[WorkItem, _Holder]:
     """One denoiser call as a work item; its key holds everything but the rows, so equal keys can merge.
 
-    A tensor whose dim 0 equals the call's batch size is a row input; any other tensor must be exactly equal
-    between merged calls, and any other value equal.
+    Which arguments are rows, and what must match, is the model layer's answer (`models/calls.py`).
     """
     holder = _Holder()
-    rows = _batch_size(args, kwargs)
-    row_inputs: list[torch.Tensor] = []
-    template, signature = _describe((args, kwargs), rows, row_inputs)
-    key = ("generic.denoise", id(module), signature)
-    if rows is None or key in _not_rowwise:
-        # NOTE: named for stats()["splits"]: such calls never share a forward
-        key = named_key(program="generic.alone", **{"generic program: the denoiser's inputs have no batch rows":
-                                                    id(holder)})
-        rows = rows or 1
-    inputs = {f"row{i}": tensor for i, tensor in enumerate(row_inputs)}
+    call = describe_call(module, args, kwargs)
+    # NOTE: one key field per argument, so stats()["splits"] names the argument that kept calls apart
+    key = named_key(program="generic.denoise", model=id(module),
+                    **{f"argument {name}": part for name, part in call.signature})
+    reason = call.refusal
+    if reason is None and call.rows is None:
+        reason = "the denoiser's inputs have no batch rows"
+    if reason is None and (id(module), call.structure) in _not_rowwise:
+        reason = "merged outputs of these calls were not row-wise"
+    rows = call.rows or 1
+    if reason is not None:
+        key = named_key(program="generic.alone", **{f"generic program: {reason}": id(holder)})
+    inputs = {f"row{i}": value for i, value in enumerate(call.row_inputs)}
     inputs[_HOLDERS] = [holder] * rows
-    run = functools.partial(_merged_call, module, template, key)
+    run = functools.partial(_merged_call, module, call, key)
     return WorkItem("denoise", key, inputs, run, rows=rows), holder
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
-    first = args[0] if args else next((kwargs[n] for n in ("hidden_states", "sample", "x") if n in kwargs), None)
-    if isinstance(first, torch.Tensor) and first.ndim >= 1:
-        return int(first.shape[0])
-    return None
-
-
-class _Row:
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class _Exact:
-    """A tensor in a key: equal only to an identical tensor (same shape, dtype, device and values)."""
-
-    __slots__ = ("tensor", "_hash")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-        self._hash = hash((tuple(tensor.shape), tensor.dtype, str(tensor.device)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Exact) or other._hash != self._hash:
-            return False
-        mine, theirs = self.tensor, other.tensor
-        return mine is theirs or (mine.shape == theirs.shape and mine.dtype == theirs.dtype
-                                  and mine.device == theirs.device and torch.equal(mine, theirs))
-
-
-def _describe(value: Any, rows: int | None, row_inputs: list) -> tuple[Any, Any]:
-    """(template, signature): the call with row tensors replaced by `_Row` markers, and its hashable form."""
-    if isinstance(value, torch.Tensor):
-        if rows is not None and value.ndim >= 1 and value.shape[0] == rows:
-            row_inputs.append(value)
-            return _Row(len(row_inputs) - 1), ("row", tuple(value.shape[1:]), value.dtype, str(value.device))
-        return value, ("same", _Exact(value))
-    if isinstance(value, (tuple, list)):
-        parts = [_describe(v, rows, row_inputs) for v in value]
-        return type(value)(p[0] for p in parts), (type(value).__name__, tuple(p[1] for p in parts))
-    if isinstance(value, dict):
-        parts = {k: _describe(v, rows, row_inputs) for k, v in value.items()}
-        return {k: p[0] for k, p in parts.items()}, ("dict", tuple((k, p[1]) for k, p in parts.items()))
-    return value, ("value", type(value).__name__, freeze(value))
-
-
-def _fill(template: Any, rows: dict[str, Any]) -> Any:
-    if isinstance(template, _Row):
-        return rows[f"row{template.index}"]
-    if isinstance(template, (tuple, list)):
-        return type(template)(_fill(v, rows) for v in template)
-    if isinstance(template, dict):
-        return {k: _fill(v, rows) for k, v in template.items()}
-    return template
-
-
-def _merged_call(module, template, key, **inputs):
+def _merged_call(module, call: DenoiserCall, key, **inputs):
     holders = inputs.pop(_HOLDERS)
-    args, kwargs = _fill(template, inputs)
-    output = module(*args, **kwargs)
     total = len(holders)
     bounds, start = [], 0
     for i in range(1, total + 1):
         if i == total or holders[i] is not holders[start]:
             bounds.append((start, i))
             start = i
+    output = run_call(module, call, inputs)
     if len(bounds) == 1:  # one request: its output as the model returned it
         holders[0].output = output
         return torch.zeros(total)
+    lists_are_rows = call.support.output_lists_are_rows
     try:
-        parts = [_cut(output, begin, end, total) for begin, end in bounds]
-    except _NotRowWise as exc:
-        _not_rowwise.add(key)
-        _log_once(type(module).__name__, f"its output is not row-wise ({exc}); these calls run alone")
-        raise
+        parts = [cut(output, begin, end, total, lists_are_rows) for begin, end in bounds]
+    except NotRowWise as exc:
+        parts = _apart(module, call, key, inputs, bounds, f"its output is not row-wise ({exc})")
+    else:
+        if not call.support.trusted and (id(module), call.structure) not in _verified:
+            parts = _checked(module, call, key, inputs, bounds, parts)
     for (begin, _), part in zip(bounds, parts):
         holders[begin].output = part
     return torch.zeros(total)
 
 
-class _NotRowWise(ValueError):
-    pass
+def _checked(module, call: DenoiserCall, key, inputs, bounds, parts) -> list:
+    """The first merged call of a signature on a model without proven row rules, checked against the same calls
+    run apart: where the rows were not independent, the separate outputs stand and such calls run alone."""
+    alone = [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
+    difference = max(max_difference(part, own) for part, own in zip(parts, alone))
+    if difference > probe_tolerance(alone[0]):
+        _not_rowwise.add((id(module), call.structure))
+        _log_once(type(module).__name__, f"merged outputs differed from separate calls by {difference:.2e}; "
+                                         "these calls run alone")
+        return alone
+    _verified.add((id(module), call.structure))
+    return parts
 
 
-def _cut(output: Any, begin: int, end: int, total: int) -> Any:
-    if isinstance(output, torch.Tensor):
-        if output.ndim == 0 or output.shape[0] != total:
-            raise _NotRowWise(f"an output of shape {tuple(output.shape)} for {total} rows")
-        return output[begin:end]
-    if isinstance(output, BaseOutput):
-        return type(output)(**{k: _cut(v, begin, end, total) for k, v in output.items()})
-    if isinstance(output, (tuple, list)):
-        return type(output)(_cut(v, begin, end, total) for v in output)
-    if isinstance(output, dict):
-        return {k: _cut(v, begin, end, total) for k, v in output.items()}
-    return output
+def _apart(module, call: DenoiserCall, key, inputs, bounds, reason: str) -> list:
+    _not_rowwise.add((id(module), call.structure))
+    _log_once(type(module).__name__, f"{reason}; these calls run alone")
+    return [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
