@@ -216,7 +216,7 @@ def generic_program(pipe, view, positional: list, keywords: dict,
                     denoisers: list[str]) -> Generator[WorkItem, Any, Any]:
     handoff = _Handoff()
     for name in denoisers:
-        view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff, view.scheduler)
+        view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff, getattr(view, "scheduler", None))
     # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.
     helper = threading.Thread(target=run_for(current_owner(), _run_in_helper), args=(view, positional, keywords,
                                                                                       handoff), daemon=True,

@@ -111,6 +111,8 @@ def request_pipeline(pipe: Any) -> Any:
     # would keep a dropped hook-mode pipeline's engine and wrapper alive.
     view.__dict__.pop(HOOK_MODE_ENGINE, None)
     # NOTE: write the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config.
-    view.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is not None:  # NOTE: some pipelines have none (LTX latent upsampling runs no denoising loop)
+        view.__dict__["scheduler"] = copy.deepcopy(scheduler)
     record_view(pipe, view)
     return view
