@@ -23,7 +23,7 @@ from .engine.core import EngineCore
 from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
 from .module_scan import scan_scope
-from .packed.attention import check_packed_attention
+from .models.packing.attention import check_packed_attention
 from .programs import program_for, registered_pipelines
 from .programs.call_checks import check_call_inputs
 from .programs.cfg import CFGPolicy

@@ -36,6 +36,7 @@ class ModelSupport:
         refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
         trusted: the class's row rules are proven by equivalence tests; otherwise the first merged call of each
             call signature is checked against the same calls run apart.
+        teacache_coefficients: the TeaCache rescale polynomial for this model (highest power first), if known.
     """
 
     row_lists: tuple[str, ...] = ()
@@ -43,6 +44,7 @@ class ModelSupport:
     output_lists_are_rows: bool = False
     refusal: Refusal | None = None
     trusted: bool = False
+    teacache_coefficients: tuple[float, ...] | None = None
 
 
 DEFAULT_SUPPORT = ModelSupport()
@@ -83,4 +85,4 @@ def _load_modules() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import flux2, z_image  # noqa: F401  (each registers its classes)
+    from . import flux, flux2, qwenimage, sd3, unet, z_image  # noqa: F401  (each registers its classes)

@@ -36,14 +36,15 @@ from ..adapters.state import (
 )
 from ..buffers import stack_rows
 from ..cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
-from ..cache.teacache import TeaCacheState, flux_teacache_forward
+from ..cache.teacache import TeaCacheState
+from ..models.flux.teacache import flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
-from ..packed.attention import check_can_run as check_packed_attention_runs
-from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
-from ..packed.support import extra_attention_kwargs, packing_refused
+from ..models.packing.attention import check_can_run as check_packed_attention_runs
+from ..models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
+from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
@@ -121,7 +122,7 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(options.packed_attention, pipe.transformer)
     branches = 2 if do_true_cfg else 1
-    teacache = options.teacache.states("flux", steps, branches) if options.teacache is not None else None
+    teacache = options.teacache.states(pipe.transformer, steps, branches) if options.teacache is not None else None
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
         raise ValueError(
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "

@@ -31,7 +31,7 @@ class ProgramOptions:
         cfg_policy: whether CFG branches share a forward.
         buffers: the engine's latent buffer pool; None allocates step tensors afresh.
         packed_attention: how a packed mixed-resolution call keeps attention inside each row
-            (`packed/attention.py`: "auto", "recover_scatter", "flex", "varlen").
+            (`models/packing/attention.py`: "auto", "recover_scatter", "flex", "varlen").
     """
 
     prompt_cache: PromptCache | None = None

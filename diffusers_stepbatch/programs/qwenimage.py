@@ -4,7 +4,7 @@ Prompt embeddings of any length share a forward: every row brings its own embedd
 batched forward pads them to the batch's longest with `encoder_hidden_states_mask` (padded text tokens are
 masked out, and text RoPE positions don't depend on the padded length). RoPE takes `img_shapes[0]` for the
 whole batch, so the image grid is part of the key; requests of other grids share a packed call instead
-(`packed/qwenimage.py`: tokens of every row without padding, attention inside each row). True CFG adds the
+(`models/qwenimage/packing.py`: tokens of every row without padding, attention inside each row). True CFG adds the
 negative rows to the same forward; its scale and norm rescaling are applied per request after the split.
 """
 
@@ -34,14 +34,14 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
-from ..packed.attention import check_can_run as check_packed_attention_runs
-from ..packed.qwenimage import (
+from ..models.packing.attention import check_can_run as check_packed_attention_runs
+from ..models.qwenimage.packing import (
     QwenImagePart,
     packed_row_order,
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
-from ..packed.support import extra_attention_kwargs, packing_refused
+from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
@@ -75,7 +75,7 @@ class QwenImageCall:
     do_true_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
-    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
+    packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
 
 
 @register_program(QwenImagePipeline, features=("adapters",))

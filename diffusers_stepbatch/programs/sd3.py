@@ -37,10 +37,10 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
-from ..packed.attention import check_can_run as check_packed_attention_runs
-from ..packed.layout import PackedLayout
-from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
-from ..packed.support import extra_attention_kwargs, packing_refused
+from ..models.packing.attention import check_can_run as check_packed_attention_runs
+from ..models.packing.layout import PackedLayout
+from ..models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
+from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .options import current_options
@@ -72,7 +72,7 @@ class SD3Call:
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/sd3_ip_adapter.py); None: none loaded
-    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
+    packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
 
 
 @register_program(StableDiffusion3Pipeline, features=("adapters",))

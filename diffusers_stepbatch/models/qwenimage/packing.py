@@ -26,10 +26,10 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 from diffusers.utils import apply_lora_scale
 
-from ..adapters.lora import lora_layers
-from .attention import resolve
-from .layout import PackedLayout, adaln_values, attend
-from .support import unsupported_reason
+from ...adapters.lora import lora_layers
+from ..packing.attention import resolve
+from ..packing.layout import PackedLayout, adaln_values, attend
+from ..packing.support import unsupported_reason
 
 TEXT, IMAGE = 0, 1
 
@@ -61,7 +61,7 @@ def qwenimage_packing_unsupported(transformer) -> str | None:
 def qwenimage_packed_forward(transformer, parts: Sequence[QwenImagePart], attention_kwargs: dict | None = None,
                              packed_attention: str = "auto") -> list[torch.Tensor]:
     """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
-    `packed_attention` picks how attention stays inside each row (`packed/attention.py`).
+    `packed_attention` picks how attention stays inside each row (`models/packing/attention.py`).
 
     >>> out = qwenimage_packed_forward(pipe.transformer, [QwenImagePart(x, t, text, mask, [(1, 4, 8)]), ...])
     """
@@ -122,7 +122,7 @@ def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto")
 
     hidden = transformer.img_in(torch.cat([rows[r].hidden for r in order]))
     method = resolve(packed_attention, hidden.device, hidden.dtype)
-    split = not lora_layers(transformer)  # NOTE: as in packed/flux.py: per-row LoRA maps inputs by token count
+    split = not lora_layers(transformer)  # NOTE: as in models/flux/packing.py: per-row LoRA maps inputs by token count
     timestep = torch.cat([rows[r].timestep for r in order]).to(hidden.dtype)
     encoder = transformer.txt_in(transformer.txt_norm(torch.cat([rows[r].text for r in order])))
     temb = transformer.time_text_embed(timestep, hidden)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..module_scan import diffusers_hooks, marked_modules, own_attribute
+from ...module_scan import diffusers_hooks, marked_modules, own_attribute
 
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()

@@ -1,6 +1,6 @@
 """One SD3Transformer2DModel forward over rows of different latent sizes and text lengths (packed tokens).
 
-As `packed/flux.py` does for Flux: the model's own submodules, op for op as `SD3Transformer2DModel.forward`
+As `models/flux/packing.py` does for Flux: the model's own submodules, op for op as `SD3Transformer2DModel.forward`
 and `JointTransformerBlock.forward` run them, over tokens packed without padding; each row's AdaLN modulation
 reaches only its own tokens and attention (image tokens then text tokens, as `JointAttnProcessor2_0` orders
 them; SD3.5's second, image-only attention too) stays inside each row. The patch embedding (a convolution
@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.utils import apply_lora_scale
 
-from ..adapters.lora import lora_layers
-from .attention import resolve
-from .layout import PackedLayout, adaln_values, attend
-from .support import unsupported_reason
+from ...adapters.lora import lora_layers
+from ..packing.attention import resolve
+from ..packing.layout import PackedLayout, adaln_values, attend
+from ..packing.support import unsupported_reason
 
 IMAGE, TEXT = 0, 1
 
@@ -47,7 +47,7 @@ def sd3_packed_forward(transformer, parts: Sequence[SD3Part], joint_attention_kw
                        skip_layers: Sequence[int] | None = None, packed_attention: str = "auto") -> list[torch.Tensor]:
     """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
 
-    `packed_attention` picks how attention stays inside each row (`packed/attention.py`).
+    `packed_attention` picks how attention stays inside each row (`models/packing/attention.py`).
     """
     return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs, skip_layers=skip_layers,
                     packed_attention=packed_attention)
@@ -63,7 +63,7 @@ def _forward(transformer, parts, joint_attention_kwargs=None, skip_layers=None, 
     )
     hidden = layout.pack(IMAGE, embedded)
     method = resolve(packed_attention, hidden.device, hidden.dtype)
-    split = not lora_layers(transformer)  # NOTE: as in packed/flux.py: per-row LoRA maps inputs by token count
+    split = not lora_layers(transformer)  # NOTE: as in models/flux/packing.py: per-row LoRA maps inputs by token count
     temb = transformer.time_text_embed(torch.cat([p.timestep for p in parts]),
                                        torch.cat([p.pooled_projections for p in parts]))
     encoder = transformer.context_embedder(layout.pack(TEXT, [p.encoder_hidden_states for p in parts]))

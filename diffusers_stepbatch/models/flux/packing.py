@@ -4,7 +4,7 @@ It drives the model's own submodules the way `FluxTransformer2DModel.forward` do
 differences that keep each row's result its own: tokens of all rows are packed without padding (see
 `layout.py`), each row's AdaLN modulation (from its timestep, guidance and pooled text) reaches only its own
 tokens, and attention runs inside each row with the row's own RoPE positions. TeaCache decisions stay per
-request and CFG branch, as in `cache/teacache.py`, whose state holds layout-free [rows, tokens, dim] tensors
+request and CFG branch, as in `models/flux/teacache.py`, whose state holds layout-free [rows, tokens, dim] tensors
 so a request may alternate between packed and ordinary calls.
 """
 
@@ -22,11 +22,11 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.utils import apply_lora_scale
 
-from ..adapters.lora import lora_layers
-from ..cache.teacache import TeaCacheState, _row_groups
-from .attention import resolve
-from .layout import PackedLayout, adaln_values, attend
-from .support import unsupported_reason
+from ...adapters.lora import lora_layers
+from ...cache.teacache import TeaCacheState, row_groups
+from ..packing.attention import resolve
+from ..packing.layout import PackedLayout, adaln_values, attend
+from ..packing.support import unsupported_reason
 
 TEXT, IMAGE = 0, 1
 
@@ -54,7 +54,7 @@ def flux_packed_forward(transformer, parts: Sequence[FluxPart], joint_attention_
                         packed_attention: str = "auto") -> list[torch.Tensor]:
     """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
 
-    `packed_attention` picks how attention stays inside each row (`packed/attention.py`).
+    `packed_attention` picks how attention stays inside each row (`models/packing/attention.py`).
     """
     return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
                     packed_attention=packed_attention)
@@ -301,7 +301,7 @@ def _teacache_blocks(transformer, layout, states, hidden, encoder, temb, part_ro
     signal = norm1.norm(hidden) * (1 + scale) + shift
 
     decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
-    for state, start, end in _row_groups(states):
+    for state, start, end in row_groups(states):
         part, inner = layout.part_of_row(start)
         tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
         own = signal[tokens].unflatten(0, (end - start, -1))
