@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .adapters.state import NOT_GIVEN, planning_with_adapters
+from .adapters.state import NOT_GIVEN
 from .buffers import LatentBuffers
 from .cache.prompt import PromptCache
 from .cache.teacache import TeaCacheConfig
@@ -28,10 +28,10 @@ from .programs import program_for, registered_pipelines
 from .programs.call_checks import check_call_inputs
 from .programs.cfg import CFGPolicy
 from .programs.generic import plan_generic
-from .programs.options import ProgramOptions, planning_with
-from .programs.pid_exit import PiDExitOptions, check_pid_pipeline, planning_with_pid
+from .programs.options import PlanContext, ProgramOptions
+from .programs.pid_exit import PiDExitOptions, check_pid_pipeline
 from .programs.registry import check_feature, unhooked_class
-from .programs.request_state import active_view_of, capturing_views, is_call_state
+from .programs.request_state import active_view_of, is_call_state
 from .signature import ENGINE_DEFAULT, signed, wrapper_signature
 from .streaming import stream_call
 
@@ -194,9 +194,9 @@ class StepBatched:
         call_args = self._bind(args, kwargs)
         check_call_inputs(self.pipe, call_args, self.engine.config.max_pixels,
                           family_program=self._plan is not plan_generic)
-        with (planning_with(options), planning_with_pid(pid), planning_with_adapters(adapters),
-              capturing_views() as views):
-            planned = self._plan(self.pipe, call_args)
+        context = PlanContext(options=options, pid=pid, adapters=adapters)
+        planned = self._plan(self.pipe, call_args, context)
+        views = context.views
         request_id = next_request_id()
         handle = RequestHandle(request_id, wake_engine=self.engine.wake)
         handle.pipeline_view = views[0] if views else None

@@ -28,23 +28,26 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..engine.ownership import current_owner, run_for
-from ..models.calls import DenoiserCall, NotRowWise, cut, describe_call, max_difference, probe_tolerance, run_call, slice_rows
+from ..models.calls import (
+    DenoiserCall, NotRowWise, cut, describe_call, max_difference, probe_tolerance, run_call, slice_rows,
+)
 from ..module_scan import diffusers_hooks, marked_modules
+from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from .request_state import active_view
-from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
+from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
 
 logger = logging.getLogger(__name__)
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
 _HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
 _logged: set[tuple[str, str]] = set()
-_not_rowwise: set[Any] = set()  # (model, call structure) pairs whose outputs were not row-wise: they run alone from then on
+_not_rowwise: set[Any] = set()  # (model, call structure) pairs whose rows were not independent: they run alone
 _verified: set[Any] = set()  # (model, call structure) pairs whose merged outputs matched separate calls
 
 
 @register_program(DiffusionPipeline)
-def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
     _check_call(pipe, args)
     positional, keywords = _call_arguments(pipe, args)
@@ -57,9 +60,9 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedReques
     reason = _unbatchable_reason(pipe, denoisers, args)
     if reason is not None:
         _log_once(type(pipe).__name__, reason)
-        program = _whole_call_program(request_pipeline(pipe), positional, keywords, reason)
+        program = _whole_call_program(request_pipeline(pipe, context), positional, keywords, reason)
     else:
-        program = generic_program(pipe, request_pipeline(pipe), positional, keywords, denoisers)
+        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, denoisers)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):

@@ -45,7 +45,7 @@ from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
-from .options import current_options
+from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -79,11 +79,11 @@ class QwenImageCall:
 
 
 @register_program(QwenImagePipeline, features=("adapters",))
-def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
     if pid is not None:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
@@ -111,13 +111,14 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     latent_w = 2 * (int(width) // (pipe.vae_scale_factor * 2))
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
-    adapters = request_adapters(pipe.transformer, lora_scale=(args["attention_kwargs"] or {}).get("scale"))
+    adapters = request_adapters(pipe.transformer, context.adapters,
+                                lora_scale=(args["attention_kwargs"] or {}).get("scale"))
     call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters,
-                         packed_attention=current_options().packed_attention)
+                         packed_attention=context.options.packed_attention)
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(call.packed_attention, pipe.transformer)
     rows = num_images * (2 if do_true_cfg else 1)
-    program = qwenimage_program(pipe, request_pipeline(pipe), call)
+    program = qwenimage_program(pipe, request_pipeline(pipe, context), call)
     tokens = (latent_h // 2) * (latent_w // 2)
     return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
                           starts_in_caller=True)

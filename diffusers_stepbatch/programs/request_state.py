@@ -6,16 +6,14 @@ diffusers keeps a call's state on the pipeline object; a step program keeps it o
 - inside a step callback, and inside a forward that runs one request's rows (cache hooks read
   `pipe.current_timestep` there), the engine thread sees the view made active with `active_view(view)`.
 
->>> with capturing_views() as views:
-...     planned = plan(pipe, call_args)      # request_pipeline() records the view it makes
->>> with active_view(views[0]):
+>>> planned = plan(pipe, call_args, context)   # request_pipeline() puts the view it makes in context.views
+>>> with active_view(context.views[0]):
 ...     noise = transformer(...)             # sb.current_timestep is this request's timestep here
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import threading
 import weakref
@@ -25,31 +23,17 @@ from typing import Any
 # NOTE: on a view, a weak reference to the pipeline it was made from: a caller's thread keeps its last call's view
 # (`sb.num_timesteps`, ...), and in hook mode the pipeline holds its engine, which must stop once it is dropped.
 _SOURCE = "_stepbatch_source"
-_created: contextvars.ContextVar[list | None] = contextvars.ContextVar("stepbatch_views", default=None)
 _active = threading.local()
 
 
 def record_view(pipe: Any, view: Any) -> None:
     view.__dict__[_SOURCE] = weakref.ref(pipe)
-    created = _created.get()
-    if created is not None:
-        created.append(view)
 
 
 def view_source(view: Any) -> Any:
     """The pipeline a view was made from (None for anything else, or once that pipeline is gone)."""
     source = view.__dict__.get(_SOURCE)
     return source() if source is not None else None
-
-
-@contextlib.contextmanager
-def capturing_views() -> Iterator[list]:
-    views: list = []
-    token = _created.set(views)
-    try:
-        yield views
-    finally:
-        _created.reset(token)
 
 
 @contextlib.contextmanager
