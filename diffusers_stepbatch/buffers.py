@@ -111,8 +111,7 @@ class StepWorkspace:
         if scheduler.step_index is None:
             scheduler._init_step_index(timestep)
         if self._dts is None or self._dts.device != scheduler.sigmas.device:
-            # NOTE: sigmas[i + 1] - sigmas[i] for all i at once: the same fp32 subtraction the scheduler does
-            # per step, without a new 0-dim tensor each time.
+            # NOTE: every step's fp32 sigma difference at once, as the scheduler computes each (no 0-dim tensors).
             self._dts = scheduler.sigmas[1:] - scheduler.sigmas[:-1]
         dt = self._dts[scheduler.step_index]
         # NOTE: the ops of FlowMatchEulerDiscreteScheduler.step, operands in the same order:

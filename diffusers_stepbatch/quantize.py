@@ -15,12 +15,7 @@ WEIGHT_TYPES = ("qint8", "qint4", "qfloat8")
 
 def quantize_transformer(pipe: Any, weights: str = "qint8", exclude: str | list[str] | None = None) -> Any:
     """Quantize `pipe.transformer`'s weights in place with optimum-quanto (quantize + freeze); returns `pipe`.
-
-    Args:
-        pipe: a diffusers pipeline with a `transformer` (a UNet pipeline: quantize `pipe.unet` yourself).
-        weights: "qint8", "qint4" or "qfloat8".
-        exclude: module name patterns left in full precision (quanto's `exclude`), e.g. "proj_out".
-    """
+    `weights`: "qint8", "qint4" or "qfloat8"; `exclude`: module name patterns left in full precision."""
     if weights not in WEIGHT_TYPES:
         raise ValueError(f"quantize={weights!r} is not supported; use one of {list(WEIGHT_TYPES)}")
     transformer = getattr(pipe, "transformer", None)

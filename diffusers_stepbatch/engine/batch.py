@@ -21,8 +21,7 @@ class WorkItem:
     """One model call a request needs: `run(**batched inputs)` of `kind` ("encode", "denoise", ...), batched with
     items of equal `key`. `inputs` are tensors (rows along dim 0), lists (an entry per row) or None; outputs have
     rows along dim 0. `step`: the denoising step (None outside the loop); `pack`: how it may share a call with other
-    shapes; `immediate`: cheap arithmetic (the scheduler update) run in the same engine step as the call before.
-    """
+    shapes; `immediate`: cheap arithmetic (the scheduler update) run in the same engine step as the call before."""
 
     kind: str
     key: Hashable
