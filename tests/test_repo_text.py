@@ -39,14 +39,16 @@ SELF = "tests/test_repo_text.py"  # holds the patterns and their examples
 STILL_TO_CLEAN = (
     "diffusers_stepbatch/adapters/",
     "diffusers_stepbatch/cache/teacache.py",
-    "diffusers_stepbatch/packed/",
+    "diffusers_stepbatch/models/packing/",
     "diffusers_stepbatch/programs/",
     "diffusers_stepbatch/serve/",
     "diffusers_stepbatch/toy/",
     "model_cards/toy-shapes-pid.md",  # NOTE: a copy of toy/pid_adapter/README.md; a test keeps them equal
 )
 # Modules whose prose may exceed the budget, with the reason.
-LONG_PROSE_OK: dict[str, str] = {}
+LONG_PROSE_OK: dict[str, str] = {
+    "diffusers_stepbatch/models/__init__.py": "the model layer's registration API: each ModelSupport field documented",
+}
 
 
 def repository_files() -> list[str]:

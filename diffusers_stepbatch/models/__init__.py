@@ -1,11 +1,7 @@
 """The model layer: what StepBatched knows about each denoiser class, registered by class.
 
-Batching is a property of the denoiser, not of the pipeline: dozens of pipelines share a few transformer
-classes. A `ModelSupport` says how one class's call arguments split into rows, which inputs must be equal for
-calls to share a forward, and when a call can't be shared at all. The step programs (dedicated and generic)
-ask `support_for(model)`; a class without a module gets `DEFAULT_SUPPORT`, whose first merge of every call
-signature is checked against separate calls (`models/calls.py`), so an unknown model never returns a silently
-wrong output.
+Batching is a property of the denoiser: many pipelines share a few transformer classes. A class without a
+module gets `DEFAULT_SUPPORT`, whose first merge of each call structure is checked against separate calls.
 
 >>> @register_model(ZImageTransformer2DModel)
 ... def _z_image() -> ModelSupport:
@@ -29,14 +25,12 @@ class ModelSupport:
     """How calls of one denoiser class share a forward.
 
     Args:
-        row_lists: arguments that are lists with one entry per row (Z-Image's per-image latents and captions).
-        shared: tensors the model reads as a whole or from their first row only (FLUX.2's position ids): calls
-            share a forward only when these are equal, whatever their shape says.
+        row_lists: list arguments with one entry per row (Z-Image's per-image latents and captions).
+        shared: tensors read as a whole or from row 0 only (FLUX.2's ids): calls merge only when they are equal.
         output_lists_are_rows: list outputs hold one entry per row (else a list is a tuple of outputs).
         refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
-        trusted: the class's row rules are proven by equivalence tests; otherwise the first merged call of each
-            call signature is checked against the same calls run apart.
-        teacache_coefficients: the TeaCache rescale polynomial for this model (highest power first), if known.
+        trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
+        teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
     """
 
     row_lists: tuple[str, ...] = ()
@@ -52,7 +46,7 @@ _SUPPORT: dict[type, ModelSupport] = {}
 
 
 def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], Callable[[], ModelSupport]]:
-    """Register the `ModelSupport` a factory returns as what StepBatched knows about `model_class`."""
+    """Register the `ModelSupport` that `factory` returns for `model_class` (and its subclasses)."""
 
     def decorate(factory: Callable[[], ModelSupport]) -> Callable[[], ModelSupport]:
         _SUPPORT[model_class] = factory()
@@ -62,7 +56,7 @@ def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], 
 
 
 def support_for(model: torch.nn.Module) -> ModelSupport:
-    """The support registered for the model's class or its nearest registered base class."""
+    """The support of the model's class or nearest registered base class."""
     _load_modules()
     for cls in type(model).__mro__:
         support = _SUPPORT.get(cls)
@@ -80,7 +74,7 @@ _loaded = False
 
 
 def _load_modules() -> None:
-    """Import the per-class modules once (lazily: each imports its diffusers model class)."""
+    # NOTE: lazily, once: each module imports its diffusers model class
     global _loaded
     if _loaded:
         return
