@@ -21,6 +21,22 @@ Refusal = Callable[[torch.nn.Module, dict[str, Any]], "str | None"]
 
 
 @dataclass(frozen=True)
+class Packing:
+    """How calls of different sizes run as one packed call of the model's own submodules.
+
+    Args:
+        unsupported: why the model can't run packed calls now (other attention processors, hooks), or None.
+        key: (what must match for calls to pack, tokens per row), or None when this call can't pack.
+        run: `run(model, calls, packed_attention)`: one output per call (its arguments by name), as the model
+            returns it.
+    """
+
+    unsupported: Callable[[torch.nn.Module], "str | None"]
+    key: Callable[[dict[str, Any]], "tuple[Any, int] | None"]
+    run: Callable[[torch.nn.Module, list[dict[str, Any]], str], list[Any]]
+
+
+@dataclass(frozen=True)
 class ModelSupport:
     """How calls of one denoiser class share a forward.
 
@@ -31,6 +47,7 @@ class ModelSupport:
         refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
         trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
         teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
+        packing: how calls of different sizes share one packed call; None: only equal sizes merge.
     """
 
     row_lists: tuple[str, ...] = ()
@@ -39,6 +56,7 @@ class ModelSupport:
     refusal: Refusal | None = None
     trusted: bool = False
     teacache_coefficients: tuple[float, ...] | None = None
+    packing: Packing | None = None
 
 
 DEFAULT_SUPPORT = ModelSupport()

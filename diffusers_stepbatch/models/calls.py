@@ -1,4 +1,4 @@
-"""One denoiser call as rows: which arguments are per row, what must match to merge, how outputs split.
+"""One model call as rows: which arguments are per row, what must match to merge, how outputs split.
 
 A call is described by binding its arguments to the model's `forward` signature, so a model's support can
 name them. Per-row arguments (tensors whose dim 0 is the batch, and the support's `row_lists`) become row
@@ -13,27 +13,32 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils import BaseOutput
+from transformers.utils import ModelOutput
 
 from ..programs.validation import freeze
 from . import ModelSupport, support_for
 
 logger = logging.getLogger(__name__)
 
-_BATCH_NAMES = ("hidden_states", "sample", "x")
+_BATCH_NAMES = ("hidden_states", "sample", "x", "input_ids")
+_RECORDS = (BaseOutput, ModelOutput)  # diffusers' and transformers' output dataclasses
 
 
 @dataclass
-class DenoiserCall:
+class ModelCall:
     """A described call: `template` rebuilds it from `row_inputs`; equal `signature`s may share a forward."""
 
     support: ModelSupport
+    method: str
     parameters: inspect.Signature | None
     template: dict[str, Any]
     signature: Any
     row_inputs: list[Any]
     rows: int | None
     refusal: str | None
+    arguments: dict[str, Any]  # the call's arguments by name, as given
 
     @property
     def structure(self) -> Any:
@@ -41,22 +46,23 @@ class DenoiserCall:
         return _structure(self.signature)
 
 
-_signatures: dict[type, inspect.Signature | None] = {}
+_signatures: dict[tuple[type, str], inspect.Signature | None] = {}
 
 
-def _forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
-    cls = type(model)
-    if cls not in _signatures:
+def _method_signature(model: torch.nn.Module, method: str) -> inspect.Signature | None:
+    key = (type(model), method)
+    if key not in _signatures:
         try:
-            _signatures[cls] = inspect.signature(cls.forward)
-        except (TypeError, ValueError):
-            _signatures[cls] = None
-    return _signatures[cls]
+            _signatures[key] = inspect.signature(getattr(type(model), method))
+        except (AttributeError, TypeError, ValueError):
+            _signatures[key] = None
+    return _signatures[key]
 
 
-def _arguments(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[inspect.Signature | None, dict[str, Any]]:
+def _arguments(model: torch.nn.Module, method: str, args: tuple,
+               kwargs: dict) -> tuple[inspect.Signature | None, dict[str, Any]]:
     """The call's arguments by name (positional ones as `__arg<i>` where the signature can't bind them)."""
-    signature = _forward_signature(model)
+    signature = _method_signature(model, method)
     if signature is not None:
         try:
             bound = signature.bind(model, *args, **kwargs)
@@ -71,9 +77,10 @@ def _arguments(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[inspe
     return None, named
 
 
-def describe_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> DenoiserCall:
+def describe_call(model: torch.nn.Module, args: tuple, kwargs: dict, method: str = "forward") -> ModelCall:
+    """`model.<method>(*args, **kwargs)` as rows and a signature (`forward`: a call of the model itself)."""
     support = support_for(model)
-    signature, named = _arguments(model, args, kwargs)
+    signature, named = _arguments(model, method, args, kwargs)
     rows = _batch_size(named, support, signature)
     refusal = support.refusal(model, named) if support.refusal else None
     row_inputs: list[Any] = []
@@ -86,7 +93,7 @@ def describe_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Denoiser
             continue
         template[name], part = _describe(value, None if name in support.shared else rows, row_inputs)
         described.append((name, part))
-    return DenoiserCall(support, signature, template, tuple(described), row_inputs, rows, refusal)
+    return ModelCall(support, method, signature, template, tuple(described), row_inputs, rows, refusal, named)
 
 
 def _batch_size(named: dict[str, Any], support: ModelSupport, signature: inspect.Signature | None) -> int | None:
@@ -168,14 +175,16 @@ def fill(template: Any, rows: dict[str, Any]) -> Any:
     return template
 
 
-def run_call(model: torch.nn.Module, call: DenoiserCall, rows: dict[str, Any]) -> Any:
+def run_call(model: torch.nn.Module, call: ModelCall, rows: dict[str, Any]) -> Any:
     """Call the model with the described call's arguments, row inputs taken from `rows`."""
     named = fill(call.template, rows)
+    target = model if call.method == "forward" else getattr(model, call.method)  # NOTE: forward via hooks
     if call.parameters is None:
         positional = [named.pop(f"__arg{i}") for i in range(len(named)) if f"__arg{i}" in named]
-        return model(*positional, **named)
-    bound = inspect.BoundArguments(call.parameters, {"self": model, **named})
-    return model(*bound.args[1:], **bound.kwargs)
+        return target(*positional, **named)
+    self_name = next(iter(call.parameters.parameters))
+    bound = inspect.BoundArguments(call.parameters, {self_name: model, **named})
+    return target(*bound.args[1:], **bound.kwargs)
 
 
 class NotRowWise(ValueError):
@@ -188,8 +197,10 @@ def cut(output: Any, begin: int, end: int, total: int, lists_are_rows: bool = Fa
         if output.ndim == 0 or output.shape[0] != total:
             raise NotRowWise(f"an output of shape {tuple(output.shape)} for {total} rows")
         return output[begin:end]
-    if isinstance(output, BaseOutput):
+    if isinstance(output, _RECORDS):
         return type(output)(**{k: cut(v, begin, end, total, lists_are_rows) for k, v in output.items()})
+    if isinstance(output, DiagonalGaussianDistribution):
+        return DiagonalGaussianDistribution(cut(output.parameters, begin, end, total), output.deterministic)
     if isinstance(output, list) and lists_are_rows:
         if len(output) != total:
             raise NotRowWise(f"a list output of {len(output)} entries for {total} rows")
@@ -217,7 +228,9 @@ def max_difference(merged: Any, alone: Any) -> float:
             return 0.0 if torch.equal(merged, alone) else float("inf")
         scale = alone.detach().abs().max().float().clamp(min=1.0)
         return float((merged.detach().float() - alone.detach().float()).abs().max() / scale) if alone.numel() else 0.0
-    if isinstance(merged, BaseOutput):
+    if isinstance(merged, DiagonalGaussianDistribution) and isinstance(alone, DiagonalGaussianDistribution):
+        return max_difference(merged.parameters, alone.parameters)
+    if isinstance(merged, _RECORDS):
         merged, alone = tuple(merged.values()), tuple(alone.values())
     if isinstance(merged, dict) and isinstance(alone, dict):
         if merged.keys() != alone.keys():
@@ -242,6 +255,8 @@ def probe_tolerance(output: Any) -> float:
 def _first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
+    if isinstance(output, DiagonalGaussianDistribution):
+        return output.parameters
     values = output.values() if isinstance(output, (dict, BaseOutput)) else output if isinstance(
         output, (tuple, list)) else ()
     for value in values:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from diffusers import FluxTransformer2DModel
 
-from .. import ModelSupport, register_model
+from .. import ModelSupport, Packing, register_model
+from .packing import flux_packing_unsupported, pack_calls, pack_key
 from .teacache import FLUX_COEFFICIENTS
 
 
 @register_model(FluxTransformer2DModel)
 def _flux() -> ModelSupport:
-    return ModelSupport(shared=("img_ids", "txt_ids"), trusted=True, teacache_coefficients=FLUX_COEFFICIENTS)
+    return ModelSupport(shared=("img_ids", "txt_ids"), trusted=True, teacache_coefficients=FLUX_COEFFICIENTS,
+                        packing=Packing(unsupported=flux_packing_unsupported, key=pack_key, run=pack_calls))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.utils import apply_lora_scale
 
@@ -58,6 +59,38 @@ def flux_packed_forward(transformer, parts: Sequence[FluxPart], joint_attention_
     """
     return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
                     packed_attention=packed_attention)
+
+
+# the forward's arguments a packed call reproduces; a call with any other argument set runs unpacked
+_PACKED_ARGUMENTS = {"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance",
+                     "txt_ids", "img_ids", "joint_attention_kwargs", "return_dict"}
+
+
+def pack_key(arguments: dict) -> tuple | None:
+    """(what must match for calls of `FluxTransformer2DModel.forward` to pack, tokens per row), or None."""
+    if any(value is not None for name, value in arguments.items() if name not in _PACKED_ARGUMENTS):
+        return None
+    attention_kwargs = arguments.get("joint_attention_kwargs") or {}
+    if set(attention_kwargs) - {"scale"}:
+        return None  # NOTE: other attention kwargs go to the attention processor, which a packed call bypasses
+    hidden, text = arguments["hidden_states"], arguments["encoder_hidden_states"]
+    key = (arguments.get("guidance") is None, attention_kwargs.get("scale"),
+           tuple(arguments["pooled_projections"].shape[1:]), hidden.dtype, text.dtype, str(hidden.device),
+           arguments.get("return_dict", True))
+    return key, hidden.shape[1] + text.shape[1]
+
+
+def pack_calls(transformer, calls: Sequence[dict], packed_attention: str) -> list:
+    """One packed forward for calls of different sizes; each call's output as the model would return it."""
+    def ids(tensor):
+        return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
+
+    parts = [FluxPart(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
+                      pooled_projections=c["pooled_projections"], timestep=c["timestep"], guidance=c.get("guidance"),
+                      txt_ids=ids(c["txt_ids"]), img_ids=ids(c["img_ids"])) for c in calls]
+    outputs = flux_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
+    return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
+            for c, out in zip(calls, outputs)]
 
 
 def flux_token_streams(parts: Sequence[FluxPart]) -> list[torch.Tensor]:
