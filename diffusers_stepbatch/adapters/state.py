@@ -26,7 +26,6 @@ from .lora import lora_layers, per_row_lora, unit_scale
 NOT_GIVEN = object()  # a call without `adapters=`: the pipeline's active adapters at submit
 
 
-
 @dataclass(frozen=True)
 class AdapterState:
     """One request's denoiser LoRA: sorted (adapter, weight x LoRA scale) pairs; empty is the base model."""
@@ -130,9 +129,8 @@ def lora_rows(model: torch.nn.Module, states: list[AdapterState | None],
 def text_encoder_state(encoders: list[Any]) -> tuple | None:
     """A hashable summary of the text encoders' LoRA state (active adapters, scalings); None without LoRA.
 
-    NOTE: text encoders run with their global adapter state at encode time (per-request text-encoder LoRA is
-    not implemented); keying encode items on this state keeps texts planned under different states out of one
-    encode call (the prompt cache keys on it already: `cache.prompt.weights_fingerprint`).
+    Text encoders run with their global adapter state, so encode items key on it: texts planned under
+    different states never share an encode call.
     """
     summary = []
     for encoder in encoders:
@@ -149,11 +147,8 @@ def without_lora_scale(attention_kwargs: Mapping[str, Any] | None) -> dict[str, 
 
 
 def text_lora_scale(encoders: list[Any], lora_scale: Any) -> tuple[Any, tuple | None]:
-    """(the LoRA scale an encode needs, the text encoders' LoRA state): the scale is None without text LoRA.
-
-    Without text-encoder LoRA the scale cannot change an embedding, so requests that differ only in it share
-    encodes and prompt-cache entries.
-    """
+    """(the LoRA scale an encode needs, the text encoders' LoRA state); the scale is None without text LoRA,
+    where it cannot change an embedding, so requests that differ only in it share encodes and cache entries."""
     state = text_encoder_state(encoders)
     return (lora_scale if state is not None else None), state
 

@@ -1,17 +1,10 @@
 """TeaCache with one decision per request and CFG branch, inside merged batches.
 
-TeaCache (Liu et al., 2024) reuses the transformer blocks' residual of an earlier step while the cheap signal
-barely moves: the first block's modulated input (norm1 of the embedded image tokens under the step's
-timestep embedding). Its relative L1 change since the previous step goes through a per-family rescale
-polynomial and accumulates; while the sum stays below the threshold the blocks are skipped and the cached
-residual is added, once it crosses the threshold the blocks run and the sum restarts. The first and last
-steps always run.
+TeaCache (Liu et al., 2024) skips the blocks, adding an earlier step's residual, while the first block's modulated
+input barely moves (its rescaled relative L1 change, accumulated up to the threshold); first and last steps run.
 
-Public implementations keep one such state per model and take one decision for the whole batch. Here a
-`TeaCacheState` lives in the request, one per CFG branch, and the model's TeaCache forward decides per state
-(`models/flux/teacache.py`):
-rows that skip never enter the blocks, rows that compute run them together. A request therefore gets the
-same steps skipped whether it ran alone or in a batch.
+NOTE: public implementations decide once per batch; here each request holds a `TeaCacheState` per CFG branch
+and the model's TeaCache forward decides per row, so a request skips the same steps alone or in a batch.
 
 >>> sb = StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.4))
 >>> image = sb("a cat", num_inference_steps=28).images[0]
@@ -37,8 +30,7 @@ class TeaCacheConfig:
     """TeaCache settings for a `StepBatched` engine, or for one request (`teacache=` call argument).
 
     Args:
-        threshold: accumulated rescaled change below which a step reuses the cached residual. 0 never skips;
-            on FLUX.1-dev 0.25, 0.4, 0.6 and 0.8 give about 1.5x, 1.8x, 2.0x and 2.25x (TeaCache4FLUX).
+        threshold: accumulated rescaled change below which a step reuses the cached residual (0 never skips).
         coefficients: rescale polynomial, highest power first; None takes the model's (its `ModelSupport`).
         min_steps: requests with fewer denoising steps run without TeaCache (and a warning, once per config).
     """

@@ -1,11 +1,9 @@
 """PiD early exit for step programs: stop the main model at step K and let PiD decode its x_t at full size.
 
-With `StepBatched(pipe, decoder=..., pid_exit_step=K)` a call for `height` x `width` runs the main model at
-`height / sr_scale` x `width / sr_scale` for K of its N steps (default N - 2, source document 000), then PiD
-turns the early-exited latent x_t (in the VAE layout, as the denoiser sees it; each family's conventions are in
-`pid_families.py`) and its noise level `scheduler.sigmas[K]` into the image at the requested size. A program
-calls `plan_pid_exit` while planning (in the caller's thread, so bad input raises there), stops its loop at
-`pid.exit_step` and calls `pid_exit_decode` in place of its VAE decode:
+With `StepBatched(pipe, decoder=..., pid_exit_step=K)` the main model runs K of its N steps (default N - 2) at
+1/sr_scale of the requested size; PiD turns that x_t and its `scheduler.sigmas[K]` into the full-size image. A
+program plans with `plan_pid_exit` (in the caller's thread), stops its loop at `pid.exit_step` and decodes with
+`pid_exit_decode` in place of the VAE:
 
 >>> pid = plan_pid_exit(pipe, args, context)                      # None when the engine has no PiD decoder
 >>> image = yield from pid_exit_decode(view, pid, args, latents, prompt_embeds)

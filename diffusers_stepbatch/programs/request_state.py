@@ -1,13 +1,8 @@
 """Per-call pipeline state (`guidance_scale`, `num_timesteps`, `current_timestep`, ...) seen from the wrapper.
 
-diffusers keeps a call's state on the pipeline object; a step program keeps it on the request's own view
-(`request_pipeline`). So that code written for the plain pipeline reads the same values through the wrapper:
-- after `sb(...)` returns, the calling thread sees that call's view (`StepBatched` keeps it per thread);
-- inside a step callback, and inside a forward that runs one request's rows (cache hooks read
-  `pipe.current_timestep` there), the engine thread sees the view made active with `active_view(view)`.
+A step program keeps a call's state on the request's view, not the pipeline; the wrapper reads it from there.
 
->>> planned = plan(pipe, call_args, context)   # request_pipeline() puts the view it makes in context.views
->>> with active_view(context.views[0]):
+>>> with active_view(view):
 ...     noise = transformer(...)             # sb.current_timestep is this request's timestep here
 """
 
@@ -20,8 +15,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-# NOTE: on a view, a weak reference to the pipeline it was made from: a caller's thread keeps its last call's view
-# (`sb.num_timesteps`, ...), and in hook mode the pipeline holds its engine, which must stop once it is dropped.
+# NOTE: a view's pipeline, held weakly: a dropped pipeline (and in hook mode its engine) must not outlive its views.
 _SOURCE = "_stepbatch_source"
 _active = threading.local()
 
@@ -55,11 +49,7 @@ def active_view_of(pipe: Any) -> Any:
 
 
 def is_call_state(pipe: Any, view: Any, name: str) -> bool:
-    """Whether `name` is per-call state to read from a request's view rather than from the pipeline.
-
-    That is a property the pipeline's family defines (`guidance_scale`, `do_classifier_free_guidance`, ...;
-    not DiffusionPipeline's own `device`, `components`, ...), or a private attribute the call set on its view.
-    """
+    """Whether `name` is per-call state: a family's property (not DiffusionPipeline's) or a private one on the view."""
     from diffusers import DiffusionPipeline
 
     if name.startswith("__") or name == _SOURCE:
@@ -72,8 +62,7 @@ def is_call_state(pipe: Any, view: Any, name: str) -> bool:
 
 
 def copy_call_state(pipe: Any, view: Any) -> None:
-    """Leave a finished call's private state (`_guidance_scale`, `_num_timesteps`, ...) on `pipe`, as a plain call
-    does (hook mode: code that holds only the pipeline reads `pipe.num_timesteps` after its call)."""
+    """Leave a finished call's private state (`_num_timesteps`, ...) on `pipe`, as a plain call does (hook mode)."""
     for name in list(view.__dict__):
         if name.startswith("_") and is_call_state(pipe, view, name):
             pipe.__dict__[name] = view.__dict__[name]

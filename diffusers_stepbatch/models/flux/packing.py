@@ -2,7 +2,7 @@
 
 It drives the model's own submodules the way `FluxTransformer2DModel.forward` does, op for op, with three
 differences that keep each row's result its own: tokens of all rows are packed without padding (see
-`layout.py`), each row's AdaLN modulation (from its timestep, guidance and pooled text) reaches only its own
+`packing/layout.py`), each row's AdaLN modulation (from its timestep, guidance and pooled text) reaches only its own
 tokens, and attention runs inside each row with the row's own RoPE positions. TeaCache decisions stay per
 request and CFG branch, as in `models/flux/teacache.py`, whose state holds layout-free [rows, tokens, dim] tensors
 so a request may alternate between packed and ordinary calls.

@@ -5,7 +5,7 @@
   (a row's tokens see only that row's); CPU and CUDA.
 - "varlen": all tokens as one sequence, `torch.nn.attention.varlen.varlen_attn` (flash attention with
   cumulative row lengths); CUDA only, float16 / bfloat16 only.
-- "auto": the fastest measured on the device (`AUTO_CHOICE`).
+- "auto": the fastest for the device type (`AUTO_CHOICE`).
 
 >>> StepBatched(pipe, packed_attention="flex")          # or "auto" (the default), "recover_scatter", "varlen"
 """
@@ -18,9 +18,7 @@ import torch
 
 PACKED_ATTENTION = ("auto", "recover_scatter", "flex", "varlen")
 
-# NOTE: measured by `benchmarks/packed_forward.py` (README): on this CPU recover-scatter beats flex (eager,
-# which materializes the scores) several times over; on an H200 (FLUX.1 width, three sizes) recover-scatter ran
-# 1.06-1.09x the per-size calls, varlen 0.97-0.99x and eager flex 0.06x.
+# NOTE: recover-scatter was the fastest backend on CPU and CUDA (docs/benchmarks.md#packed-forward).
 AUTO_CHOICE = {"cpu": "recover_scatter", "cuda": "recover_scatter"}
 
 

@@ -1,11 +1,8 @@
 """Token packing for mixed-resolution transformer calls: the rows of several shapes in one flat sequence.
 
-A packed call holds *parts*: groups of rows that share a shape (a request's rows, or several same-size
-requests). Each row has one span of tokens per *stream* (Flux: text, image). A stream's packed tensor is
-[tokens, ...] with the parts one after another and, inside a part, the rows one after another; nothing is
-padded. Token-wise layers (linear, norms, MLPs) run once over a packed tensor; per-row conditioning reaches
-the tokens through `per_token`; self-attention stays inside each row through `attend`, which gathers a part's
-rows as one SDPA batch and scatters the result back (recover-scatter).
+A packed call holds *parts* (rows that share a shape); each row has one span of tokens per *stream* (Flux: text,
+image), packed without padding as [tokens, ...], part after part and row after row. Token-wise layers run once
+over it, per-row conditioning reaches the tokens through `per_token`, and `attend` keeps attention in each row.
 
 >>> layout = PackedLayout(rows=[2, 1], lengths=[(4, 16), (4, 64)])   # 2 rows of 4 + 16 tokens, 1 of 4 + 64
 >>> layout.tokens(1)                                                  # image tokens in all: 2 * 16 + 64
@@ -94,18 +91,15 @@ class PackedLayout:
         return per_row.index_select(0, self.token_rows[stream])
 
     def row_values(self, stream: int, per_row: torch.Tensor, chunks: int = 1) -> list[RowValues]:
-        """Row values [rows, chunks * dim], split in `chunks`, as one stream's tokens see them (for `modulate`
-        and `gated_add`)."""
+        """Row values [rows, chunks * dim], split in `chunks`, as one stream's tokens see them (`modulate`)."""
         per_token = None if self.broadcasts(stream) else self.per_token(stream, per_row).chunk(chunks, dim=1)
         return [RowValues(values, None if per_token is None else per_token[i])
                 for i, values in enumerate(per_row.chunk(chunks, dim=1))]
 
     def broadcasts(self, stream: int) -> bool:
-        """Whether row values reach this stream's tokens as a broadcast over each part's [rows, length] view.
+        """Whether row values broadcast over each part's [rows, length] view rather than a per-token copy.
 
-        NOTE: a per-token copy of the AdaLN values is one kernel for all parts but a [tokens, dim] tensor per
-        value (6 per block); with long rows those copies cost more (memory, fresh pages) than one kernel per part.
-        """
+        NOTE: with long rows a [tokens, dim] copy per AdaLN value costs more than one kernel per part."""
         return self.tokens(stream) >= _BROADCAST_MIN_TOKENS * self.num_parts
 
     def modulate(self, stream: int, x: torch.Tensor, scale1: RowValues, shift: RowValues) -> torch.Tensor:
@@ -118,8 +112,7 @@ class PackedLayout:
 
     def gated_apply(self, stream: int, residual: torch.Tensor, gate: RowValues, fn: Callable, x: torch.Tensor,
                     split: bool = True) -> torch.Tensor:
-        """`residual + gate * fn(x)` per row, for a token-wise `fn` (an MLP); with `split` and long rows `fn`
-        runs per part, so its temporaries stay the size of one part's."""
+        """`residual + gate * fn(x)` per row for a token-wise `fn`; `split` runs `fn` per part with long rows."""
         if gate.per_token is not None or not split:
             return self.gated_add(stream, residual, gate, fn(x))
         out = residual.new_empty(residual.shape)  # NOTE: contiguous, so each part's span is a view
@@ -199,12 +192,10 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
            values: Sequence[torch.Tensor], attention: AttentionFn, method: str = "recover_scatter",
            out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Self-attention inside each row over its streams' tokens, in stream order.
+    """Self-attention inside each row over its streams' tokens, in stream order; no token sees another row's.
 
-    `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's packed output
-    [tokens, heads * head_dim], written into `out[k]` when given. No token sees another row's. With
-    "recover_scatter" the rows of one part attend as one batch through `attention`; "flex" and "varlen" attend
-    all tokens as one sequence (`attention.py`).
+    `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's [tokens, heads * head_dim]
+    (into `out[k]` when given). "recover_scatter" attends each part as one batch through `attention`.
     """
     if method != "recover_scatter":
         from .attention import flat_attend
