@@ -7,8 +7,7 @@ An allocation is an op output with new storage (views and `out=` writes are not)
 `diffusers_stepbatch.buffers.AllocationCounter` in the engine steps of the denoising loop, outside the
 transformer's forward (the model's own temporaries are the same either way; they are reported separately).
 The engine is driven in this thread on requests planned up front, so both sides see identical batches.
-Overhead per step is an engine step's wall time minus its transformer forwards. Source document 004,
-section 2: 5 vs 61 allocations (-91.8%), 0.231 vs 0.387 ms per step.
+Overhead per step is an engine step's wall time minus its transformer forwards.
 """
 
 from __future__ import annotations

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Every GPU check of this round in one run (a few minutes on an H200), for a session that is lent a CUDA machine.
+# Every GPU check in one run (a few minutes on an H200), for a CUDA machine without network access.
 #
 #   bash benchmarks/device_wheels.sh                     # here: the wheels that machine lacks, into .whl/
 #   bash benchmarks/device_preflight.sh                  # here: they import on that image's versions
-#   # there (device tool, carry [".whl"]), from the repository root:
+#   # there, with .whl/ copied along, from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
 #       PYTHONPATH=/tmp/site:$PWD bash benchmarks/device_check.sh
 #
-# Writes into $OUT (the device tool's folder) or benchmarks/results (5 or 6 files; the tool brings back at most 8):
+# Writes into $OUT or benchmarks/results (5 or 6 files):
 # - device_check.log: everything printed, the CUDA-only tests' results first (no host sync in the denoising loop
 #   under set_sync_debug_mode("error"), varlen attention = recover-scatter, packed mixed-resolution pipelines on
 #   CUDA = their solo runs);
-# - gpu_suite.json: throughput vs sequential and the batched ceiling at 512x512 and 1024x1024 (issue 18);
+# - gpu_suite.json: throughput vs sequential and the batched ceiling at 512x512 and 1024x1024;
 # - packed_forward_gpu.json: the transformer alone, 512 + 768x512 + 1024 rows per size vs packed with
 #   recover-scatter, flex and varlen attention (which `packed_attention="auto"` should pick on CUDA);
-# - mixed_resolution_gpu.json (MIXED_RESOLUTION=1 only): the same sizes end to end, per-size vs packed (issue 13);
+# - mixed_resolution_gpu.json (MIXED_RESOLUTION=1 only): the same sizes end to end, per-size vs packed;
 # - profile_steps.json (+ profile_steps_trace.json.gz): where a round of 8 x 20 steps at 512x512 spends its time.
 # Each step has its own time limit, so one that hangs leaves the others their time.
 set -uo pipefail
@@ -44,7 +44,7 @@ run 120 python3 benchmarks/profile_steps.py --warmup-rounds 3 --trace "$out/prof
     --out "$out/profile_steps.json"
 run 40 python3 benchmarks/packed_forward.py --workloads flux1-width --out "$out/packed_forward_gpu.json"
 run 220 python3 benchmarks/gpu_suite.py --rounds 3 --warmup-rounds 3 --out "$out/gpu_suite.json"
-if [ "${MIXED_RESOLUTION:-0}" = 1 ]; then  # issue 13's end-to-end numbers: 110 s more
+if [ "${MIXED_RESOLUTION:-0}" = 1 ]; then  # mixed resolutions end to end: 110 s more
     run 110 python3 benchmarks/mixed_resolution.py --workloads flux1-width --threads 1 --steps 10 --rounds 2 \
         --warmup-rounds 2 --out "$out/mixed_resolution_gpu.json"
 fi

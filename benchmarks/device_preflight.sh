@@ -5,7 +5,7 @@
 # A CPU venv stands in for the device image: the versions its package list gives for the libraries our wheels sit
 # on (huggingface_hub, transformers, accelerate, tokenizers, safetensors; torch is this machine's CPU build), then
 # the wheels go into a target folder ahead of them on PYTHONPATH, as there. What it catches: an import that fails
-# (2026-12-04: transformers 5.25 refused the image's huggingface_hub 1.33), a wheel that needs another. What it
+# (transformers 5.25 refuses huggingface_hub 1.33), a wheel that needs another. What it
 # cannot: anything CUDA or torch-version specific.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ site=$venv-site
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet torch==2.13.0
-    # NOTE: the device image's versions, as /work/.library/device/KINDS.md lists them (2026-11)
+    # NOTE: the device image's versions of the libraries our wheels sit on
     "$venv/bin/pip" install --quiet "huggingface_hub==1.33.0" "transformers==5.17.0" "accelerate==1.15.0" \
         "tokenizers==0.23.2" "safetensors==0.8.0" numpy pillow pytest pytest-timeout hypothesis requests psutil \
         pyyaml tqdm sentencepiece

@@ -8,7 +8,7 @@ intra-op thread, for the two Flux workloads of `throughput.py` with four sizes o
 per size, the packed forward with recover-scatter attention, and with flex attention (block-diagonal mask;
 eager on the CPU), and on CUDA with varlen (flash) attention too. Prints the ratios per workload and writes JSON;
 what the engine's cost model weighs when it chooses packed or per-size, and what `packed_attention="auto"` picks
-from (`packed/attention.py`'s AUTO_CHOICE).
+from (`models/packing/attention.py`'s AUTO_CHOICE).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 from throughput import WORKLOADS, in_worker_thread  # noqa: E402
 
-from diffusers_stepbatch.packed.flux import FluxPart, flux_packed_forward  # noqa: E402
+from diffusers_stepbatch.models.flux.packing import FluxPart, flux_packed_forward  # noqa: E402
 from diffusers_stepbatch.testing import tiny_flux_transformer  # noqa: E402
 
 GRIDS = {"overhead-bound": [(4, 4), (2, 2), (3, 5), (5, 3)],

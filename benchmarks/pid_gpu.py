@@ -9,9 +9,8 @@ in bf16, with stand-in text encoders (a 1-layer T5 of width 4096, a CLIP of widt
 for both sides and not what is compared), and the released `PiD_res2k_sr4x_official_flux_distill_4step` network
 (1.36B, bf16) fed stand-in Gemma-2 caption embeddings [B, 300, 2304]. Both sides are served by StepBatched, each in
 a fresh process: (a) FLUX at the output size for N steps + VAE decode, (b) FLUX at 1/4 of it for K steps + PiD.
-Peak memory: `torch.cuda.max_memory_allocated` over the process (weights included; the source document's measure),
-or peak RSS minus RSS after imports on a CPU. The source document reports 16.84 -> 11.53 GB and -91.8% latency at
-2048 x 2048; its numbers are written beside ours in the JSON.
+Peak memory: `torch.cuda.max_memory_allocated` over the process (weights included, as the PiD paper reports it),
+or peak RSS minus RSS after imports on a CPU. The paper's figures at 2048 x 2048 are written beside ours in the JSON.
 """
 
 from __future__ import annotations

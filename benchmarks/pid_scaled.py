@@ -52,11 +52,8 @@ REAL_FLUX_VAE = dict(
     latent_channels=16, norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
     scaling_factor=0.3611, shift_factor=0.1159,
 )  # fmt: skip
-# How the VAE is shrunk. A VAE cannot keep both its share of side (a)'s time (FLOPs grow with its widths squared)
-# and its activations relative to PiD's (they grow with its widths), so each is sized from the real configs:
-# "activations": its widths divided as PiD's per-pixel width is (the released 16 -> 4 here), so the VAE decode's
-#     activation peak stands to PiD's as in the real pair (`pid_memory.py` measures both);
-# "flops": the divisor whose VAE decode takes the share of side (a)'s FLOPs nearest the real pair's (0.41%).
+# NOTE: a shrunk VAE keeps either its activations relative to PiD's ("activations": widths divided as PiD's pixel
+# width is) or its share of side (a)'s FLOPs ("flops": the nearest divisor), not both; `vae_divisor` picks each.
 VAE_SIZINGS = ("activations", "flops")
 # NOTE: at 32 FLUX's widths are (4, 8, 16, 16): no narrower than PiD's pixel stream, which cannot go below 4.
 VAE_DIVISOR_CANDIDATES = (4, 8, 16, 32)

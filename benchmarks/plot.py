@@ -3,8 +3,8 @@
     python benchmarks/plot.py                      # concurrency 1, 2, 4, 8 on the overhead-bound model
     python benchmarks/plot.py --smoke
 
-Like the figure in source document 000, section 5: as concurrency grows, sequential serving keeps its
-throughput and its latency grows linearly; step-level batching raises throughput while the batch fits.
+As concurrency grows, sequential serving keeps its throughput and its latency grows linearly; step-level
+batching raises throughput while the batch fits.
 """
 
 from __future__ import annotations

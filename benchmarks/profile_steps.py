@@ -135,8 +135,8 @@ def trace_spans(prof, exported: Path | None) -> list[tuple[float, float]]:
     """
     if exported is not None:
         return trace_device_spans(exported)
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "trace.json"
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
         return trace_device_spans(path)
 

@@ -7,7 +7,7 @@ Each request runs on two engines over the same pipeline, one with the default ca
 `prompt_cache=None`, alternately, so machine load hits both alike. Encode time is the sum of the engines'
 "encode" calls; a request's time is its wall time. The toy model is used when its weights exist, else its
 untrained architecture (same text encoders' shapes, random weights: encode cost is what matters here).
-Source document 004, section 1: text encoding is 1-5% of a FLUX request, so end to end the gain is small.
+Text encoding is a few percent of a FLUX request, so end to end the gain is small.
 """
 
 from __future__ import annotations

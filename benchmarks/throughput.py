@@ -119,10 +119,9 @@ def run_sequential(pipe, make_kwargs, n: int, arrivals: list[float]) -> dict:
 def run_clients(n: int, client) -> float:
     """Run `client(i, start)` in n threads released together at `start` (returned) and wait for all of them.
 
-    NOTE: the threads exist before the clock starts, as a server's workers do. Started one by one after the
-    clock, each `Thread.start()` waits for a GIL handoff while the engine already runs the first request,
-    which spread a round's submits over ~40 ms more (8 requests, tiny Flux: 350 vs 310 ms a round, scratch
-    A/B) that the sequential side, one thread calling in a loop, never pays.
+    NOTE: the threads exist before the clock starts, as a server's workers do: started one by one after the
+    clock, each `Thread.start()` waits for a GIL handoff while the engine already runs the first request, a
+    cost the sequential side (one thread calling in a loop) never pays.
     """
     ready, go, start = threading.Barrier(n + 1), threading.Event(), [0.0]
 

@@ -42,7 +42,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 # NOTE: names load on first use (PEP 562), so that `diffusers-stepbatch serve --help` and the server's flag parsing
-# don't import torch and diffusers (6 s here) before there is anything to run.
+# don't import torch and diffusers (seconds) before there is anything to run.
 _LAZY = {
     "PromptCache": "cache.prompt",
     "TeaCacheConfig": "cache.teacache",

@@ -1,17 +1,9 @@
 """Latent buffer manager: tensors of the denoising loop are allocated once and rewritten in place.
 
-Without it every step allocates: the batch's concatenated inputs (latents, timesteps, guidance, text
-embeddings), the guided noise prediction and the scheduler's next latents. With it (source document 004,
-section 2):
-
-- batch assembly writes each input into a pooled buffer per (input, row shape, dtype, device) and passes a
-  view of its first rows; the pool grows (doubling) only when a batch has more rows than ever before;
-- each request owns a `StepWorkspace`: the guided prediction, the Euler update and two latent buffers
-  that the steps ping-pong between (step i reads one and writes the other).
-
-Every buffer write overwrites all of the rows it hands out, so the in-place reset is the write itself: no
-zeroing pass. The arithmetic is the same ops in the same order as the code it replaces, so outputs are
-bit-identical (tested). One `LatentBuffers` belongs to one engine thread; it is not thread-safe.
+Batch inputs go into pooled buffers per (input, row shape, dtype, device), grown by doubling; each request's
+`StepWorkspace` holds its guided prediction, Euler update and two ping-pong latent buffers. Every write covers
+the rows it hands out (no zeroing pass), and the arithmetic is the replaced code's ops in the same order, so
+outputs are bit-identical. One `LatentBuffers` belongs to one engine thread; it is not thread-safe.
 
 >>> buffers = LatentBuffers()
 >>> batch = buffers.stack("timestep", [torch.tensor(0.5), torch.tensor(0.25)])   # a view into the pool
@@ -81,11 +73,8 @@ def scratch_like(buffers: LatentBuffers | None, name: str, like: torch.Tensor) -
 
 
 class StepWorkspace:
-    """One request's loop buffers: guided prediction, Euler scratch and ping-pong latents.
-
-    Each buffer is allocated at its first use for a given (shape, dtype, device) and then reused; callers
-    must not keep a returned tensor across two steps (the step after next overwrites it).
-    """
+    """One request's loop buffers: guided prediction, Euler scratch and ping-pong latents, allocated at first use
+    and reused; a returned tensor must not be kept across two steps (the step after next overwrites it)."""
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
@@ -113,11 +102,8 @@ class StepWorkspace:
 
     def scheduler_step(self, scheduler: Any, model_output: torch.Tensor, timestep: torch.Tensor,
                        sample: torch.Tensor) -> torch.Tensor:
-        """`scheduler.step(model_output, timestep, sample)[0]`, written into the idle ping-pong buffer.
-
-        FlowMatchEulerDiscreteScheduler without stochastic sampling runs in place; any other scheduler runs
-        its own `step` (which allocates).
-        """
+        """`scheduler.step(model_output, timestep, sample)[0]` into the idle ping-pong buffer (FlowMatchEuler without
+        stochastic sampling; any other scheduler runs its own `step`)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         if type(scheduler) is not FlowMatchEulerDiscreteScheduler or scheduler.config.stochastic_sampling:
@@ -125,8 +111,7 @@ class StepWorkspace:
         if scheduler.step_index is None:
             scheduler._init_step_index(timestep)
         if self._dts is None or self._dts.device != scheduler.sigmas.device:
-            # NOTE: sigmas[i + 1] - sigmas[i] for all i at once: the same fp32 subtraction the scheduler does
-            # per step, without a new 0-dim tensor each time.
+            # NOTE: every step's fp32 sigma difference at once, as the scheduler computes each (no 0-dim tensors).
             self._dts = scheduler.sigmas[1:] - scheduler.sigmas[:-1]
         dt = self._dts[scheduler.step_index]
         # NOTE: the ops of FlowMatchEulerDiscreteScheduler.step, operands in the same order:
@@ -145,10 +130,8 @@ class StepWorkspace:
 
 
 class AllocationCounter:
-    """Counts tensor allocations in this thread: op outputs with new storage (views and `out=` writes are not).
-
-    `exclude(module)` stops counting inside that module's forward, so that a loop's own allocations can be
-    told apart from the model's.
+    """Counts tensor allocations in this thread: op outputs with new storage (views and `out=` writes are not);
+    `exclude(module)` stops counting inside that module's forward.
 
     >>> with AllocationCounter() as counter:
     ...     x = torch.ones(3) + 1

@@ -1,11 +1,7 @@
 """Hook mode: make `pipe(...)` itself step-batched, in place, for code that only holds the pipeline.
 
-Gradio apps, notebooks and libraries call `pipe(...)` on the object they were given. `enable_step_batching`
-serves those calls through a `StepBatched` engine without replacing the object: the pipeline's class is
-swapped for a subclass with the same name whose `__call__` submits to the engine (Python looks `__call__` up on
-the type, so an instance attribute would not do), `isinstance(pipe, FluxPipeline)` stays true, and
-`disable_step_batching` puts the original class back and closes the engine (the original is kept, as
-accelerate's hooks keep a module's original `forward`).
+The pipeline's class becomes a same-named subclass whose `__call__` (looked up on the type) submits to a
+`StepBatched` engine, so `isinstance` holds; `disable_step_batching` puts the original class back.
 
 >>> engine = enable_step_batching(pipe, max_batch_size=8)
 >>> image = pipe("a cat").images[0]          # batched with whatever else calls pipe(...) meanwhile
@@ -39,10 +35,7 @@ def enable_step_batching(pipe: Any, **options: Any) -> Any:
 
 
 def disable_step_batching(pipe: Any, cancel_pending: bool = False) -> None:
-    """Restore the plain pipeline (its own class, its own `__call__`) and close the engine.
-
-    Calls in flight finish first unless `cancel_pending`.
-    """
+    """Restore the plain pipeline and close the engine; calls in flight finish first unless `cancel_pending`."""
     if not is_step_batching(pipe):
         raise ValueError(f"step batching is not enabled on this {type(pipe).__name__}")
     engine = pipe.__dict__.pop(_ENGINE)

@@ -1,16 +1,9 @@
-"""Per-request module scans that stay cheap: the prologue of every request walks the pipeline's models.
+"""Cheap module scans for a request's prologue.
 
-A request's prologue asks what its pipeline looks like right now (the execution device, hooks on the
-transformer, attention processors, text-encoder weights), because a user may move, offload, hook or patch a
-pipeline between calls and the next request must see it. `nn.Module.named_modules()` and attribute reads
-through `nn.Module.__getattr__` cost ~1 us per module and diffusers' `_execution_device` walks some models
-three times; with N callers those walks run one after another under the GIL while the engine waits for
-rows (measured: 3.3 of 7 ms of a tiny Flux request's prologue). The walks here read the same facts from the
-modules' own dicts, about 3x faster, and the execution device is remembered for as long as nothing it
-depends on has changed. Their questions are all about a few kinds of module (those with hooks, attention
-processors or fused projections), so one walk per model (`marked_modules`) finds those and every scan of a
-request's prologue reads that list (`scan_scope`): on a FLUX.1-sized transformer (1,279 modules, meta device)
-its four scans took 9.6 ms walking every module each and 0.9 ms over one census (medians of 50, one run).
+Every request asks what its pipeline looks like now (execution device, hooks, attention processors), since a user
+may move, offload, hook or patch it between calls; with N callers these scans run one after another under the GIL.
+They read the modules' own dicts instead of `nn.Module.__getattr__`, walk each model once per request
+(`scan_scope`, `marked_modules`), and remember the execution device while nothing it depends on changed.
 """
 
 from __future__ import annotations
@@ -29,11 +22,8 @@ _DIFFUSERS_HOOKS = "_diffusers_hook"  # diffusers' HookRegistry (group offloadin
 
 
 def walk(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """`module.named_modules()`: the same (name, module) pairs in the same order, without its generator chain.
-
-    NOTE: the package's scans read `_census` (the same walk, naming only the modules it marks); this one is the
-    every-module reference that tests/test_module_scan.py and benchmarks/prologue.py compare the census against.
-    """
+    """`module.named_modules()`: the same (name, module) pairs in the same order, without its generator chain (the
+    reference the census is tested against)."""
     seen: set[int] = set()
     stack = [("", module)]
     while stack:
@@ -49,8 +39,7 @@ def walk(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
 
 
 def own_attribute(module: torch.nn.Module, name: str) -> Any:
-    """`getattr(module, name, None)` for attributes set on the instance (hooks, processors, flags), read from its
-    dicts instead of through `nn.Module.__getattr__`'s raise-and-catch path; class attributes are looked up last."""
+    """`getattr(module, name, None)`, read from the instance's dicts first (no `__getattr__` raise-and-catch)."""
     value = module.__dict__.get(name)
     if value is None:
         value = module._modules.get(name)
@@ -61,8 +50,7 @@ def own_attribute(module: torch.nn.Module, name: str) -> Any:
     return value
 
 
-# Instance attributes the prologue's scans ask about; a module with none of them (and whose class has none)
-# answers every scan with "nothing here".
+# NOTE: what the scans ask about; a module with none of these (nor its class) answers every scan with "nothing".
 _WATCHED = (_ACCELERATE_HOOK, _DIFFUSERS_HOOKS, "processor", "fused_projections")
 _marked_classes: dict[type, bool] = {}
 _scope: ContextVar[dict[int, tuple[torch.nn.Module, "Census"]] | None] = ContextVar("module_scan_scope", default=None)
@@ -77,16 +65,14 @@ def _class_marked(cls: type) -> bool:
 
 
 class Census(NamedTuple):
-    """One walk of a model: the modules a scan could see (`marked`, with names) and every module (`modules`,
-    for the scans that read each module's tensors), both in `named_modules()` order."""
+    """One walk of a model: the modules a scan could see (`marked`, named) and every module, in walk order."""
 
     marked: tuple[tuple[str, torch.nn.Module], ...]
     modules: tuple[torch.nn.Module, ...]
 
 
 def _census(model: torch.nn.Module) -> Census:
-    # NOTE: `walk`'s loop, with each module's name built only for the marked few: a path is a (parent path, key)
-    # chain, and formatting every module's dotted name was a quarter of the walk (FLUX.1-sized models).
+    # NOTE: `walk`'s loop, naming only the marked few: formatting every dotted name was a quarter of the walk.
     marked, modules, classes = [], [], _marked_classes
     seen: set[int] = set()
     stack: list[tuple[tuple | None, torch.nn.Module]] = [(None, model)]
@@ -167,10 +153,8 @@ def diffusers_hooks(module: torch.nn.Module) -> dict[str, Any]:
 def carries_hooks(module: torch.nn.Module) -> bool:
     """Whether an accelerate or diffusers hook sits on `module` or any of its submodules.
 
-    NOTE: an empty diffusers `HookRegistry` holds no hook. A plain FluxPipeline call leaves one on the transformer
-    (diffusers 0.42: `cache_context` creates it), and counting it sent every later request's
-    `execution_device` to diffusers' walk over every module of every model (measured: 43% of a tiny Flux
-    prologue's time in a burst of 32).
+    NOTE: an empty `HookRegistry` (a plain Flux call's `cache_context` leaves one) holds no hook, and must not send
+    every later request to diffusers' slow `_execution_device` walk.
     """
     return any(_ACCELERATE_HOOK in sub.__dict__ or diffusers_hooks(sub) for _, sub in marked_modules(module))
 
@@ -183,13 +167,8 @@ def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | Non
 
 
 class _ExecutionDevices:
-    """`pipe._execution_device`, remembered per pipeline while what it depends on stays the same.
-
-    Without offload hooks, diffusers returns `pipe.device`: the device of the first (accelerator-first)
-    component's first parameter or buffer. So the answer is kept, keyed on every component's identity and
-    first tensor's device, for pipelines whose models carry no hook at all; a hook anywhere (model or
-    sequential CPU offload, group offloading, caches) sends the question to diffusers itself, every time.
-    """
+    """`pipe._execution_device`, remembered per pipeline while its components and their first tensors' devices
+    stay the same; a hook anywhere (offloading, caches) sends the question to diffusers itself, every time."""
 
     def __init__(self):
         self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .adapters.state import NOT_GIVEN, planning_with_adapters
+from .adapters.state import NOT_GIVEN
 from .buffers import LatentBuffers
 from .cache.prompt import PromptCache
 from .cache.teacache import TeaCacheConfig
@@ -23,15 +23,15 @@ from .engine.core import EngineCore
 from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
 from .module_scan import scan_scope
-from .packed.attention import check_packed_attention
+from .models.packing.attention import check_packed_attention
 from .programs import program_for, registered_pipelines
 from .programs.call_checks import check_call_inputs
 from .programs.cfg import CFGPolicy
 from .programs.generic import plan_generic
-from .programs.options import ProgramOptions, planning_with
-from .programs.pid_exit import PiDExitOptions, check_pid_pipeline, planning_with_pid
+from .programs.options import PlanContext, ProgramOptions
+from .programs.pid_exit import PiDExitOptions, check_pid_pipeline
 from .programs.registry import check_feature, unhooked_class
-from .programs.request_state import active_view_of, capturing_views, is_call_state
+from .programs.request_state import active_view_of, is_call_state
 from .signature import ENGINE_DEFAULT, signed, wrapper_signature
 from .streaming import stream_call
 
@@ -65,20 +65,15 @@ class StepBatched:
             own `teacache=` (a config, or None for exact steps).
         cfg_policy: a `CFGPolicy` deciding whether CFG branches share one forward; by default by free memory.
         latent_buffers: reuse pre-allocated buffers in the denoising loop (bit-identical output).
-        quantize: "qint8", "qint4" or "qfloat8": quantize the transformer's weights in place with
-            optimum-quanto before serving (see `diffusers_stepbatch.quantize`).
-        decoder: decode with PiD instead of the VAE: a `PiDDecoder`, a `PiDDecoding` or a name registered with
-            `register_decoder` ("pid": the released checkpoint for the pipeline). A call for `height` x `width`
-            then runs the main model at 1/sr_scale of that size and PiD returns the requested size (docs/pid.md).
-        pid_exit_step: with `decoder`, the main-model steps before PiD takes over: a step index K in [1, N], a
-            fraction of the N steps, or None for N - 2. A call may pass `decoder=None` to be decoded by the VAE
-            at its full size instead (its denoise steps still batch and pack with the early-exit requests').
-        mixed_resolution: let requests of different sizes share one transformer call (Flux, SD3, Qwen-Image:
-            their tokens are packed, attention stays inside each request) where the engine measured that to
-            pay; False runs one call per size.
-        packed_attention: how a packed call keeps attention inside each request: "auto" (the fastest measured
-            on the device), "recover_scatter" (SDPA per size), "flex" (flex_attention, block-diagonal mask) or
-            "varlen" (CUDA, float16/bfloat16); same outputs (docs/families.md, "Mixed resolutions").
+        quantize: "qint8", "qint4" or "qfloat8": quantize the transformer's weights in place with optimum-quanto.
+        decoder: decode with PiD instead of the VAE: a `PiDDecoder`, a `PiDDecoding` or a registered name ("pid");
+            the main model then runs at 1/sr_scale of the requested size (docs/guides/pid.md).
+        pid_exit_step: with `decoder`, the main-model steps before PiD takes over: K in [1, N], a fraction of the N
+            steps, or None for N - 2. A call may pass `decoder=None` for a VAE decode at its full size.
+        mixed_resolution: let requests of different sizes share one packed call (Flux, SD3, Qwen-Image) where
+            measured to pay; False runs one call per size.
+        packed_attention: attention inside a packed call: "auto", "recover_scatter", "flex" or "varlen" (CUDA);
+            same outputs (docs/guides/mixed-resolutions.md).
     """
 
     def __init__(
@@ -169,11 +164,8 @@ class StepBatched:
     def submit(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> RequestHandle:
         """Validate a call and queue it; returns a `concurrent.futures.Future` with `abort()`.
 
-        `priority` orders admission under the "priority" policy (higher first); `deadline` is seconds from
-        now by which the request should finish (SLO admission, see `SchedulerConfig`). `adapters=` ({name:
-        weight}, see `diffusers_stepbatch.adapters`) picks this request's LoRA adapters; without it the request
-        keeps the adapters active on the pipeline now. Bad input raises
-        `ValueError` (or `TypeError` for unknown arguments) here, in the caller; a full queue `QueueFull`.
+        `priority`: higher first under the "priority" policy; `deadline`: seconds from now (SLO admission);
+        `adapters=`: this request's LoRA adapters ({name: weight}). Bad input raises here, in the caller.
         """
         _check_request_options(priority, deadline)
         if self.engine.in_engine_thread():
@@ -216,9 +208,9 @@ class StepBatched:
         call_args = self._bind(args, kwargs)
         check_call_inputs(self.pipe, call_args, self.engine.config.max_pixels,
                           family_program=self._plan is not plan_generic)
-        with (planning_with(options), planning_with_pid(pid), planning_with_adapters(adapters),
-              capturing_views() as views):
-            planned = self._plan(self.pipe, call_args)
+        context = PlanContext(options=options, pid=pid, adapters=adapters)
+        planned = self._plan(self.pipe, call_args, context)
+        views = context.views
         request_id = next_request_id()
         handle = RequestHandle(request_id, wake_engine=self.engine.wake)
         handle.pipeline_view = views[0] if views else None

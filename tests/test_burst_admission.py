@@ -30,13 +30,13 @@ class HeldPreparation:
         self.outcome = {}
         plan = sb._plan
 
-        def plan_or_hold(pipe, call_args):
+        def plan_or_hold(pipe, call_args, context):
             if call_args.get("prompt") == prompt:
                 self.entered.set()
                 assert self.released.wait(60)
                 if self.error is not None:
                     raise self.error
-            return plan(pipe, call_args)
+            return plan(pipe, call_args, context)
 
         sb._plan = plan_or_hold
 

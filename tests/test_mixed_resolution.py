@@ -9,9 +9,9 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.packed import layout as layout_module
-from diffusers_stepbatch.packed.flux import FluxPart, flux_packed_forward
-from diffusers_stepbatch.packed.sd3 import SD3Part, sd3_packed_forward
+from diffusers_stepbatch.models.packing import layout as layout_module
+from diffusers_stepbatch.models.flux.packing import FluxPart, flux_packed_forward
+from diffusers_stepbatch.models.sd3.packing import SD3Part, sd3_packed_forward
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline, tiny_flux_transformer
 
 from .references import TOLERANCE, family_pipe, flux_pipe, in_lockstep, max_diff, seeded
@@ -241,7 +241,7 @@ def test_an_unknown_attention_processor_keeps_sizes_apart(caplog):
     try:
         expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
         calls = PackedCalls(pipe.transformer)
-        with caplog.at_level(logging.INFO, logger="diffusers_stepbatch.packed.support"):
+        with caplog.at_level(logging.INFO, logger="diffusers_stepbatch.models.packing.support"):
             sb = StepBatched(pipe, scheduler=PACK_ALWAYS)
             got = in_lockstep(sb, requests)
         calls.remove()

@@ -1,6 +1,6 @@
 """Mixed resolutions for QwenImagePipeline: rows of different grids and text lengths in one packed forward.
 
-The packed forward (`packed/qwenimage.py`) must equal `QwenImageTransformer2DModel.forward` per row, with text
+The packed forward (`models/qwenimage/packing.py`) must equal `QwenImageTransformer2DModel.forward` per row, with text
 padding dropped instead of masked; through StepBatched, requests of different sizes share transformer calls
 and each still equals its solo unwrapped run.
 """
@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.packed import layout as layout_module
-from diffusers_stepbatch.packed.qwenimage import (
+from diffusers_stepbatch.models.packing import layout as layout_module
+from diffusers_stepbatch.models.qwenimage.packing import (
     QwenImagePart,
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,

@@ -132,7 +132,7 @@ import diffusers_stepbatch.module_scan as module_scan  # noqa: E402
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.adapters.ip_adapter import ip_processors  # noqa: E402
 from diffusers_stepbatch.module_scan import marked_modules, scan_scope  # noqa: E402
-from diffusers_stepbatch.packed.support import unsupported_reason  # noqa: E402
+from diffusers_stepbatch.models.packing.support import unsupported_reason  # noqa: E402
 from diffusers_stepbatch.programs.cache_hooks import _stateful_hooks  # noqa: E402
 from diffusers_stepbatch.testing import add_random_ip_adapter  # noqa: E402
 

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from diffusers_stepbatch.engine.costs import BatchCostModel, PackingCostModel
-from diffusers_stepbatch.packed import layout as layout_module
-from diffusers_stepbatch.packed.attention import AUTO_CHOICE, check_packed_attention, resolve
-from diffusers_stepbatch.packed.layout import PackedLayout, attend
+from diffusers_stepbatch.models.packing import layout as layout_module
+from diffusers_stepbatch.models.packing.attention import AUTO_CHOICE, check_packed_attention, resolve
+from diffusers_stepbatch.models.packing.layout import PackedLayout, attend
 
 
 def sdpa(query, key, value):
@@ -224,7 +224,7 @@ def test_row_values_reach_only_their_rows_tokens(broadcast, monkeypatch):
 
 
 def test_flux_rotary_is_computed_once_per_ids_and_again_after_an_in_place_change():
-    from diffusers_stepbatch.packed import flux as packed_flux
+    from diffusers_stepbatch.models.flux import packing as packed_flux
     from diffusers_stepbatch.testing import tiny_flux_transformer
 
     pos_embed = tiny_flux_transformer().pos_embed

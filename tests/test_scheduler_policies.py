@@ -448,10 +448,8 @@ def test_sizes_not_run_follow_the_load_that_the_size_run_measures(group, slowdow
 @pytest.mark.parametrize("seconds, group, steps, bound", [("decode_like", 32, 1, 1.10), ("decode_like", 16, 1, 1.08),
                                                           ("linear", 16, 8, 1.03), ("superlinear", 8, 8, 1.02)])
 def test_load_that_changes_from_round_to_round_costs_little(seconds, group, steps, bound):
-    # NOTE: this host's rounds vary by +-30%; each call by a few percent more. Before the load level, a burst's
-    # decodes (one group per round) took a median 1.20x (32 rows) and 1.21x (16) the best possible in a scratch
-    # simulation of this kind, 20 seeds x 40 rounds (linear: 1.030x, superlinear: 1.029x); here 32, 16 and
-    # superlinear fail with that model
+    # NOTE: load varies +-30% from round to round and each call a few percent more; a cost model without a
+    # load level fails the 32, 16 and superlinear cases.
     cost = globals()[seconds]
     ratios = []
     for seed in range(20):

@@ -9,7 +9,8 @@ import torch
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.cache.teacache import FLUX_COEFFICIENTS, TeaCacheState, flux_teacache_forward
+from diffusers_stepbatch.cache.teacache import TeaCacheState
+from diffusers_stepbatch.models.flux.teacache import FLUX_COEFFICIENTS, flux_teacache_forward
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 
 from .references import TOLERANCE, flux_pipe, in_lockstep, max_diff, seeded
@@ -234,7 +235,7 @@ def test_config_validation(bad, match):
 
 
 def test_fitted_coefficients_explain_the_output_change():
-    from diffusers_stepbatch.cache.teacache import fit_coefficients
+    from diffusers_stepbatch.models.flux.teacache import fit_coefficients
 
     pipe = flux_pipe("dev-tiny")
     call = dict(height=32, width=32, num_inference_steps=12, max_sequence_length=16, output_type="latent",

@@ -87,8 +87,8 @@ def test_judge_finds_nothing_on_a_blank_image():
 
 @pytest.fixture(scope="module")
 def pipe():
-    # NOTE: runs on the session's one intra-op thread (conftest): on the shared 2-core CPU a second thread
-    # made the 80-image generation ~3x slower (25 s vs 9 s), not faster.
+    # NOTE: runs on the test run's one intra-op thread (conftest): on a shared 2-core CPU a second thread made
+    # the 80-image generation slower, not faster.
     return load_pipeline()
 
 

@@ -2,7 +2,7 @@
 
 Held-out scenes (captions never seen in training, fresh size/offset jitter) are rendered at the toy model's native
 64 x 64 and encoded by the toy VAE; the latent goes (a) through the VAE decoder and bicubic 4x upsampling and (b)
-through PiD straight to 256 x 256. Both are scored by PSNR against the scene rendered at 256 x 256. Issue 7 asks for
+through PiD straight to 256 x 256. Both are scored by PSNR against the scene rendered at 256 x 256. The target is
 PiD >= 1 dB above (a), on scenes of a seed the training script never evaluates with; the suite also checks that the
 scores its card reports are the ones it gets.
 """

@@ -1,4 +1,4 @@
-"""IP-Adapter (image prompts) for the SD, SDXL and Flux programs (SD3: adapters/sd3_ip_adapter.py): image embeddings and scales are per-row inputs.
+"""IP-Adapter for the SD, SDXL and Flux programs (SD3: `sd3_ip_adapter.py`): embeddings and scales per row.
 
 diffusers keeps IP-Adapter scales on the UNet's attention processors (`pipe.set_ip_adapter_scale`), global
 state like LoRA weights. A request reads them at submit and keeps its own copy; `set_ip_adapter_scale` called on

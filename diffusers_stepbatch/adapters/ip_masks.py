@@ -1,8 +1,5 @@
-"""IP-Adapter masks (`cross_attention_kwargs={"ip_adapter_masks": ...}`, SD and SDXL) as per-row inputs.
-
-diffusers' IP processors take one mask tensor per adapter, `[batch, images, height, width]` as
-`IPAdapterMaskProcessor.preprocess` makes them, and repeat a batch-1 mask over the forward's rows. Here each
-request's masks become its rows' masks, so requests with different masks (of equal shapes) share a UNet forward:
+"""IP-Adapter masks (`cross_attention_kwargs={"ip_adapter_masks": ...}`, SD and SDXL) as per-row inputs, so
+requests with different masks of equal shapes share a UNet forward:
 
 >>> masks = plan_ip_masks(args, num_adapters=1, rows=2)      # at submit: validated, one tensor per adapter
 >>> rows = mask_rows(masks, rows=2)                           # per row: one [1, images, H, W] slice per adapter
@@ -54,8 +51,7 @@ def mask_key(masks: list | None) -> tuple | None:
 
 
 def mask_rows(masks: list | None, rows: int, first_row: int = 0) -> list:
-    """Per row, one `[1, images, H, W]` mask per adapter (None entries kept); rows `first_row:first_row + rows`
-    of the call (a CFG cutoff keeps the conditional half)."""
+    """Per row of `first_row:first_row + rows` (a CFG cutoff keeps the conditional half): one mask per adapter."""
     if masks is None:
         return [None] * rows
     picked = []

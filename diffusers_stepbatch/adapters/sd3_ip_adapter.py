@@ -1,10 +1,8 @@
 """IP-Adapter for the SD3 program: image tokens and scales per row, as StableDiffusion3Pipeline computes them.
 
-SD3's IP-Adapter (`SD3IPAdapterJointAttnProcessor2_0`, a timestep-aware resampler `transformer.image_proj`) takes
-one image prompt per call. The transformer's own forward turns each row's `ip_adapter_image_embeds` into image
-tokens at that row's timestep (`image_proj(embeds, timestep)`), so the embeddings are per-row inputs of the
-denoise item and requests at different steps share forwards; images go through the image encoder in batched
-work items; each row gets its request's scale (`per_row_ip_scales`).
+SD3's IP-Adapter takes one image prompt per call and resamples it at each row's timestep inside the
+transformer (`image_proj(embeds, timestep)`), so the embeddings are per-row inputs and requests at different
+steps share forwards; each row gets its request's scale (`per_row_ip_scales`).
 
 >>> ip = plan_sd3_ip_adapter(pipe, args, do_cfg=True)            # at submit, in the caller's thread
 >>> embeds = yield from sd3_ip_image_embeds(pipe, view, ip, args, device, num_images, do_cfg)
@@ -69,8 +67,7 @@ def sd3_ip_image_embeds(pipe: Any, view: Any, state: IPAdapterState, args: dict[
                         num_images: int, do_cfg: bool) -> Generator[WorkItem, Any, torch.Tensor]:
     """The request's image embeddings as the pipeline prepares them ([negative, positive] rows under CFG).
 
-    Without an image prompt: zero embeddings (at scale 0, the model without its image branch) with as many
-    tokens as the image encoder gives, so that such rows share forwards with image-prompt rows.
+    Without an image prompt: zero embeddings at scale 0, as many tokens as the encoder gives (to share forwards).
     """
     embeds = args.get("ip_adapter_image_embeds")
     if not state.has_image:

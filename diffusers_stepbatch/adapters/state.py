@@ -13,10 +13,9 @@ of `joint_attention_kwargs` / `cross_attention_kwargs` multiplies the weights, p
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 import numbers
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +23,7 @@ import torch
 
 from .lora import lora_layers, per_row_lora, unit_scale
 
-NOT_GIVEN = object()
-_current: contextvars.ContextVar[Any] = contextvars.ContextVar("stepbatch_adapters", default=NOT_GIVEN)
+NOT_GIVEN = object()  # a call without `adapters=`: the pipeline's active adapters at submit
 
 
 @dataclass(frozen=True)
@@ -39,24 +37,12 @@ class AdapterState:
         return dict(self.weights)
 
 
-@contextlib.contextmanager
-def planning_with_adapters(adapters: Any) -> Iterator[None]:
-    """Plan a call with its `adapters=` argument (NOT_GIVEN: the pipeline's active adapters at submit)."""
-    token = _current.set(adapters)
-    try:
-        yield
-    finally:
-        _current.reset(token)
-
-
 def request_adapters(model: torch.nn.Module, adapters: Any = NOT_GIVEN, lora_scale: Any = None) -> AdapterState | None:
     """The request's `AdapterState` for denoiser `model`; None when the model has no LoRA layers (no adapters=).
 
-    `adapters` defaults to the `adapters=` argument of the call being planned. Raises ValueError for unknown
+    `adapters` is the call's `adapters=` argument (`PlanContext.adapters`). Raises ValueError for unknown
     names, negative or non-finite weights and a non-finite `lora_scale`.
     """
-    if adapters is NOT_GIVEN:
-        adapters = _current.get()
     scale = 1.0 if lora_scale is None else _check_scale(lora_scale)
     if adapters is NOT_GIVEN:
         if not lora_layers(model):
@@ -143,9 +129,8 @@ def lora_rows(model: torch.nn.Module, states: list[AdapterState | None],
 def text_encoder_state(encoders: list[Any]) -> tuple | None:
     """A hashable summary of the text encoders' LoRA state (active adapters, scalings); None without LoRA.
 
-    NOTE: text encoders run with their global adapter state at encode time (per-request text-encoder LoRA is
-    not implemented); keying encode items on this state keeps texts planned under different states out of one
-    encode call (the prompt cache keys on it already: `cache.prompt.weights_fingerprint`).
+    Text encoders run with their global adapter state, so encode items key on it: texts planned under
+    different states never share an encode call.
     """
     summary = []
     for encoder in encoders:
@@ -162,11 +147,8 @@ def without_lora_scale(attention_kwargs: Mapping[str, Any] | None) -> dict[str, 
 
 
 def text_lora_scale(encoders: list[Any], lora_scale: Any) -> tuple[Any, tuple | None]:
-    """(the LoRA scale an encode needs, the text encoders' LoRA state): the scale is None without text LoRA.
-
-    Without text-encoder LoRA the scale cannot change an embedding, so requests that differ only in it share
-    encodes and prompt-cache entries.
-    """
+    """(the LoRA scale an encode needs, the text encoders' LoRA state); the scale is None without text LoRA,
+    where it cannot change an embedding, so requests that differ only in it share encodes and cache entries."""
     state = text_encoder_state(encoders)
     return (lora_scale if state is not None else None), state
 

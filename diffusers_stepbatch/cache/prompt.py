@@ -1,11 +1,8 @@
 """Prompt-embedding cache: a byte-bounded LRU of text-encoder outputs, shared safely between engines.
 
-A step program calls `cached_encode` in its encode step: texts found in the cache skip the text encoders,
-the others are encoded in one batched work item and stored. Keys isolate models (source document 004,
-section 1): the pipeline's model id or path, a fingerprint of the text encoders' weights, their dtypes and
-device/offload placement, and every option that changes the embedding (`max_sequence_length`, LoRA scale,
-`clip_skip`, ...), then the text itself. Each text (positive or negative) is one entry, so a request is
-assembled from as many entries; `num_images_per_prompt` is applied by the program after the lookup.
+A step program calls `cached_encode`: cached texts skip the text encoders, the others are encoded in one batched
+work item. Keys isolate models: model id, a fingerprint of the encoders' weights, dtypes, placement and every
+option that changes the embedding, then the text. Each text (positive or negative) is one entry.
 
 >>> cache = PromptCache(max_bytes=64 * 2**20)
 >>> sb_a, sb_b = StepBatched(pipe_a, prompt_cache=cache), StepBatched(pipe_b, prompt_cache=cache)
@@ -49,19 +46,13 @@ class PromptCacheStats:
 
 
 class PromptCache:
-    """A thread-safe LRU of text-encoder outputs, bounded in bytes.
-
-    Entries are tuples of tensors. `put` stores private copies and `get` returns fresh copies, so nothing a
-    caller does to a tensor can change a cached entry. One cache may serve several `StepBatched` engines
-    (their keys carry the model's identity).
+    """A thread-safe LRU of text-encoder outputs, bounded in bytes (`max_bytes`); `put` stores private copies and
+    `get` returns fresh ones. One cache may serve several engines (keys carry the model's identity).
 
     >>> cache = PromptCache(max_bytes=32 * 2**20)
     >>> cache.put(("model", "a cat"), (torch.ones(1, 4),))
     >>> cache.get(("model", "a cat"))[0].sum().item()
     4.0
-
-    Args:
-        max_bytes: the most bytes of tensors kept; the least recently used entries are evicted beyond it.
     """
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -80,8 +71,7 @@ class PromptCache:
 
     def put(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> None:
         """Store copies of `tensors` under `key`; an entry larger than `max_bytes` is not stored."""
-        # NOTE: copies are contiguous and own their storage: a row sliced from a batch would keep the whole
-        # batch alive and make the byte count a lie.
+        # NOTE: own contiguous copies: a sliced row would keep its whole batch alive, beyond the byte count.
         stored = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in tensors)
         size = sum(t.numel() * t.element_size() for t in stored)
         if size > self.max_bytes:
@@ -139,12 +129,8 @@ def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
 
 # ------------------------------------------------------------------------------------------------- keys
 class _Fingerprints:
-    """Weight fingerprints memoized per module; recomputed when a parameter is replaced or changed in place.
-
-    `tensor._version` counts in-place writes (`copy_`, `load_state_dict`, fusing a LoRA), and replacing a
-    parameter changes its identity; new LoRA layers add parameters. So the (name, id, version) signature is
-    a cheap test of whether the sampled hash must be computed again.
-    """
+    """Weight fingerprints memoized per module, recomputed when a tensor's identity or `_version` (in-place writes:
+    `load_state_dict`, a fused LoRA) changes."""
 
     def __init__(self):
         self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -178,9 +164,8 @@ def _adapter_state(module: torch.nn.Module) -> str | None:
 
 
 def _weights_digest(module: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> str:
-    # NOTE: a sampled content hash: up to 4096 evenly strided elements per tensor, plus every name, shape and
-    # dtype. Two different checkpoints differ in nearly every element, while hashing all bytes of a 4.7B
-    # parameter T5 would cost seconds and a full device-to-host copy.
+    # NOTE: sampled (4096 strided elements per tensor, every name, shape and dtype): checkpoints differ nearly
+    # everywhere, and hashing every byte of a large T5 would cost seconds and a device-to-host copy.
     h = hashlib.blake2b(digest_size=16)
     h.update(type(module).__qualname__.encode())
     config = getattr(module, "config", None)
@@ -226,13 +211,11 @@ def encoder_namespace(
     ...                               [pipe.tokenizer, pipe.tokenizer_2], max_sequence_length=512, lora_scale=None)
 
     Args:
-        pipe: the pipeline; its `name_or_path` (model id or local path) is part of the key. A pipeline built in
-            memory has none and is keyed by its identity, so it never shares entries with another pipeline.
+        pipe: the pipeline; its `name_or_path` joins the key (one built in memory is keyed by its identity).
         encoders: the text encoders the embedding depends on (None entries are allowed).
-        family: which encode function produced the embedding ("flux", "sd3", ...): the same encoders can give
-            different embeddings in different families (e.g. a penultimate CLIP layer).
-        tokenizers: the encoders' tokenizers; their class, vocabulary size and max length join the key.
-        execution_device: `pipe._execution_device` if the caller has it (module_scan.execution_device otherwise).
+        family: the encode function ("flux", "sd3", ...): the same encoders give other embeddings in other families.
+        tokenizers: the encoders' tokenizers (class, vocabulary size and max length join the key).
+        execution_device: `pipe._execution_device` if the caller has it.
         options: everything else that changes the embedding: max_sequence_length, lora_scale, clip_skip, ...
     """
     if execution_device is None:
@@ -249,11 +232,8 @@ def encoder_namespace(
 
 
 def encoders_are_deterministic(encoders: Sequence[torch.nn.Module | None]) -> bool:
-    """Whether the encoders give the same embedding for the same text on every call: not in training mode.
-
-    A text encoder left in training mode (a model built from a config rather than `from_pretrained`) runs its
-    dropout, so the plain pipeline draws new embeddings every call; a cached embedding would differ from them.
-    """
+    """Whether the encoders give the same embedding for the same text every call: none in training mode (dropout
+    makes the plain pipeline draw new embeddings each call)."""
     return not any(encoder is not None and encoder.training for encoder in encoders)
 
 
@@ -270,12 +250,8 @@ def cached_encode(
     texts: Sequence[Hashable],
     make_item: Callable[[list], WorkItem],
 ) -> Generator[WorkItem, Any, tuple[torch.Tensor, ...]]:
-    """Encode `texts` through the cache; use as `outputs = yield from cached_encode(...)` in a step program.
-
-    `make_item(texts)` returns the family's batched encode work item for a list of texts; its output is a
-    tensor or tuple of tensors with one row per text. Texts found in the cache are not encoded; the others
-    (each once) go into one work item. Returns a tuple of tensors with one row per entry of `texts`, in
-    order, freshly allocated (the caller may modify them). With `cache=None` every text is encoded.
+    """Encode `texts` through the cache in a step program: only the misses, each once, go into `make_item(texts)`
+    (the family's batched encode item); returns fresh tensors, one row per entry of `texts`.
 
     >>> embeds, pooled = yield from cached_encode(cache, namespace, [("a cat", "a cat")], make_item)
     """

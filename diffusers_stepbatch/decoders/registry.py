@@ -1,8 +1,6 @@
 """Decoders a `StepBatched` engine can use instead of VAE decode, by object or by registered name.
 
-`StepBatched(pipe, decoder=...)` takes a `PiDDecoder`, a `PiDDecoding` (decoder + where its caption embeddings
-come from + its sampler) or a name registered here. A name's factory runs once, when an engine is built,
-with the pipeline it will serve, so it can pick a checkpoint for that pipeline.
+A name's factory runs once per engine, with the pipeline it will serve (to pick a checkpoint for it).
 
 >>> register_decoder("my-pid", lambda pipe: PiDDecoding(PiDDecoder.from_pretrained("my-org/pid"), "pipeline"))
 >>> sb = StepBatched(pipe, decoder="my-pid", pid_exit_step=0.9)
@@ -25,9 +23,8 @@ __all__ = ["PIPELINE_TEXT", "PiDDecoding", "register_decoder", "registered_decod
 PIPELINE_TEXT = "pipeline"
 
 TOY_ADAPTER_DIR = Path(__file__).resolve().parents[1] / "toy" / "pid_adapter"
-# The released nvidia/PiD checkpoint `decoder="pid"` loads per pipeline class (the reference's default for the
-# backbone: "2k" where one exists, else the only release). Released, but without a StepBatched early-exit
-# program: Flux.2 (and klein), Z-Image, and the DINOv2 / SigLIP RAE decoders.
+# NOTE: the reference's default per backbone ("2k" where one exists); Flux.2, Z-Image and the RAE decoders have
+# releases but no early-exit program here.
 _OFFICIAL_FOR = {
     "FluxPipeline": "PiD_res2k_sr4x_official_flux_distill_4step",
     "StableDiffusion3Pipeline": "PiD_res2k_sr4x_official_sd3_distill_4step",
@@ -38,16 +35,9 @@ _OFFICIAL_FOR = {
 
 @dataclass(frozen=True)
 class PiDDecoding:
-    """A PiD decoder as an engine runs it.
-
-    Args:
-        decoder: the network.
-        text_encoder: where the caption embeddings come from: a `PiDTextEncoder` (Gemma-2, what the released
-            checkpoints were trained with; the default, loaded on first use), or `"pipeline"` to reuse the
-            pipeline's own prompt embeddings (adapters trained on them, like the toy one). Any object with
-            `encode(list[str]) -> [B, L, D]` works too.
-        sampler: the PiD sampler (default: the released 4-step distilled schedule).
-    """
+    """A PiD decoder as an engine runs it: the network, where its caption embeddings come from (`text_encoder`: a
+    `PiDTextEncoder`, Gemma-2, the default; `"pipeline"` for the pipeline's own prompt embeddings; or any object
+    with `encode(list[str]) -> [B, L, D]`) and its sampler (default: the released 4-step schedule)."""
 
     decoder: PiDDecoder
     text_encoder: Any = None
@@ -75,8 +65,7 @@ class PiDDecoding:
         return self.decoder.y_embedder.proj.in_features
 
 
-# factory(pipe) -> PiDDecoder | PiDDecoding, called once per engine built with that name.
-DecoderFactory = Callable[[Any], "PiDDecoder | PiDDecoding"]
+DecoderFactory = Callable[[Any], "PiDDecoder | PiDDecoding"]  # called once per engine built with its name
 _DECODERS: dict[str, DecoderFactory] = {}
 
 

@@ -1,13 +1,8 @@
 """Work items, and how items of several requests become one batched call and split again.
 
-A step program yields a `WorkItem` wherever a model runs. Items with equal `key` can share one call:
-their per-row inputs are concatenated along dim 0 (`make_batch`), the first item's `run` is called once,
-and the output is cut back into each item's rows (`split`). The key is the program's promise that `run`
-and everything it closes over are interchangeable between those items.
-
-Items whose keys differ only in shape (image size, text length) may also carry a `Packable`: items with equal
-`pack.key` can then share one *packed* call, made of one `InputBatch` per shape (`run_packed`). Which shapes
-pack is the program's knowledge; whether packing pays is the engine's measurement.
+Items with equal `key` share one call: rows concatenated along dim 0 (`make_batch`), the first item's `run`
+called once, the output cut back per item (`split`); the key promises that `run` is interchangeable between
+them. Items of other shapes with equal `pack.key` may share one packed call (`run_packed`).
 """
 
 from __future__ import annotations
@@ -23,19 +18,10 @@ RowInput = torch.Tensor | list | None
 
 @dataclass
 class WorkItem:
-    """One model call a request needs; rows are independent along dim 0 of every input and output.
-
-    Args:
-        kind: what runs, for statistics and grouping ("encode", "denoise", "decode", ...).
-        key: hashable compatibility key; only items with equal keys are batched together.
-        inputs: per-row inputs: tensors (rows along dim 0), lists (one entry per row) or None (same for all).
-        run: called as `run(**batched_inputs)`; returns a tensor or a tuple of tensors with rows along dim 0.
-        rows: the number of rows this item contributes to a batch.
-        step: the denoising step this item belongs to (None for encode/decode); feeds progress and stats.
-        pack: how the item may share a call with items of other shapes (None: it can't).
-        immediate: cheap per-row arithmetic that completes the step of the call before it (e.g. the scheduler
-            update after a forward): the engine runs such items in the same engine step, right after its calls.
-    """
+    """One model call a request needs: `run(**batched inputs)` of `kind` ("encode", "denoise", ...), batched with
+    items of equal `key`. `inputs` are tensors (rows along dim 0), lists (an entry per row) or None; outputs have
+    rows along dim 0. `step`: the denoising step (None outside the loop); `pack`: how it may share a call with other
+    shapes; `immediate`: cheap arithmetic (the scheduler update) run in the same engine step as the call before."""
 
     kind: str
     key: Hashable
@@ -49,15 +35,9 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class Packable:
-    """How a work item can share one call with items of other shapes (a mixed-resolution packed call).
-
-    Args:
-        key: what must match for a packed call: the item's key without its shape.
-        run: called as `run([(context, inputs), ...])` with one entry per shape (`inputs`: that shape's
-            batched inputs, as `make_batch` builds them); returns one output per entry, rows along dim 0.
-        context: what the item's own `run` closes over that differs by shape (e.g. RoPE position ids).
-        tokens: tokens per row (statistics).
-    """
+    """How a work item can share one call with items of other shapes: items of equal `key` (theirs without the
+    shape) run as `run([(context, batched inputs), ...])`, one entry and one output per shape; `context` is what
+    differs by shape (e.g. RoPE ids), `tokens` the tokens per row."""
 
     key: Hashable
     run: Callable[[list[tuple[Any, dict[str, RowInput]]]], list[Any]]

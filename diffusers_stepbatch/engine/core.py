@@ -217,13 +217,9 @@ class EngineCore:
         for `burst_settle_s`, their rows fill a batch, or none was submitted for `burst_wait_s`. Held under
         `self._wakeup`.
 
-        NOTE: the callers' prologues are Python under the GIL. A model call started meanwhile gives up the GIL at
-        every torch op and waits for it again behind them (measured in a burst of 32 tiny Flux requests: a
-        1-row encode took 108 ms instead of 5), and would start the first requests apart from the rest, a step
-        ahead: encode and denoise calls more for the same work. Waiting (asleep, out of the callers' way) lets
-        the burst start in one batch. The settle time covers callers released together that have not reached
-        `preparing()` yet: they wait for the GIL, which another thread's prologue holds for up to the
-        interpreter's switch interval (5 ms) at a time.
+        NOTE: the callers' prologues are Python under the GIL; a model call started among them waits for the GIL at
+        every torch op, and its requests would run a step ahead of the rest. The settle time covers callers that
+        have not reached `preparing()` yet: another thread's prologue holds the GIL for up to a switch interval.
         """
         wait = self.config.burst_wait_s
         if self.scheduler.running or not wait:

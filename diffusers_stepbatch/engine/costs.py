@@ -1,20 +1,9 @@
-"""BatchCostModel: measured forward times per (compatibility key, rows), and how to chunk a group.
+"""Measured call times, and how to split a group of work items into calls (pure Python, no torch).
 
-Batching is not free: a compute-bound forward of 8 rows can take longer than 8 forwards of one row. The
-engine reports every call's time here; when a group of work items is ready, `chunk()` picks the split
-into forwards with the least estimated total time. Splits not measured yet are tried: the whole group first,
-then one group that runs a call each of a half, a quarter, ... one row (`_ladder`); exploration ends at a split
-clearly slower than the best so far. A size between two measured sizes, or above them by at most a factor of 2,
-is estimated instead of explored, so that traffic whose group sizes change every time (2 + 6 rows, then 1 + 7,
-...; at 32 requests 11, 20, 6, 26, ...) concludes in a few groups. A neighbouring size of the preferred split is
-measured again after `explore_first` decisions, then ever less often, down to every `explore_every` decisions,
-so the estimates follow the machine's load; one call of that size measures it, the rest of the group runs at
-the preferred split, and that size's estimate starts again from the new measurement. Estimates are relative to the
-key's load level: a size's first `window` calls since it was (re)measured set its estimate (each divided by the
-level at its time), every call of a measured size moves the level, and every size's estimate follows the level
-alike. So a size measured in a quiet moment is not compared, unscaled, with one measured in a busy one. A switch
-to another split is checked by measuring the split left again a few decisions later.
-Pure Python: no torch, tested with made-up timings.
+Batching is not free: a compute-bound forward of 8 rows can take longer than 8 forwards of one. `BatchCostModel`
+picks the split with the least estimated time from measured times, normalized for the machine's load;
+`PackingCostModel` chooses between one packed call and one call per shape. The algorithm and its knobs:
+docs/concepts/cost-model.md.
 """
 
 from __future__ import annotations
@@ -46,16 +35,9 @@ def _sizes(item_rows: Sequence[int], option: list[list[int]]) -> list[int]:
 
 def _probe(item_rows: Sequence[int], preferred: list[list[int]], probe_rows: int,
            lead: int) -> tuple[list[list[int]], int]:
-    """One call of at most `probe_rows` rows among `preferred`'s: up to `lead` chunks of `preferred` first, then the
-    probe, then the rest as `preferred` splits (at its largest chunk). Returns the chunks and the probe's index.
-
-    NOTE: measuring a neighbouring size needs one call of it, not the whole group at that size: where one image
-    per decode call is fastest (a CPU's VAE: 25 ms, two images 69 ms), re-measuring the 2-row neighbour as a
-    group of 8 decodes ran 4 x 69 ms instead of 8 x 25 ms; one 2-row call costs 19 ms more. The preferred calls
-    before it set the load level its time is read against (`BatchCostModel.observe`): a burst's first
-    decodes ran faster than the previous burst's last ones, whose level a probe run first was read against (a
-    2-row probe then looked as fast as two 1-row calls, and the next burst decoded 2 images per call).
-    """
+    """One call of at most `probe_rows` rows among `preferred`'s: up to `lead` chunks of `preferred` first (so the
+    probe is read against this group's load), the probe, then the rest as `preferred` splits. Returns the chunks
+    and the probe's index."""
     capacity = max(_sizes(item_rows, preferred))
     probe_items = len(partition(item_rows, probe_rows)[0])
     chunks: list[list[int]] = []
@@ -73,16 +55,8 @@ def _probe(item_rows: Sequence[int], preferred: list[list[int]], probe_rows: int
 
 
 def _ladder(item_rows: Sequence[int], capacity: int) -> list[list[int]]:
-    """Chunks of at most `capacity`, `capacity` / 2, ..., 1 rows, and the rest at `capacity`; run smallest first,
-    after the rest.
-
-    NOTE: one exploring group measures every halving size below `capacity` at once. Run one split per
-    decision, the sizes of a key whose groups come once per burst (a closed loop's decodes and encodes) took
-    a round each: at 32 requests, six rounds of whole groups at sizes slower than the best by up to 2x. Small
-    calls first: a decode call finishes its requests, whose callers then run under the GIL during the next calls.
-    Run last, the one-row decodes of a burst of 32 were timed after 30 callers woke, at 23 ms instead of 16, and
-    8 images per call (24 ms an image) looked as fast; large calls spread that over many rows.
-    """
+    """Chunks of at most `capacity`, `capacity` / 2, ..., 1 rows after the rest at `capacity`, smallest first: one
+    exploring group measures every halving, before a decode's woken callers slow the calls after it."""
     chunks: list[list[int]] = []
     start, size = 0, capacity
     while start < len(item_rows) and size >= 1:
@@ -119,19 +93,11 @@ class BatchCostModel:
                  explore_tolerance: float = 0.25, explore_first: int = 5):
         self.window = window
         self.explore_every = explore_every
-        # NOTE: re-measurements come every `explore_first` decisions at first, then twice as far apart each time,
-        # up to `explore_every`: an early sample taken while callers' prologues held the GIL (16 rows: 21.6 ms,
-        # later 16 ms) otherwise kept a key split for ~100 decisions.
-        self.explore_first = explore_first
-        # NOTE: a split must be estimated this much faster than fewer forwards to be chosen: on a noisy (shared)
-        # machine, differences within measurement noise otherwise flip groups into needless splits.
-        self.split_margin = split_margin
-        # NOTE: exploration goes on to smaller splits until one is this much slower than the best so far. Not
-        # "until a split stops helping": per-row cost need not be monotonic (a CPU's VAE decoded 6 rows as fast
-        # as 2 x 3, and one row 1.5x faster per row), and an overhead-bound model's halves lose by far more.
+        self.explore_first = explore_first  # NOTE: re-measure soon at first, so an early outlier stops deciding
+        self.split_margin = split_margin  # NOTE: differences within noise must not break groups up
+        # NOTE: explore until a split clearly loses, not until one stops helping: per-row cost need not be monotonic.
         self.explore_tolerance = explore_tolerance
         self._samples: dict[Hashable, dict[int, deque[float]]] = defaultdict(dict)  # seconds / the load level then
-        # per key: the load levels its last calls of measured sizes implied (their time / their size's estimate)
         self._levels: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=self.window))
         self._decisions: Counter = Counter()
         self._concluded: set[Hashable] = set()
@@ -146,16 +112,8 @@ class BatchCostModel:
     def observe(self, key: Hashable, rows: int, seconds: float, new_size_warms_up: bool = False) -> None:
         """Record a call of `rows` rows that took `seconds`; `new_size_warms_up`: the first call at any row count
         is a warm-up (the engine says so for calls timed by CUDA events)."""
-        # NOTE: a key's first call, and a first call with more rows than any before it, pay one-time costs (lazy
-        # init, allocator pools growing); one such outlier would otherwise decide the exploration, so they are not
-        # recorded. (Recording them until a second call replaced them was tried: a first 2-row image-encode call
-        # at 2.7x its later time split that key's groups.) On the CPU a call with fewer rows than an earlier one
-        # reuses that memory and is recorded at once: at 32 requests decode groups have a new size nearly every
-        # time (11, 20, 6, 26, 3, 29, ... rows), and discarding every first call kept 16 whole-group decodes
-        # exploring. On CUDA the first call at any new row count pays one-time costs, not only a larger one (cuDNN
-        # attention builds an execution plan per shape, cuBLAS picks kernels per shape); recorded, those first calls
-        # make every size but the first look slow: in a profiled H200 round (Flux at FLUX.1 width) eight prompts
-        # were encoded one by one, and one forward took 112 ms against 25 ms for the others (`new_size_warms_up`).
+        # NOTE: first calls pay one-time costs (lazy init, allocator growth; on CUDA per-shape cuDNN and cuBLAS
+        # plans): a key's first, one with more rows than ever, and on CUDA any new row count, are not recorded.
         largest = self._largest_run.get(key)
         self._largest_run[key] = max(rows, largest or 0)
         if largest is None or rows > largest or (
@@ -164,12 +122,7 @@ class BatchCostModel:
             return
         samples = self._samples[key].setdefault(rows, deque(maxlen=self.window))
         if self._remeasuring.get(key) == rows:
-            # NOTE: a re-measurement starts its size's estimate afresh. The samples it replaces date from when
-            # that size was last chosen, perhaps hundreds of decisions ago under another load, while the preferred
-            # size's are recent: at 16 tiny Flux requests two 16-row forwards timed in the first burst (47 and 38
-            # ms, later 22-28 ms) kept the median of [47, 38, 28] above two 8-row calls (2 x 15 ms), and the
-            # denoise steps split for ~100 decisions. A re-measurement that was low by chance costs a few steps:
-            # the size it makes preferred is measured again at its next calls, until its window is full.
+            # NOTE: a re-measurement starts its size's estimate afresh: its old samples date from another load.
             del self._remeasuring[key]
             samples.clear()
         reference = statistics.median(samples) if samples else 0.0
@@ -177,10 +130,7 @@ class BatchCostModel:
             self._levels[key].append(seconds / reference)
         if len(samples) < self.window:
             samples.append(seconds / self._load(key))
-        # NOTE: a size measured `window` times keeps its estimate (relative to the load level). Were its later calls
-        # to refresh its samples, each lagging level would leak into them, and the split between the two drift: in
-        # a simulation where each group's load rose from 1 to 1.6, one-row decodes' own estimate rose 60% while the
-        # level fell, until 8-row calls, measured once, looked faster.
+        # NOTE: a full window keeps its estimate; later calls only move the level (refreshing would leak the lag in).
 
     def _load(self, key: Hashable) -> float:
         """The key's load level: the median of its last calls' levels (one slow call moves no estimate); 1.0 until
@@ -213,14 +163,8 @@ class BatchCostModel:
 
     def _known_enough(self, key: Hashable, rows: int) -> bool:
         """Whether exploration may take `estimate` for `rows` instead of running it: measured, interpolated, or
-        above the largest measured size by at most a factor of 2.
-
-        NOTE: above, `estimate` scales the largest measured size's time by rows (no batching gain invented). A
-        group of up to twice that size has its halves within the measured sizes; if per-row cost falls with rows
-        (overhead-bound) the scaled estimate ranks the whole group at least as well as its halves, and if it
-        rises (compute-bound) below them, so the choice is the one a measurement would lead to. Below the
-        smallest measured size the scaled estimate ties every split with the whole group, so those are explored.
-        """
+        above the largest measured size by at most a factor of 2 (its halves are measured, and the rows-scaled
+        estimate ranks it against them as a measurement would)."""
         measured = self._samples.get(key)
         if not measured:
             return False
@@ -233,9 +177,7 @@ class BatchCostModel:
         options = _halving_options(item_rows)
         decision = self._decisions[key]
         self._decisions[key] += 1
-        if key not in self._concluded:
-            # Explore by halving: the whole group, then halves, quarters... until a split clearly loses.
-            # Once concluded, other group sizes are estimated by interpolation instead of explored again.
+        if key not in self._concluded:  # explore: the whole group, then the halvings, until a split clearly loses
             fastest = None
             for option in options:
                 cost = self._measured_cost(key, item_rows, option)
@@ -256,17 +198,14 @@ class BatchCostModel:
         previous = self._last_preferred.get(key, preferred)
         self._last_preferred[key] = preferred
         if previous[0] != preferred[0] and previous[1] != preferred[1]:  # NOTE: not a group of another size
-            # NOTE: a switch rests on one re-measurement, read against a load level that may lag (a burst's first
-            # calls after the last burst's busy tail): the split left is measured again soon, against the level
-            # of the new one's calls, and a switch made on a biased reading goes back within a few decisions.
+            # NOTE: a switch rests on one re-measurement; the split left is measured again soon to confirm it.
             self._confirming[key] = (decision + self.explore_first, previous[1])
         due, left = self._confirming.get(key, (None, None))
         if due is not None and decision >= due:
             del self._confirming[key]
             if left != preferred[1] and left <= sum(item_rows):
                 return self._remeasure(key, item_rows, options[best], left)
-        if decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):
-            # re-measure a neighbour of the best option so the choice follows the machine's current load
+        if decision >= self._next_reexploration.setdefault(key, self._interval(0) - 1):  # follow the load
             count = self._reexplorations[key]
             self._reexplorations[key] += 1
             self._next_reexploration[key] = decision + self._interval(count + 1)
@@ -283,13 +222,8 @@ class BatchCostModel:
         return probe
 
     def _only_warmed_up(self, key: Hashable, item_rows: Sequence[int], option: list[list[int]]) -> bool:
-        """Whether `option` is the whole group in one call, not known yet, and run before as an unrecorded warm-up.
-
-        NOTE: exploration goes on to the next split instead of running it again: a burst's whole group can be the
-        slowest option by far (32 decodes of a CPU's tiny VAE in one call: 1.65 s, one by one 0.6 s), and once
-        a smaller size is measured the whole group is estimated from it (`_known_enough`) and measured when
-        chosen. Smaller sizes are run again: a warm-up at one row must not keep one-row calls from being measured.
-        """
+        """Whether `option` is the whole group in one call, not known yet, and run before as an unrecorded warm-up
+        (exploration moves on rather than run a possibly slow whole group twice)."""
         if len(option) != 1:
             return False
         rows = sum(item_rows)
@@ -337,12 +271,9 @@ PackSignature = tuple[tuple[Hashable, int], ...]
 class PackingCostModel:
     """Packed call or one call per shape, for work items of several shapes that can pack.
 
-    Per-shape calls are estimated by the engine's `BatchCostModel`; packed calls are measured per signature
-    (which shapes, how many rows each) and, for signatures not seen yet, estimated from the ratio of the measured
-    signatures' packed times to their per-shape calls' current estimates, under the same pack key. Unknown costs are
-    explored (packed first, then per shape), and the other option is measured again now and then (after
-    `explore_every` decisions, then the further apart the more the two options' estimates differ), so a machine
-    or model where packing doesn't pay keeps its shapes apart.
+    Packed calls are measured per signature (shapes and rows); unseen signatures are estimated from the measured
+    ones' ratio to their per-shape calls (`BatchCostModel`). Unknown costs are explored, packed first, and the
+    losing option is measured again now and then.
 
     >>> costs = BatchCostModel()
     >>> packing = PackingCostModel(costs)
@@ -354,15 +285,9 @@ class PackingCostModel:
                  margin_per_interval: float = 0.1, max_interval_scale: int = 8, max_signatures: int = 20):
         self.per_shape = per_shape
         self.window = window
-        # NOTE: per pack key, the most recently measured mixes are kept (traffic of many sizes forms ever new
-        # ones); the others are estimated from their ratio, which every unseen mix's decision reads.
-        self.max_signatures = max_signatures
+        self.max_signatures = max_signatures  # NOTE: traffic of many sizes forms ever new mixes; keep the recent ones
         self.explore_every = explore_every
-        # NOTE: re-measuring the other option costs their difference every time (measured on the overhead-bound
-        # mix of benchmarks/mixed_resolution.py: a per-shape step, 4 calls instead of one, +8-13 ms in a ~75 ms
-        # round every ~6 rounds). Where the two were measured far apart, only a change in load that large could
-        # flip the choice, so each `margin_per_interval` of relative difference adds one `explore_every` to the
-        # wait for the next re-measurement, up to `max_interval_scale` times it.
+        # NOTE: re-measuring the losing option costs their difference; the further apart they are, the rarer.
         self.margin_per_interval = margin_per_interval
         self.max_interval_scale = max_interval_scale
         self._next_reexploration: dict[Hashable, int] = {}
@@ -393,11 +318,8 @@ class PackingCostModel:
         return None if separate is None or ratio is None else separate * ratio
 
     def _packed_ratio(self, pack_key: Hashable) -> float | None:
-        """Median over the measured signatures of packed time / their per-shape calls' estimate now.
-
-        NOTE: read at decision time, not when the packed call ran: packed calls are explored first, before
-        their shapes' own calls are measured, and per-shape estimates move with the load.
-        """
+        """Median over the measured signatures of packed time / their per-shape calls' estimate now (at decision
+        time: packed calls are explored before their shapes' own calls, and estimates move with the load)."""
         ratios = []
         for signature, samples in self._packed[pack_key].items():
             separate = self.separate_estimate(signature)

@@ -1,10 +1,8 @@
 """What the engine does when a batched call goes wrong: wrong row counts and out-of-memory caps.
 
-A batched call must return one row per input row (along dim 0 of every output tensor); a buggy custom
-model or hook that returns another count would otherwise hand innocent requests someone else's rows.
-After an out-of-memory error at some row count, forwards of that compatibility key are capped at half of it,
-and the cap is raised by one row only after a growing run of successful forwards (exponential back-off),
-so a size that doesn't fit fails once, not at every step. Pure Python apart from the OOM test.
+A batched call must return one row per input row: a buggy model or hook that returns another count would hand
+requests someone else's rows. After an out-of-memory error a key is capped at half the failing rows and raised by
+one row after a growing run of successes, so a size that doesn't fit fails once, not at every step.
 
 >>> caps = RowCaps()
 >>> caps.record_oom(("denoise", key), rows=8)   # now at most 4 rows per forward of that key
@@ -63,12 +61,8 @@ class _Cap:
 
 
 class RowCaps:
-    """Per-key row caps learnt from out-of-memory errors, probed upward slowly.
-
-    Args:
-        first_probe_after: successful capped forwards before the first try of one more row.
-        max_probe_after: the longest wait between probes (the wait doubles after every failed probe).
-    """
+    """Per-key row caps learnt from out-of-memory errors, probed upward after `first_probe_after` successes (the
+    wait doubles after every failed probe, up to `max_probe_after`)."""
 
     def __init__(self, first_probe_after: int = 16, max_probe_after: int = 4096):
         if first_probe_after < 1 or max_probe_after < first_probe_after:

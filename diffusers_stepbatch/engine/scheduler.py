@@ -1,11 +1,8 @@
 """StepScheduler: which requests run in the next engine step. Pure Python: it never touches a tensor.
 
-Requests wait until admitted; admitted requests run one work item per engine step until they finish.
-Admission keeps the rows of all running requests within a row budget (`max_batch_size`, or fewer when a
-step-time target is set); a request larger than the budget runs alone rather than never. The order of
-admission is the policy's: first come first served, shortest job first (remaining steps x per-step cost;
-a diffusion request's length is known when it arrives), or priority. A request that waited longer than
-`max_wait_s` goes first whatever the policy, so nothing starves.
+Admission keeps the running requests' rows within a budget (a larger request runs alone rather than never), in
+the policy's order (FCFS, shortest job first: a diffusion request's length is known on arrival, or priority);
+a request waiting longer than `max_wait_s` goes first, so nothing starves.
 """
 
 from __future__ import annotations
@@ -35,20 +32,14 @@ class SchedulerConfig:
         policy: "fcfs" (default), "sjf" (shortest job first) or "priority" (higher `priority=` first).
         max_wait_s: a request waiting longer than this is admitted first, whatever the policy.
         max_queue: the most waiting requests; `submit` raises `QueueFull` beyond it (None: unbounded).
-        on_unmeetable_deadline: for a request submitted with `deadline=` that can't be met: "reject"
-            (its Future fails at once with `DeadlineUnmeetable`) or "queue" (it runs anyway).
-        step_time_target_s: admit only as many rows as keep a measured forward under this many seconds;
-            None maximises throughput instead.
+        on_unmeetable_deadline: a `deadline=` that can't be met: "reject" (the Future fails with
+            `DeadlineUnmeetable`) or "queue" (it runs anyway).
+        step_time_target_s: admit only as many rows as keep a measured forward under this (None: throughput).
         cost_aware: split a group into several forwards when that was measured to be faster.
-        max_pixels: the largest `height` x `width` a call may ask for (default 8192 x 8192); larger calls are
-            refused at submit with a ValueError instead of trying a huge allocation in the engine. None: no limit.
-        burst_wait_s: with nothing running, the engine waits for calls still being prepared in their callers'
-            threads (a burst of requests) so that they start in one batch: until none is left, their rows fill
-            a batch (`max_batch_size`, fewer under `step_time_target_s`), or none was submitted for this many
-            seconds. 0: start at once.
-        burst_settle_s: with nothing running and no call being prepared, the engine still waits until none
-            arrived (entered preparation or was submitted) for this many seconds, at most `burst_wait_s`:
-            callers released together reach `submit` one GIL switch interval (5 ms) apart. 0: no settle time.
+        max_pixels: the largest `height` x `width` a call may ask for, refused at submit beyond (None: no limit).
+        burst_wait_s: with nothing running, wait for calls still being prepared (a burst) so they start in one
+            batch: until none is left, their rows fill a batch, or none was submitted for this long. 0: no wait.
+        burst_settle_s: and until none arrived for this long (at most `burst_wait_s`; 0: no settle time).
     """
 
     max_batch_size: int = 8

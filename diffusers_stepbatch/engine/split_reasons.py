@@ -1,16 +1,14 @@
 """Why work items that could have shared one call did not: key fields with names, and per-round counts.
 
-A work item's key is a tuple; programs that build it with `named_key` give each field a human-readable name.
-Each engine round, calls of the same kind and program (the key's first field) that run separately are compared
-field by field; the fields that kept a call apart from the round's first call of that program count once, under
-`"<kind>: <field names>"`, in `stats()["splits"]` (e.g. `{"denoise: image size": 12}`):
+Each engine round, calls of one kind and program that ran separately are compared field by field with the
+round's first; the differing fields count under `"<kind>: <field names>"` in `stats()["splits"]`:
 
 >>> key = named_key(program="unet", **{"latent size": (4, 8, 8), "ip_adapter: image embedding shapes": ((1, 16),)})
 >>> key == ("unet", (4, 8, 8), ((1, 16),))   # grouping sees a plain tuple
 True
 
-Calls whose keys are equal (the cost model or a memory cap cut one group into several forwards) count under
-`SAME_KEY`. Fields that differ inside one packed call (its sizes) never count: they did not keep anyone apart.
+Equal keys cut apart by the cost model or a memory cap count under `SAME_KEY`; fields that vary inside one
+packed call never count.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ _MISSING = object()
 
 @functools.lru_cache(maxsize=256)
 def _cached_differing(first: Any, other: Any, ignored: frozenset, names: tuple) -> tuple[str, ...]:
-    # NOTE: cached: the same pairs of keys meet every step (~14 us a pair uncached on this CPU, 8 calls 115 -> 18 us
-    # a round); small, since a key may hold a tensor (the generic program keys on given tensors)
+    # NOTE: cached: the same pairs of keys meet every step; small, since a key may hold a tensor
     return tuple(differing_fields(_fields(first), _fields(other), ignored))
 
 

@@ -1,16 +1,7 @@
 """Forward times the cost model can trust on any device, read without stalling the device.
 
-On a CPU a call's wall time is its cost. On CUDA the kernels run asynchronously: the wall time around a call
-measures its launches, and synchronizing to measure would stall the queue the engine keeps full. There a call
-is timed by two CUDA events recorded on the current stream around it, and read once the end event has
-completed: `poll()` at the start of each engine step hands every finished measurement to its consumer (the
-cost model), oldest first; nothing ever waits for the device.
-
->>> timer = CallTimer()                          # CUDA events where CUDA is available, wall time otherwise
->>> started = timer.start()
->>> output = run_batch(batch)
->>> timer.stop(started, output, lambda seconds: costs.observe(key, rows, seconds))
->>> timer.poll()                                 # later: delivers what the device has finished
+On a CPU a call's wall time is its cost. On CUDA the wall time only measures launches and a sync would stall the
+queue, so a call is timed by two CUDA events, read once the end event completed (`poll()`, each engine step).
 """
 
 from __future__ import annotations
@@ -57,12 +48,8 @@ class Started:
 
 
 class CallTimer:
-    """Times batched calls: wall time for host outputs, deferred event time for device outputs.
-
-    Args:
-        events: a factory of device events; default `cuda_events()` (None: wall time only).
-        on_device: decides from a call's output whether it ran on the asynchronous device.
-    """
+    """Times batched calls: wall time for host outputs, deferred event time for device outputs (`events`: a factory
+    of device events, default `cuda_events()`; `on_device(output)`: whether a call ran on the device)."""
 
     def __init__(self, events: Callable[[], DeviceEvent] | None | str = "auto",
                  on_device: Callable[[Any], bool] = _on_device):
@@ -82,11 +69,8 @@ class CallTimer:
         return started.event is not None and self.on_device(output)
 
     def stop(self, started: Started, output: Any, deliver: Callable[[float], None]) -> float:
-        """Measure the call that began at `started`; returns its wall time (what the host saw).
-
-        `deliver(seconds)` gets the call's cost: at once for host outputs, from `poll()` once the device
-        finished for device outputs.
-        """
+        """Measure the call that began at `started`; returns its wall time. `deliver(seconds)` gets its cost: at once
+        for host outputs, from `poll()` once the device finished for device outputs."""
         wall = time.perf_counter() - started.wall
         if not self.device_timed(started, output):
             deliver(wall)

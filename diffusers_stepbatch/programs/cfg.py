@@ -1,11 +1,5 @@
-"""CFG batching policy: a guided request's conditional and unconditional rows in one forward or in two.
+"""CFG batching policy: a guided request's two branches in one forward (faster) or two (half the activations).
 
-One forward of both branches is faster; two forwards need about half the activation memory. Source
-document 004 (section 4) measured equal outputs either way and chose by free device memory: above 6 GB
-batched, below 3 GB sequential, in between it depends. Here "it depends" is decided by an estimate of the
-second branch's activations: batched when they fit and still leave `sequential_below` free.
-
->>> sb = StepBatched(pipe, cfg_policy=CFGPolicy(mode="sequential"))
 >>> sb = StepBatched(pipe, cfg_policy=CFGPolicy(batched_above=12 * GiB, sequential_below=4 * GiB))
 """
 
@@ -37,12 +31,13 @@ def free_memory(device: torch.device) -> int:
 
 @dataclass
 class CFGPolicy:
-    """When to run CFG branches as one forward (batched) or two (sequential).
+    """When to run CFG branches as one forward or two; outputs are equal either way, so "auto" follows free memory.
 
     Args:
         mode: "auto" (decide by free memory before every step), "batched" or "sequential".
         batched_above: free bytes at or above which "auto" batches both branches (default 6 GiB).
-        sequential_below: free bytes below which "auto" runs them as two forwards (default 3 GiB).
+        sequential_below: free bytes below which "auto" runs two forwards (default 3 GiB); in between it batches
+            when an estimate of the second branch's activations still leaves this much free.
         free_memory: callable(device) -> free bytes; defaults to `free_memory` above (tests inject their own).
     """
 
@@ -73,10 +68,5 @@ class CFGPolicy:
 
 
 def transformer_activation_bytes(rows: int, tokens: int, hidden: int, heads: int, element_size: int) -> int:
-    """A rough peak of one DiT forward's activations: the widest block intermediates plus attention scores.
-
-    The MLP widens to 4x hidden and attention holds q, k, v and out (about 12 hidden-sized tensors live at
-    once); math attention adds one heads x tokens^2 score matrix (fused kernels don't materialize it, so
-    this over-estimates on GPUs: the safe side for a memory budget).
-    """
+    """A rough, safe-side peak of one DiT forward's activations: ~12 hidden-sized tensors plus attention scores."""
     return rows * element_size * (12 * tokens * hidden + heads * tokens * tokens)

@@ -36,19 +36,20 @@ from ..adapters.state import (
 )
 from ..buffers import stack_rows
 from ..cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
-from ..cache.teacache import TeaCacheState, flux_teacache_forward
+from ..cache.teacache import TeaCacheState
+from ..models.flux.teacache import flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
-from ..packed.attention import check_can_run as check_packed_attention_runs
-from ..packed.flux import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
-from ..packed.support import extra_attention_kwargs, packing_refused
+from ..models.packing.attention import check_can_run as check_packed_attention_runs
+from ..models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
+from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .cfg import transformer_activation_bytes
-from .options import ProgramOptions, current_options
+from .options import PlanContext, ProgramOptions
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -80,9 +81,9 @@ class FluxCall:
 
 
 @register_program(FluxPipeline, features=("teacache", "adapters"))
-def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
-    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
     if pid is not None:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
@@ -117,17 +118,18 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     if do_true_cfg:
         _check_second_prompts(args, "negative_prompt", "negative_prompt_2")
 
-    options = current_options()
+    options = context.options
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(options.packed_attention, pipe.transformer)
     branches = 2 if do_true_cfg else 1
-    teacache = options.teacache.states("flux", steps, branches) if options.teacache is not None else None
+    teacache = options.teacache.states(pipe.transformer, steps, branches) if options.teacache is not None else None
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
         raise ValueError(
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
             "pipe.transformer; call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None"
         )
-    adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
+    adapters = request_adapters(pipe.transformer, context.adapters,
+                                lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
     ip = plan_flux_ip_adapter(pipe, args)
     if ip is not None and teacache is not None:
         raise ValueError("TeaCache runs the transformer's blocks itself, without the IP-Adapter's image tokens; "
@@ -135,7 +137,7 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any]) -> PlannedRequest:
     call = FluxCall(args, height, width, steps, num_images, do_true_cfg, options, teacache, pid, adapters, ip)
     rows = num_images * branches
     tokens = (latent_h // 2) * (latent_w // 2)
-    program = flux_program(pipe, request_pipeline(pipe), call)
+    program = flux_program(pipe, request_pipeline(pipe, context), call)
     return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
                           starts_in_caller=True)
 

@@ -1,17 +1,13 @@
 """One scheduler update for all rows of an engine step: `x + dt * v` (and the CFG combine) as batched ops.
 
-After a denoising forward each request used to run its own `scheduler.step` (and CFG combine): a handful of
-tiny ops per request, hundreds of kernel launches per step at 32 requests. For a scheduler whose update is
-stateless per step (FlowMatchEulerDiscreteScheduler without stochastic sampling; EulerDiscreteScheduler with
-epsilon prediction, called without churn) the update is the same
-arithmetic for every row with its own sigmas, so the program yields it as an `immediate` work item: the engine
-runs the updates of all requests of the step as one call, right after the forwards.
+A per-request `scheduler.step` is a few tiny ops per request and step. Where the update is stateless per step
+(FlowMatchEulerDiscreteScheduler without stochastic sampling; EulerDiscreteScheduler with epsilon, no churn) it is
+the same arithmetic for every row with its own sigmas, so the program yields it as an `immediate` work item and
+the engine runs all requests' updates as one call right after the forwards.
 
-Bit-identical to each request's own `scheduler.step`: the same operations in the same order and precision,
-with per-row values standing in for the step's scalars; each request's scheduler still advances its step
-index. Where torch's handling of a scalar operand could differ from a per-row tensor (reduced precision), a
-one-time probe per (device, dtype) compares both forms bit for bit, and requests there keep their own step if
-they differ.
+NOTE: bit-identical to each request's `scheduler.step` (same ops, order and precision; each scheduler still
+advances its index). Where reduced precision could round a per-row tensor unlike a scalar, a one-time probe per
+(device, dtype) compares both, and requests keep their own step if they differ.
 
 >>> update = FusedEuler.for_scheduler(view.scheduler, latents, buffers)   # None: use scheduler.step
 >>> latents = yield from update.step(t, latents, cond, uncond, true_cfg_scale)

@@ -1,14 +1,12 @@
 """Fallback step program for any DiffusionPipeline without a family program.
 
 Each request runs the pipeline's own `__call__`, unchanged, in a helper thread, on a per-request view of the
-pipeline (shared models, its own scheduler copy and per-call state). On that view the denoiser (`transformer`,
-`unet`, ...) is a proxy: every call of it becomes a work item that the request's step program hands to the
-engine, and the result goes back to the helper. The engine merges calls of several requests whose
-non-batch shapes and other arguments match (rows concatenated along dim 0, outputs cut back per request).
-Control passes between the engine thread and a helper strictly in turn, so only one of them runs at a time.
+pipeline (shared models, its own scheduler copy and per-call state). On that view the denoisers, text encoders
+and VAE are proxies (`intercept.py`): their calls become work items that the engine merges across requests
+through the model layer. Control passes between the engine thread and a helper strictly in turn.
 
-What can't be merged safely runs alone: a call whose output isn't row-wise, or a whole pipeline call when its
-denoiser can't be found or carries diffusers hooks (their cache state is per model, not per request).
+A whole pipeline call runs alone when its denoiser can't be found, carries diffusers hooks (their state is
+per model, not per request) or is driven by PAG (its attention processors are set for a whole call).
 """
 
 from __future__ import annotations
@@ -24,26 +22,25 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.utils import BaseOutput
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..engine.ownership import current_owner, run_for
 from ..module_scan import diffusers_hooks, marked_modules
+from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
+from .intercept import HOLDERS, Holder, ModelProxy, log_once
 from .request_state import active_view
-from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps, freeze
+from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
 
 logger = logging.getLogger(__name__)
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
-_HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
-_logged: set[tuple[str, str]] = set()
-_not_rowwise: set[Any] = set()  # call signatures whose outputs were not row-wise: they run alone from then on
+ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 @register_program(DiffusionPipeline)
-def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
     _check_call(pipe, args)
     positional, keywords = _call_arguments(pipe, args)
@@ -53,12 +50,13 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any]) -> PlannedReques
     branches = 2 if any(isinstance(args.get(name), (int, float)) and args[name] > 1
                         for name in ("guidance_scale", "true_cfg_scale")) else 1
     denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
-    reason = _unbatchable_reason(pipe, denoisers)
+    reason = _unbatchable_reason(pipe, denoisers, args)
     if reason is not None:
-        _log_once(type(pipe).__name__, reason)
-        program = _whole_call_program(request_pipeline(pipe), positional, keywords)
+        log_once(type(pipe).__name__, f"whole calls, unbatched: {reason}")
+        program = _whole_call_program(request_pipeline(pipe, context), positional, keywords, reason)
     else:
-        program = generic_program(pipe, request_pipeline(pipe), positional, keywords, denoisers)
+        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, denoisers,
+                                  context.options.packed_attention)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
@@ -123,9 +121,13 @@ def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
     return positional, keywords
 
 
-def _unbatchable_reason(pipe, denoisers: list[str]) -> str | None:
+def _unbatchable_reason(pipe, denoisers: list[str], args: dict[str, Any]) -> str | None:
     if not denoisers:
         return f"no denoiser found among {list(DENOISER_NAMES)}"
+    if _uses_pag(pipe, args):
+        # NOTE: PAG swaps the shared denoiser's attention processors for the length of one call, and they split
+        # the batch into positional chunks (uncond / cond / perturbed): no other call may run meanwhile.
+        return "perturbed-attention guidance sets attention processors on the shared denoiser for its whole call"
     for name in denoisers:
         for _, module in marked_modules(getattr(pipe, name)):
             hooks = diffusers_hooks(module)
@@ -134,26 +136,19 @@ def _unbatchable_reason(pipe, denoisers: list[str]) -> str | None:
     return None
 
 
-def _log_once(pipeline: str, reason: str) -> None:
-    if (pipeline, reason) not in _logged:
-        _logged.add((pipeline, reason))
-        logger.info("StepBatched runs %s calls one at a time, unbatched: %s", pipeline, reason)
+def _uses_pag(pipe, args: dict[str, Any]) -> bool:
+    from diffusers.pipelines.pag.pag_utils import PAGMixin
+
+    scale = args.get("pag_scale")
+    return isinstance(pipe, PAGMixin) and isinstance(scale, (int, float)) and scale > 0
 
 
 # ------------------------------------------------------------------------------------------ whole-call fallback
-class _Holder:
-    """Where a work item's real result waits for its request (outputs need not be row-wise tensors)."""
-
-    __slots__ = ("output",)
-
-    def __init__(self):
-        self.output = None
-
-
-def _whole_call_program(view, positional: list, keywords: dict) -> Generator[WorkItem, Any, Any]:
-    holder = _Holder()
+def _whole_call_program(view, positional: list, keywords: dict, reason: str) -> Generator[WorkItem, Any, Any]:
+    holder = Holder()
     run = functools.partial(_run_whole_call, view, positional, keywords)
-    yield WorkItem("call", ("generic.call", id(holder)), {_HOLDERS: [holder]}, run, rows=1)
+    key = named_key(program="generic.call", **{f"generic program: {reason}": id(holder)})
+    yield WorkItem("call", key, {HOLDERS: [holder]}, run, rows=1)
     return holder.output
 
 
@@ -163,7 +158,7 @@ def _run_whole_call(view, positional, keywords, _holders):
     return torch.zeros(1)
 
 
-# ----------------------------------------------------------------------------------------- batched denoiser
+# ------------------------------------------------------------------------------------------ intercepted calls
 class _Aborted(BaseException):
     """Raised inside a helper thread to unwind the pipeline call of a request that was aborted or failed."""
 
@@ -175,35 +170,30 @@ class _Handoff:
         self.to_engine: queue.Queue = queue.Queue(maxsize=1)
         self.to_helper: queue.Queue = queue.Queue(maxsize=1)
 
-
-class _DenoiserProxy:
-    """Stands in for a denoiser on a request's view: calls go to the engine, attributes to the model."""
-
-    def __init__(self, module: torch.nn.Module, handoff: _Handoff, scheduler: Any):
-        self.__dict__["_module"] = module
-        self.__dict__["_handoff"] = handoff
-        self.__dict__["_scheduler"] = scheduler
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:  # as without the proxy: the shared model changes
-        setattr(self._module, name, value)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        item, holder = denoiser_item(self._module, args, kwargs)
-        item.step = _step_index(self._scheduler)
-        self._handoff.to_engine.put(("call", item))
-        if self._handoff.to_helper.get() is _Aborted:
+    def submit(self, item: WorkItem) -> None:
+        """From the helper: hand `item` to the engine and wait until its result is in the item's holder."""
+        self.to_engine.put(("call", item))
+        if self.to_helper.get() is _Aborted:
             raise _Aborted()
-        return holder.output
 
 
-def generic_program(pipe, view, positional: list, keywords: dict,
-                    denoisers: list[str]) -> Generator[WorkItem, Any, Any]:
-    handoff = _Handoff()
+def _install_proxies(pipe, view, handoff: _Handoff, denoisers: list[str], packed_attention: str) -> None:
+    """The request's view calls the engine for its denoisers, text encoders and VAE."""
+    scheduler = getattr(view, "scheduler", None)
     for name in denoisers:
-        view.__dict__[name] = _DenoiserProxy(getattr(pipe, name), handoff, view.scheduler)
+        view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "denoise"}, handoff.submit,
+                                         functools.partial(_step_index, scheduler), packed_attention)
+    for name in ENCODER_NAMES:
+        if isinstance(getattr(pipe, name, None), torch.nn.Module):
+            view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "encode"}, handoff.submit)
+    if isinstance(getattr(pipe, "vae", None), torch.nn.Module):
+        view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, handoff.submit)
+
+
+def generic_program(pipe, view, positional: list, keywords: dict, denoisers: list[str],
+                    packed_attention: str = "auto") -> Generator[WorkItem, Any, Any]:
+    handoff = _Handoff()
+    _install_proxies(pipe, view, handoff, denoisers, packed_attention)
     # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.
     helper = threading.Thread(target=run_for(current_owner(), _run_in_helper), args=(view, positional, keywords,
                                                                                       handoff), daemon=True,
@@ -245,127 +235,3 @@ def _run_in_helper(view, positional, keywords, handoff: _Handoff) -> None:
         handoff.to_engine.put(("error", exc))
     else:
         handoff.to_engine.put(("done", output))
-
-
-def denoiser_item(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[WorkItem, _Holder]:
-    """One denoiser call as a work item; its key holds everything but the rows, so equal keys can merge.
-
-    A tensor whose dim 0 equals the call's batch size is a row input; any other tensor must be exactly equal
-    between merged calls, and any other value equal.
-    """
-    holder = _Holder()
-    rows = _batch_size(args, kwargs)
-    row_inputs: list[torch.Tensor] = []
-    template, signature = _describe((args, kwargs), rows, row_inputs)
-    key = ("generic.denoise", id(module), signature)
-    if rows is None or key in _not_rowwise:
-        # NOTE: named for stats()["splits"]: such calls never share a forward
-        key = named_key(program="generic.alone", **{"generic program: the denoiser's inputs have no batch rows":
-                                                    id(holder)})
-        rows = rows or 1
-    inputs = {f"row{i}": tensor for i, tensor in enumerate(row_inputs)}
-    inputs[_HOLDERS] = [holder] * rows
-    run = functools.partial(_merged_call, module, template, key)
-    return WorkItem("denoise", key, inputs, run, rows=rows), holder
-
-
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
-    first = args[0] if args else next((kwargs[n] for n in ("hidden_states", "sample", "x") if n in kwargs), None)
-    if isinstance(first, torch.Tensor) and first.ndim >= 1:
-        return int(first.shape[0])
-    return None
-
-
-class _Row:
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class _Exact:
-    """A tensor in a key: equal only to an identical tensor (same shape, dtype, device and values)."""
-
-    __slots__ = ("tensor", "_hash")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-        self._hash = hash((tuple(tensor.shape), tensor.dtype, str(tensor.device)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Exact) or other._hash != self._hash:
-            return False
-        mine, theirs = self.tensor, other.tensor
-        return mine is theirs or (mine.shape == theirs.shape and mine.dtype == theirs.dtype
-                                  and mine.device == theirs.device and torch.equal(mine, theirs))
-
-
-def _describe(value: Any, rows: int | None, row_inputs: list) -> tuple[Any, Any]:
-    """(template, signature): the call with row tensors replaced by `_Row` markers, and its hashable form."""
-    if isinstance(value, torch.Tensor):
-        if rows is not None and value.ndim >= 1 and value.shape[0] == rows:
-            row_inputs.append(value)
-            return _Row(len(row_inputs) - 1), ("row", tuple(value.shape[1:]), value.dtype, str(value.device))
-        return value, ("same", _Exact(value))
-    if isinstance(value, (tuple, list)):
-        parts = [_describe(v, rows, row_inputs) for v in value]
-        return type(value)(p[0] for p in parts), (type(value).__name__, tuple(p[1] for p in parts))
-    if isinstance(value, dict):
-        parts = {k: _describe(v, rows, row_inputs) for k, v in value.items()}
-        return {k: p[0] for k, p in parts.items()}, ("dict", tuple((k, p[1]) for k, p in parts.items()))
-    return value, ("value", type(value).__name__, freeze(value))
-
-
-def _fill(template: Any, rows: dict[str, Any]) -> Any:
-    if isinstance(template, _Row):
-        return rows[f"row{template.index}"]
-    if isinstance(template, (tuple, list)):
-        return type(template)(_fill(v, rows) for v in template)
-    if isinstance(template, dict):
-        return {k: _fill(v, rows) for k, v in template.items()}
-    return template
-
-
-def _merged_call(module, template, key, **inputs):
-    holders = inputs.pop(_HOLDERS)
-    args, kwargs = _fill(template, inputs)
-    output = module(*args, **kwargs)
-    total = len(holders)
-    bounds, start = [], 0
-    for i in range(1, total + 1):
-        if i == total or holders[i] is not holders[start]:
-            bounds.append((start, i))
-            start = i
-    if len(bounds) == 1:  # one request: its output as the model returned it
-        holders[0].output = output
-        return torch.zeros(total)
-    try:
-        parts = [_cut(output, begin, end, total) for begin, end in bounds]
-    except _NotRowWise as exc:
-        _not_rowwise.add(key)
-        _log_once(type(module).__name__, f"its output is not row-wise ({exc}); these calls run alone")
-        raise
-    for (begin, _), part in zip(bounds, parts):
-        holders[begin].output = part
-    return torch.zeros(total)
-
-
-class _NotRowWise(ValueError):
-    pass
-
-
-def _cut(output: Any, begin: int, end: int, total: int) -> Any:
-    if isinstance(output, torch.Tensor):
-        if output.ndim == 0 or output.shape[0] != total:
-            raise _NotRowWise(f"an output of shape {tuple(output.shape)} for {total} rows")
-        return output[begin:end]
-    if isinstance(output, BaseOutput):
-        return type(output)(**{k: _cut(v, begin, end, total) for k, v in output.items()})
-    if isinstance(output, (tuple, list)):
-        return type(output)(_cut(v, begin, end, total) for v in output)
-    if isinstance(output, dict):
-        return {k: _cut(v, begin, end, total) for k, v in output.items()}
-    return output

@@ -1,24 +1,26 @@
-"""The step-cost reducers a `StepBatched` engine hands to the step programs it plans.
+"""What a call is planned with besides its arguments: the engine's reducers, PiD early exit, its adapters.
 
-`StepBatched.submit` plans each call inside `planning_with(options)`; a family's plan function reads
-`current_options()` and keeps the result in its program. The call arguments stay exactly the pipeline's,
-and a program that knows no reducers simply never asks.
+`StepBatched.submit` passes a `PlanContext` to the plan function (`plan(pipe, call_args, context)`); the plan
+keeps what it needs in its program. The call arguments stay exactly the pipeline's, and a program that knows
+no reducers simply never asks.
 
->>> options = current_options()
->>> embeds = yield from cached_encode(options.prompt_cache, namespace, texts, make_item)
+>>> planned = plan(pipe, call_args, PlanContext(options=ProgramOptions(prompt_cache=PromptCache())))
+>>> embeds = yield from cached_encode(context.options.prompt_cache, namespace, texts, make_item)
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from ..adapters.state import NOT_GIVEN
 from ..buffers import LatentBuffers
 from ..cache.prompt import PromptCache
 from ..cache.teacache import TeaCacheConfig
 from .cfg import CFGPolicy
+
+if TYPE_CHECKING:
+    from .pid_exit import PiDExitOptions
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class ProgramOptions:
         cfg_policy: whether CFG branches share a forward.
         buffers: the engine's latent buffer pool; None allocates step tensors afresh.
         packed_attention: how a packed mixed-resolution call keeps attention inside each row
-            (`packed/attention.py`: "auto", "recover_scatter", "flex", "varlen").
+            (`models/packing/attention.py`: "auto", "recover_scatter", "flex", "varlen").
     """
 
     prompt_cache: PromptCache | None = None
@@ -41,20 +43,18 @@ class ProgramOptions:
     packed_attention: str = "auto"
 
 
-_NO_REDUCERS = ProgramOptions()
-_current: contextvars.ContextVar[ProgramOptions] = contextvars.ContextVar("stepbatch_program_options",
-                                                                          default=_NO_REDUCERS)
+@dataclass
+class PlanContext:
+    """One call's planning context.
 
+    Args:
+        options: the reducers in force for the call.
+        pid: the engine's PiD early exit; None decodes with the VAE.
+        adapters: the call's `adapters=` argument (`NOT_GIVEN`: the pipeline's active adapters).
+        views: the per-request pipeline views made while planning (`request_pipeline` appends them).
+    """
 
-def current_options() -> ProgramOptions:
-    """The options of the call being planned (no reducers outside `planning_with`)."""
-    return _current.get()
-
-
-@contextlib.contextmanager
-def planning_with(options: ProgramOptions) -> Iterator[None]:
-    token = _current.set(options)
-    try:
-        yield
-    finally:
-        _current.reset(token)
+    options: ProgramOptions = field(default_factory=ProgramOptions)
+    pid: PiDExitOptions | None = None
+    adapters: Any = NOT_GIVEN
+    views: list = field(default_factory=list)

@@ -1,23 +1,19 @@
 """PiD early exit for step programs: stop the main model at step K and let PiD decode its x_t at full size.
 
-With `StepBatched(pipe, decoder=..., pid_exit_step=K)` a call for `height` x `width` runs the main model at
-`height / sr_scale` x `width / sr_scale` for K of its N steps (default N - 2, source document 000), then PiD
-turns the early-exited latent x_t (in the VAE layout, as the denoiser sees it; each family's conventions are in
-`pid_families.py`) and its noise level `scheduler.sigmas[K]` into the image at the requested size. A program
-calls `plan_pid_exit` while planning (in the caller's thread, so bad input raises there), stops its loop at
-`pid.exit_step` and calls `pid_exit_decode` in place of its VAE decode:
+With `StepBatched(pipe, decoder=..., pid_exit_step=K)` the main model runs K of its N steps (default N - 2) at
+1/sr_scale of the requested size; PiD turns that x_t and its `scheduler.sigmas[K]` into the full-size image. A
+program plans with `plan_pid_exit` (in the caller's thread), stops its loop at `pid.exit_step` and decodes with
+`pid_exit_decode` in place of the VAE:
 
->>> pid = plan_pid_exit(pipe, args)                       # None when the engine has no PiD decoder
+>>> pid = plan_pid_exit(pipe, args, context)                      # None when the engine has no PiD decoder
 >>> image = yield from pid_exit_decode(view, pid, args, latents, prompt_embeds)
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import numbers
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +23,7 @@ from ..cache.prompt import PromptCache, cached_encode
 from ..decoders.pid.work import pid_decode_item, pid_text_item, pid_text_namespace
 from ..decoders.registry import PiDDecoding
 from ..engine.batch import WorkItem
-from .options import current_options
+from .options import PlanContext
 from .pid_families import PiDFamily, pid_family, pid_pipelines
 from .validation import as_list, check_num_images_per_prompt, check_num_inference_steps
 
@@ -78,19 +74,6 @@ class PiDExitOptions:
         return exit_at
 
 
-_current: contextvars.ContextVar[PiDExitOptions | None] = contextvars.ContextVar("stepbatch_pid_exit", default=None)
-
-
-@contextlib.contextmanager
-def planning_with_pid(options: PiDExitOptions | None) -> Iterator[None]:
-    """Plan calls with this PiD early exit (None: VAE decode)."""
-    token = _current.set(options)
-    try:
-        yield
-    finally:
-        _current.reset(token)
-
-
 def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
     """At engine construction: the pipeline has an early-exit program and the decoder fits its latent space."""
     family = pid_family(pipe)
@@ -133,9 +116,9 @@ class PiDExit:
     prompt_cache: PromptCache | None = None
 
 
-def plan_pid_exit(pipe: Any, args: dict[str, Any]) -> PiDExit | None:
+def plan_pid_exit(pipe: Any, args: dict[str, Any], context: PlanContext) -> PiDExit | None:
     """Validate a call for PiD early exit (in the caller's thread); None when the engine decodes with the VAE."""
-    options = _current.get()
+    options = context.pid
     if options is None:
         return None
     family = pid_family(pipe)
@@ -165,7 +148,7 @@ def plan_pid_exit(pipe: Any, args: dict[str, Any]) -> PiDExit | None:
     if not options.decoding.uses_pipeline_text and args["prompt"] is None:
         raise ValueError("PiD's text encoder needs the caption: pass prompt=..., not only prompt_embeds")
     return PiDExit(options.decoding, exit_step, size["height"], size["width"],
-                   size["height"] // sr_scale, size["width"] // sr_scale, family, current_options().prompt_cache)
+                   size["height"] // sr_scale, size["width"] // sr_scale, family, context.options.prompt_cache)
 
 
 def pid_exit_decode(

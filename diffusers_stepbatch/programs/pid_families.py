@@ -1,19 +1,4 @@
-"""How each family's step program hands its early-exited x_t to PiD: the latent layout, its noise level, sizes.
-
-PiD reads the latent as the family's denoiser sees it, in the VAE's [B, C, h, w] layout, never de-normalised
-(facts from the reference nv-tlabs/PiD, `pid/_src/inference/pipeline_registry.py` and `step_capture.py`):
-
-- Flux: the packed tokens unpacked (`_unpack_latents`); still scaled and shifted (no `/ scaling_factor +
-  shift_factor`, which only the VAE decode needs).
-- SD3: already [B, 16, h, w]; still scaled and shifted likewise.
-- SDXL: [B, 4, h, w] (scaled by `scaling_factor` only). Euler-type schedulers keep it in the variance-exploding
-  frame `x0 + s eps`, while the released SDXL PiD was trained on the variance-preserving one, so latent and sigma
-  are divided by sqrt(s^2 + 1); DPM-Solver already holds VP-frame latents, so only its sigma is converted.
-  The conversion runs in float32 (the pipeline upcasts fp16 latents for its VAE decode for the same reason).
-- Qwen-Image: the packed tokens unpacked to [B, C, 1, h, w], the frame axis dropped; still normalised by the
-  VAE's `latents_mean` / `latents_std` (no de-normalisation).
-
-The noise level is the scheduler's `sigmas[K]` after K steps (0 for K = N on the flow schedulers).
+"""How each family hands its early-exited x_t to PiD: as the denoiser holds it, not de-normalised, and its sigma.
 
 >>> family = pid_family(pipe)                # None: no early-exit program for this pipeline
 >>> lq_latent, sigma = family.to_pid(view, latents, exit_step, main_height, main_width)
@@ -28,7 +13,6 @@ from typing import Any
 import torch
 from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline
 
-# (view, latents after K steps, K, main height, main width) -> (latent [B, C, h, w], sigma [B] float32)
 ToPiD = Callable[[Any, torch.Tensor, int, int, int], "tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -41,7 +25,7 @@ class PiDFamily:
         size_multiple: pipe -> the multiple (pixels) the main model's height and width must have.
         latent_channels: pipe -> channels of the VAE latent PiD reads.
         text_dim: pipe -> width of the pipeline's own prompt embeddings (for `text_encoder="pipeline"`).
-        to_pid: the latent and noise level PiD reads, from the denoiser's latents after K steps.
+        to_pid: (view, latents after K steps, K, main height, main width) -> (latent, sigma [B] float32).
         check_scheduler: raises ValueError when the pipeline's scheduler keeps latents PiD can't read; None: any.
     """
 
@@ -83,7 +67,7 @@ def _sigma_rows(view: Any, exit_step: int, rows: int) -> torch.Tensor:
 
 
 def _unpacked(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
-    """Flux: packed [B, tokens, 4C] -> [B, C, h, w]."""
+    """Flux: packed [B, tokens, 4C] -> [B, C, h, w], still scaled and shifted (only the VAE decode undoes it)."""
     lq = view._unpack_latents(latents, height, width, view.vae_scale_factor)
     return lq, _sigma_rows(view, exit_step, lq.shape[0])
 
@@ -99,8 +83,7 @@ def _unpacked_one_frame(view: Any, latents: torch.Tensor, exit_step: int, height
     return lq[:, :, 0], _sigma_rows(view, exit_step, lq.shape[0])
 
 
-# SDXL schedulers whose `sigmas[K]` is the (variance-exploding) noise level after K steps, by the frame their
-# latents are kept in: "ve" x0 + s eps (Euler), "vp" (x0 + s eps) / sqrt(s^2 + 1) (DPM-Solver).
+# SDXL schedulers by the frame of their latents: "ve" x0 + s eps (Euler), "vp" divided by sqrt(s^2 + 1) (DPM).
 _SDXL_FRAMES = {
     "EulerDiscreteScheduler": "ve",
     "EulerAncestralDiscreteScheduler": "ve",
@@ -125,7 +108,7 @@ def _sdxl_check_scheduler(pipe: Any) -> None:
 
 
 def _vp_frame(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
-    """SDXL: to the variance-preserving frame the SDXL PiD was trained in, in float32."""
+    """SDXL: to the variance-preserving frame the SDXL PiD was trained in, in float32 (as the VAE decode)."""
     sigma = float(view.scheduler.sigmas[exit_step])
     scale = (sigma**2 + 1.0) ** 0.5
     lq = latents.float()

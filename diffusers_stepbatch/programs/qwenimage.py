@@ -4,7 +4,7 @@ Prompt embeddings of any length share a forward: every row brings its own embedd
 batched forward pads them to the batch's longest with `encoder_hidden_states_mask` (padded text tokens are
 masked out, and text RoPE positions don't depend on the padded length). RoPE takes `img_shapes[0]` for the
 whole batch, so the image grid is part of the key; requests of other grids share a packed call instead
-(`packed/qwenimage.py`: tokens of every row without padding, attention inside each row). True CFG adds the
+(`models/qwenimage/packing.py`: tokens of every row without padding, attention inside each row). True CFG adds the
 negative rows to the same forward; its scale and norm rescaling are applied per request after the split.
 """
 
@@ -34,18 +34,18 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
-from ..packed.attention import check_can_run as check_packed_attention_runs
-from ..packed.qwenimage import (
+from ..models.packing.attention import check_can_run as check_packed_attention_runs
+from ..models.qwenimage.packing import (
     QwenImagePart,
     packed_row_order,
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
-from ..packed.support import extra_attention_kwargs, packing_refused
+from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
-from .options import current_options
+from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -75,15 +75,15 @@ class QwenImageCall:
     do_true_cfg: bool
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
-    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
+    packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
 
 
 @register_program(QwenImagePipeline, features=("adapters",))
-def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
     if pid is not None:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
@@ -111,13 +111,14 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any]) -> PlannedRequ
     latent_w = 2 * (int(width) // (pipe.vae_scale_factor * 2))
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
-    adapters = request_adapters(pipe.transformer, lora_scale=(args["attention_kwargs"] or {}).get("scale"))
+    adapters = request_adapters(pipe.transformer, context.adapters,
+                                lora_scale=(args["attention_kwargs"] or {}).get("scale"))
     call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters,
-                         packed_attention=current_options().packed_attention)
+                         packed_attention=context.options.packed_attention)
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(call.packed_attention, pipe.transformer)
     rows = num_images * (2 if do_true_cfg else 1)
-    program = qwenimage_program(pipe, request_pipeline(pipe), call)
+    program = qwenimage_program(pipe, request_pipeline(pipe, context), call)
     tokens = (latent_h // 2) * (latent_w // 2)
     return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
                           starts_in_caller=True)

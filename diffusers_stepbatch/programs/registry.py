@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.batch import WorkItem
+from .options import PlanContext
 from .request_state import record_view
 
 
@@ -31,8 +32,8 @@ class PlannedRequest:
     starts_in_caller: bool = False
 
 
-# plan(pipe, call_args) validates a call in the caller's thread and returns its PlannedRequest.
-PlanFn = Callable[[Any, dict[str, Any]], PlannedRequest]
+# plan(pipe, call_args, context) validates a call in the caller's thread and returns its PlannedRequest.
+PlanFn = Callable[[Any, dict[str, Any], PlanContext], PlannedRequest]
 
 _PROGRAMS: dict[type, PlanFn] = {}
 
@@ -47,7 +48,7 @@ def register_program(pipeline_class: type, features: tuple[str, ...] = ()) -> Ca
     family's program lacks is an error, not a silent no-op.
 
     >>> @register_program(FluxPipeline, features=("teacache",))
-    ... def plan_flux(pipe, call_args): ...
+    ... def plan_flux(pipe, call_args, context): ...
     """
 
     def decorate(plan: PlanFn) -> PlanFn:
@@ -98,7 +99,7 @@ def registered_pipelines() -> list[type]:
     return list(_PROGRAMS)
 
 
-def request_pipeline(pipe: Any) -> Any:
+def request_pipeline(pipe: Any, context: PlanContext) -> Any:
     """A per-request view of `pipe`: shares its models, owns a scheduler copy and its per-call state.
 
     diffusers keeps per-call state on the pipeline (`_guidance_scale`, `_interrupt`, `_current_timestep`,
@@ -111,6 +112,9 @@ def request_pipeline(pipe: Any) -> Any:
     # would keep a dropped hook-mode pipeline's engine and wrapper alive.
     view.__dict__.pop(HOOK_MODE_ENGINE, None)
     # NOTE: write the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config.
-    view.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is not None:  # NOTE: some pipelines have none (LTX latent upsampling runs no denoising loop)
+        view.__dict__["scheduler"] = copy.deepcopy(scheduler)
     record_view(pipe, view)
+    context.views.append(view)
     return view

@@ -1,55 +1,33 @@
 """Per-call pipeline state (`guidance_scale`, `num_timesteps`, `current_timestep`, ...) seen from the wrapper.
 
-diffusers keeps a call's state on the pipeline object; a step program keeps it on the request's own view
-(`request_pipeline`). So that code written for the plain pipeline reads the same values through the wrapper:
-- after `sb(...)` returns, the calling thread sees that call's view (`StepBatched` keeps it per thread);
-- inside a step callback, and inside a forward that runs one request's rows (cache hooks read
-  `pipe.current_timestep` there), the engine thread sees the view made active with `active_view(view)`.
+A step program keeps a call's state on the request's view, not the pipeline; the wrapper reads it from there.
 
->>> with capturing_views() as views:
-...     planned = plan(pipe, call_args)      # request_pipeline() records the view it makes
->>> with active_view(views[0]):
+>>> with active_view(view):
 ...     noise = transformer(...)             # sb.current_timestep is this request's timestep here
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-# NOTE: on a view, a weak reference to the pipeline it was made from: a caller's thread keeps its last call's view
-# (`sb.num_timesteps`, ...), and in hook mode the pipeline holds its engine, which must stop once it is dropped.
+# NOTE: a view's pipeline, held weakly: a dropped pipeline (and in hook mode its engine) must not outlive its views.
 _SOURCE = "_stepbatch_source"
-_created: contextvars.ContextVar[list | None] = contextvars.ContextVar("stepbatch_views", default=None)
 _active = threading.local()
 
 
 def record_view(pipe: Any, view: Any) -> None:
     view.__dict__[_SOURCE] = weakref.ref(pipe)
-    created = _created.get()
-    if created is not None:
-        created.append(view)
 
 
 def view_source(view: Any) -> Any:
     """The pipeline a view was made from (None for anything else, or once that pipeline is gone)."""
     source = view.__dict__.get(_SOURCE)
     return source() if source is not None else None
-
-
-@contextlib.contextmanager
-def capturing_views() -> Iterator[list]:
-    views: list = []
-    token = _created.set(views)
-    try:
-        yield views
-    finally:
-        _created.reset(token)
 
 
 @contextlib.contextmanager
@@ -71,11 +49,7 @@ def active_view_of(pipe: Any) -> Any:
 
 
 def is_call_state(pipe: Any, view: Any, name: str) -> bool:
-    """Whether `name` is per-call state to read from a request's view rather than from the pipeline.
-
-    That is a property the pipeline's family defines (`guidance_scale`, `do_classifier_free_guidance`, ...;
-    not DiffusionPipeline's own `device`, `components`, ...), or a private attribute the call set on its view.
-    """
+    """Whether `name` is per-call state: a family's property (not DiffusionPipeline's) or a private one on the view."""
     from diffusers import DiffusionPipeline
 
     if name.startswith("__") or name == _SOURCE:
@@ -88,8 +62,7 @@ def is_call_state(pipe: Any, view: Any, name: str) -> bool:
 
 
 def copy_call_state(pipe: Any, view: Any) -> None:
-    """Leave a finished call's private state (`_guidance_scale`, `_num_timesteps`, ...) on `pipe`, as a plain call
-    does (hook mode: code that holds only the pipeline reads `pipe.num_timesteps` after its call)."""
+    """Leave a finished call's private state (`_num_timesteps`, ...) on `pipe`, as a plain call does (hook mode)."""
     for name in list(view.__dict__):
         if name.startswith("_") and is_call_state(pipe, view, name):
             pipe.__dict__[name] = view.__dict__[name]

@@ -19,13 +19,14 @@ from ..adapters.ip_adapter import bind_scale_setter, ip_image_embeds, plan_ip_ad
 from ..adapters.state import text_lora_scale
 from ..engine.batch import WorkItem
 from ..module_scan import execution_device
+from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline
 from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
 from .validation import as_list, check_latents
 
 
 @register_program(StableDiffusionPipeline, features=("adapters",))
-def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a StableDiffusionPipeline call in the caller's thread and return its step program."""
     height, width = args["height"], args["width"]
     if not height or not width:
@@ -49,10 +50,11 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any]) -> PlannedReque
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
     call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg,
-                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg, num_images))
+                    adapters=unet_adapters(pipe, args, context), ip=plan_ip_adapter(pipe, args, do_cfg, num_images))
     rows = num_images * (2 if do_cfg else 1)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
-    return PlannedRequest(program=sd_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,
+    program = sd_program(pipe, request_pipeline(pipe, context), call)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps,
                           tokens_per_row=tokens, starts_in_caller=True)
 
 

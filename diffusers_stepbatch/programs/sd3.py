@@ -37,13 +37,13 @@ from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
-from ..packed.attention import check_can_run as check_packed_attention_runs
-from ..packed.layout import PackedLayout
-from ..packed.sd3 import SD3Part, sd3_packed_forward, sd3_packing_unsupported
-from ..packed.support import extra_attention_kwargs, packing_refused
+from ..models.packing.attention import check_can_run as check_packed_attention_runs
+from ..models.packing.layout import PackedLayout
+from ..models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
+from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
-from .options import current_options
+from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
@@ -72,15 +72,15 @@ class SD3Call:
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/sd3_ip_adapter.py); None: none loaded
-    packed_attention: str = "auto"  # the StepBatched option (packed/attention.py)
+    packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
 
 
 @register_program(StableDiffusion3Pipeline, features=("adapters",))
-def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
     if pid is not None:
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
@@ -111,16 +111,18 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any]) -> PlannedReq
     channels = pipe.transformer.config.in_channels
     check_latents(args["latents"], (num_images, channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
-    adapters = request_adapters(pipe.transformer, lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
+    adapters = request_adapters(pipe.transformer, context.adapters,
+                                lora_scale=(args["joint_attention_kwargs"] or {}).get("scale"))
     call = SD3Call(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid, adapters=adapters,
                    ip=plan_sd3_ip_adapter(pipe, args, do_cfg),
-                   packed_attention=current_options().packed_attention)
+                   packed_attention=context.options.packed_attention)
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(call.packed_attention, pipe.transformer)
     rows = num_images * ((3 if skip is not None else 2) if do_cfg else 1)
     patch = pipe.vae_scale_factor * pipe.transformer.config.patch_size
     tokens = (int(height) // patch) * (int(width) // patch)
-    return PlannedRequest(program=sd3_program(pipe, request_pipeline(pipe), call), num_rows=rows, num_steps=steps,
+    program = sd3_program(pipe, request_pipeline(pipe, context), call)
+    return PlannedRequest(program=program, num_rows=rows, num_steps=steps,
                           tokens_per_row=tokens, starts_in_caller=True)
 
 

@@ -37,6 +37,7 @@ from ..module_scan import execution_device
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -79,9 +80,9 @@ def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, in
 
 
 @register_program(StableDiffusionXLPipeline, features=("adapters",))
-def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedRequest:
+def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a StableDiffusionXLPipeline call in the caller's thread and return its step program."""
-    pid = plan_pid_exit(pipe, args)  # PiD early exit: the main model runs at 1/sr_scale of the requested size
+    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
     if pid is not None:
         if args["denoising_end"] is not None:
             raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
@@ -116,17 +117,17 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any]) -> PlannedR
     check_latents(args["latents"], (num_images, pipe.unet.config.in_channels, int(height) // pipe.vae_scale_factor,
                                     int(width) // pipe.vae_scale_factor))
     call = UNetCall(args, height, width, steps, num_prompts, num_images, do_cfg, pid=pid,
-                    adapters=unet_adapters(pipe, args), ip=plan_ip_adapter(pipe, args, do_cfg, num_images))
+                    adapters=unet_adapters(pipe, args, context), ip=plan_ip_adapter(pipe, args, do_cfg, num_images))
     rows = num_images * (2 if do_cfg else 1)
-    program = sdxl_program(pipe, request_pipeline(pipe), call, projection_dim)
+    program = sdxl_program(pipe, request_pipeline(pipe, context), call, projection_dim)
     tokens = (int(height) // pipe.vae_scale_factor) * (int(width) // pipe.vae_scale_factor)  # latent pixels
     return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
                           starts_in_caller=True)
 
 
-def unet_adapters(pipe, args: dict[str, Any]) -> AdapterState | None:
+def unet_adapters(pipe, args: dict[str, Any], context: PlanContext) -> AdapterState | None:
     """The request's UNet LoRA: `adapters=` or the pipeline's active adapters, times its LoRA scale."""
-    return request_adapters(pipe.unet, lora_scale=(args["cross_attention_kwargs"] or {}).get("scale"))
+    return request_adapters(pipe.unet, context.adapters, lora_scale=(args["cross_attention_kwargs"] or {}).get("scale"))
 
 
 def _negatives_to_encode(pipe, args) -> bool:

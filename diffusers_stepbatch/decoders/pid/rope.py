@@ -1,8 +1,5 @@
-"""Position encodings of the PiD network: 2D RoPE on the patch grid, 1D RoPE on text, sin/cos on pixels.
-
-All frequencies are computed in float32 (float64 for the pixel sin/cos table) as the released network does,
-so the same weights give the same outputs.
-"""
+"""Position encodings of the PiD network: 2D RoPE on the patch grid, 1D RoPE on text, sin/cos on pixels; in the
+released network's precisions (float32, float64 for pixels), so the same weights give the same outputs."""
 
 from __future__ import annotations
 
@@ -27,12 +24,8 @@ def grid_rope(
     ref_width: int = 64,
     device: torch.device | None = None,
 ) -> RopeTable:
-    """2D RoPE table for a `height` x `width` patch grid, rows flattened row-major.
-
-    Rotation pair `2k` turns with the column (x) position and pair `2k + 1` with the row (y) position.
-    `mode="ntk_aware"` rescales the base per axis when the grid differs from the reference grid
-    (`ref_height` x `ref_width`, in patches); `mode="original"` uses the plain base.
-    """
+    """2D RoPE table for a `height` x `width` patch grid, row-major; pair `2k` turns with x, `2k + 1` with y.
+    `mode="ntk_aware"` rescales the base per axis off the reference grid; `"original"` keeps it."""
     theta_h = theta_w = _IMAGE_ROPE_THETA
     if mode == "ntk_aware":
         axis_dim = head_dim // 2
@@ -72,11 +65,8 @@ def apply_rope(x: torch.Tensor, table: RopeTable) -> torch.Tensor:
 
 
 def pixel_sincos(dim: int, height: int, width: int, *, device: torch.device | None = None) -> RopeTable:
-    """Separable sin/cos embedding of pixel coordinates: ([width, dim // 2], [height, dim // 2]), float64.
-
-    The full table for pixel (row i, column j) is `cat(cols[j], rows[i])`; keeping the two halves apart avoids
-    materialising an H x W x dim table at 4K.
-    """
+    """Separable sin/cos embedding of pixel coordinates: ([width, dim // 2], [height, dim // 2]), float64; pixel
+    (i, j) is `cat(cols[j], rows[i])`, kept apart so no H x W x dim table exists at 4K."""
     if dim % 4:
         raise ValueError(f"pixel_hidden_size={dim} must be divisible by 4 for the pixel sin/cos embedding")
     half = dim // 4

@@ -1,12 +1,8 @@
 """The few-step sampler of the distilled PiD checkpoints, batched with per-row inputs.
 
-Flow convention of the released network (reference `pid_distill_model_infer.py`): x_t = (1 - t) x0 + t noise,
-the network predicts the velocity v = noise - x0 at network time `t * 1000`, so x0 = x_t - t v. The distilled
-schedule is t = [0.999, 0.866, 0.634, 0.342, 0.0]; between steps the default ("sde") sampler re-noises the x0
-prediction with fresh noise, x_next = (1 - t_next) x0 + t_next eps; "ode" takes an Euler step instead.
-
-Every row carries its own latent, noise level (sigma), text, timestep and random stream, so requests decode
-together exactly as they decode alone. Rows of one call share the output size.
+The released flow convention: x_t = (1 - t) x0 + t noise, velocity v = noise - x0 at network time `t * 1000`.
+"sde" (the default) re-noises the x0 prediction between steps, "ode" takes Euler steps. Every row has its own
+latent, sigma, text, timestep and random stream, so requests decode together exactly as alone.
 
 >>> image = decode(decoder, lq_latent, sigma=[0.0, 0.12], text_embeds=embeds, generator=[g1, g2])  # [-1, 1]
 """
@@ -40,14 +36,8 @@ Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 @dataclass(frozen=True)
 class PiDSamplerConfig:
-    """How `decode` samples.
-
-    Args:
-        timesteps: flow times from noise to clean; strictly decreasing, ending at 0.
-        sample_type: "sde" re-noises the x0 prediction between steps (the released default), "ode" takes Euler
-            steps.
-        timescale: network time units per unit of flow time (1000 for the released network).
-    """
+    """How `decode` samples: `timesteps` from noise to clean (strictly decreasing, ending at 0), `sample_type`
+    ("sde" or "ode") and `timescale` (network time units per unit of flow time)."""
 
     timesteps: tuple[float, ...] = PID_DISTILLED_TIMESTEPS
     sample_type: str = "sde"
@@ -83,11 +73,8 @@ def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def randn_rows(shape: Sequence[int], generator: Generators, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard normal noise [B, *shape[1:]], float32; with a list of generators, row i comes from generator i.
-
-    With one generator the whole batch is one draw (as the reference does); with a list, a row's noise does not
-    depend on the other rows, which is what keeps batched decoding equal to decoding alone.
-    """
+    """Standard normal noise [B, *shape[1:]], float32: one draw for one generator (as the reference), row i from
+    generator i for a list (so a row's noise does not depend on the others)."""
     if generator is not None and not isinstance(generator, torch.Generator) and len(generator) != shape[0]:
         raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}; give one per row")
     shape, device = tuple(shape), torch.device(device)
@@ -117,10 +104,8 @@ def sampler_step(
     *,
     sample_type: str = "sde",
 ) -> torch.Tensor:
-    """Advance each row from its `t` to its `t_next` ([B] each); rows reaching 0 return their x0 prediction.
-
-    `noise` ([B, 3, H, W]) is the fresh noise of the "sde" sampler; rows with `t_next == 0` ignore it.
-    """
+    """Advance each row from its `t` to its `t_next` ([B] each); rows reaching 0 return their x0 prediction
+    (`noise`: the "sde" sampler's fresh noise)."""
     x0 = velocity_to_x0(x_t, velocity, t)
     if sample_type == "sde":
         if noise is None:

@@ -1,10 +1,7 @@
 """Caption embeddings for PiD: the last hidden states of frozen Gemma-2-2B-it, as the released decoders saw them.
 
-Recipe (reference `pixeldit_model.py`, `_encode_text_raw`): the caption is appended to a fixed instruction
-prefix (`PID_INSTRUCTION_PROMPT`), tokenized right-padded to `len(prefix tokens) + 298`, run through the Gemma
-decoder (bf16), and the BOS position plus the last 299 positions are kept: [B, 300, 2304]. The sampler passes
-no text mask, so every row has the same length and rows batch freely. The encoder is not part of the decoder's
-state dict and loads lazily, by Hub id, on first use.
+As the reference's `_encode_text_raw`: instruction prefix + caption, right-padded to `prefix + 298` tokens,
+Gemma's decoder (bf16), BOS plus the last 299 positions: [B, 300, 2304]. No text mask, so rows batch freely.
 
 >>> encoder = PiDTextEncoder()                      # nothing loaded yet
 >>> embeds = encoder.encode(["a cat", "a dog"])     # [2, 300, 2304]
@@ -47,15 +44,8 @@ PID_INSTRUCTION_PROMPT = "\n".join(
 
 @dataclass(frozen=True)
 class PiDTextEncoderConfig:
-    """Which text model to use and how to cut its output.
-
-    Args:
-        model_id: Hub id (or local folder) of a Gemma-2 causal LM; its decoder's last hidden states are used.
-        revision: Hub revision of `model_id`.
-        max_length: tokens kept per caption (the decoder's `txt_max_length`, 300 for the released ones).
-        instruction_prompt: text put before every caption; "" for none.
-        dtype: dtype of the text model (the reference runs it in bfloat16).
-    """
+    """Which text model to use (a Gemma-2 causal LM by Hub id or folder, at `revision`, in `dtype`), the prefix put
+    before every caption ("" for none) and the tokens kept per caption (the decoder's `txt_max_length`)."""
 
     model_id: str = DEFAULT_TEXT_ENCODER_ID
     revision: str | None = None

@@ -1,0 +1,130 @@
+"""The generic program against a dedicated one on the same model, side by side in one run.
+
+    python benchmarks/generic.py              # 8 concurrent requests, 3 interleaved rounds per pair
+    python benchmarks/generic.py --smoke      # a few seconds, for CI
+
+Each pair runs the same tiny components through a pipeline with a dedicated step program and through one that
+only the generic program serves (img2img at strength 1.0 runs the same denoising loop as text-to-image):
+- flux: `FluxPipeline` (dedicated) vs `FluxImg2ImgPipeline` (generic);
+- unet: `StableDiffusionPipeline` (dedicated) vs `StableDiffusionImg2ImgPipeline` (generic).
+Per side: sequential plain calls and StepBatched with N concurrent requests (closed loop), in worker threads,
+rounds interleaved. Printed: images/s, StepBatched / sequential, and generic / dedicated StepBatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import command_line, in_worker_thread, run_sequential, run_stepbatched, write_report  # noqa: E402
+
+from diffusers_stepbatch import StepBatched  # noqa: E402
+from diffusers_stepbatch.programs import generic, program_for  # noqa: E402
+
+
+def _flux_pair():
+    from diffusers import FluxImg2ImgPipeline
+
+    from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline
+
+    dedicated = tiny_flux_pipeline(guidance_embeds=True, size=FluxSize(), vae_blocks=4)
+    return dedicated, FluxImg2ImgPipeline(**dedicated.components), 256, dict(max_sequence_length=32, guidance_scale=3.5)
+
+
+def _unet_pair():
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    from diffusers_stepbatch.testing import tiny_sd_pipeline
+
+    dedicated = tiny_sd_pipeline()
+    return dedicated, StableDiffusionImg2ImgPipeline(**dedicated.components), 64, dict(guidance_scale=3.0)
+
+
+PAIRS = {"flux": _flux_pair, "unet": _unet_pair}
+
+
+def _kwargs(side: int, extra: dict, steps: int, image: torch.Tensor | None):
+    def make(i: int) -> dict:
+        kwargs = dict(prompt=f"a red circle {i}", num_inference_steps=steps, output_type="pt", height=side,
+                      width=side, generator=torch.Generator().manual_seed(i), **extra)
+        if image is not None:
+            kwargs.update(image=image, strength=1.0)
+        return kwargs
+
+    return make
+
+
+def bench_pair(name: str, n: int, steps: int, rounds: int) -> dict:
+    dedicated, generic_pipe, side, extra = PAIRS[name]()
+    for pipe in (dedicated, generic_pipe):
+        pipe.set_progress_bar_config(disable=True)
+    if program_for(generic_pipe) is not generic.plan_generic or program_for(dedicated) is generic.plan_generic:
+        raise RuntimeError(f"{name}: the pair must be one dedicated and one generic pipeline")
+    image = torch.rand(1, 3, side, side, generator=torch.Generator().manual_seed(0))
+    sides = {"dedicated": (dedicated, _kwargs(side, extra, steps, None)),
+             "generic": (generic_pipe, _kwargs(side, extra, steps, image))}
+    engines = {label: StepBatched(pipe, max_batch_size=n) for label, (pipe, _) in sides.items()}
+    closed = [0.0] * n
+    for label, (pipe, make) in sides.items():  # warm-up: first calls, and the engines' cost models
+        in_worker_thread(lambda: pipe(**make(0)))
+        for _ in range(2):
+            run_stepbatched(engines[label], make, n, closed)
+    results: dict[str, dict[str, list]] = {label: {"sequential": [], "stepbatched": [], "rows": []} for label in sides}
+    for _ in range(rounds):
+        for label, (pipe, make) in sides.items():
+            sequential = in_worker_thread(run_sequential, pipe, make, n, closed)
+            batched = run_stepbatched(engines[label], make, n, closed)
+            results[label]["sequential"].append(sequential["throughput_images_per_s"])
+            results[label]["stepbatched"].append(batched["throughput_images_per_s"])
+            results[label]["rows"].append(batched["rows_per_call_by_kind"])
+    for sb in engines.values():
+        sb.close()
+    summary = {}
+    for label, runs in results.items():
+        sequential, batched = statistics.median(runs["sequential"]), statistics.median(runs["stepbatched"])
+        summary[label] = {"sequential_images_per_s": sequential, "stepbatched_images_per_s": batched,
+                          "speedup_vs_sequential": batched / sequential, "rows_per_call_last_round": runs["rows"][-1],
+                          "rounds": runs}
+    summary["generic_vs_dedicated"] = (summary["generic"]["stepbatched_images_per_s"]
+                                       / summary["dedicated"]["stepbatched_images_per_s"])
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", default=",".join(PAIRS))
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1 is fastest for tiny models)")
+    parser.add_argument("--smoke", action="store_true", help="2 requests, 2 steps, 1 round")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generic.json"))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.steps, args.rounds = 2, 2, 1
+    torch.set_num_threads(args.threads)
+    report = {"command": command_line("benchmarks/generic.py", argv), "requests": args.requests,
+              "steps": args.steps, "threads": args.threads, "pairs": {}}
+    for name in args.pairs.split(","):
+        result = bench_pair(name, args.requests, args.steps, args.rounds)
+        report["pairs"][name] = result
+        print(f"{name}: images/s  sequential / StepBatched (x sequential)")
+        for label in ("dedicated", "generic"):
+            side = result[label]
+            print(f"  {label:9s} {side['sequential_images_per_s']:7.2f} / {side['stepbatched_images_per_s']:7.2f} "
+                  f"({side['speedup_vs_sequential']:.2f}x)  rows per call: {side['rows_per_call_last_round']}")
+        print(f"  generic / dedicated StepBatched: {result['generic_vs_dedicated']:.2f}")
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

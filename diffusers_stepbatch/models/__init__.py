@@ -1,0 +1,100 @@
+"""The model layer: what StepBatched knows about each denoiser class, registered by class.
+
+Batching is a property of the denoiser: many pipelines share a few transformer classes. A class without a
+module gets `DEFAULT_SUPPORT`, whose first merge of each call structure is checked against separate calls.
+
+>>> @register_model(ZImageTransformer2DModel)
+... def _z_image() -> ModelSupport:
+...     return ModelSupport(row_lists=("x", "cap_feats"), output_lists_are_rows=True, trusted=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# refusal(model, arguments) -> why this call can't share a forward, or None
+Refusal = Callable[[torch.nn.Module, dict[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How calls of different sizes run as one packed call of the model's own submodules.
+
+    Args:
+        unsupported: why the model can't run packed calls now (other attention processors, hooks), or None.
+        key: (what must match for calls to pack, tokens per row), or None when this call can't pack.
+        run: `run(model, calls, packed_attention)`: one output per call (its arguments by name), as the model
+            returns it.
+    """
+
+    unsupported: Callable[[torch.nn.Module], "str | None"]
+    key: Callable[[dict[str, Any]], "tuple[Any, int] | None"]
+    run: Callable[[torch.nn.Module, list[dict[str, Any]], str], list[Any]]
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """How calls of one denoiser class share a forward.
+
+    Args:
+        row_lists: list arguments with one entry per row (Z-Image's per-image latents and captions).
+        shared: tensors read as a whole or from row 0 only (FLUX.2's ids): calls merge only when they are equal.
+        output_lists_are_rows: list outputs hold one entry per row (else a list is a tuple of outputs).
+        refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
+        trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
+        teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
+        packing: how calls of different sizes share one packed call; None: only equal sizes merge.
+    """
+
+    row_lists: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    output_lists_are_rows: bool = False
+    refusal: Refusal | None = None
+    trusted: bool = False
+    teacache_coefficients: tuple[float, ...] | None = None
+    packing: Packing | None = None
+
+
+DEFAULT_SUPPORT = ModelSupport()
+_SUPPORT: dict[type, ModelSupport] = {}
+
+
+def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], Callable[[], ModelSupport]]:
+    """Register the `ModelSupport` that `factory` returns for `model_class` (and its subclasses)."""
+
+    def decorate(factory: Callable[[], ModelSupport]) -> Callable[[], ModelSupport]:
+        _SUPPORT[model_class] = factory()
+        return factory
+
+    return decorate
+
+
+def support_for(model: torch.nn.Module) -> ModelSupport:
+    """The support of the model's class or nearest registered base class."""
+    _load_modules()
+    for cls in type(model).__mro__:
+        support = _SUPPORT.get(cls)
+        if support is not None:
+            return support
+    return DEFAULT_SUPPORT
+
+
+def registered_models() -> list[type]:
+    _load_modules()
+    return list(_SUPPORT)
+
+
+_loaded = False
+
+
+def _load_modules() -> None:
+    # NOTE: lazily, once: each module imports its diffusers model class
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from . import flux, flux2, qwenimage, sd3, unet, z_image  # noqa: F401  (each registers its classes)

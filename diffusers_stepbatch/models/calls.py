@@ -1,0 +1,266 @@
+"""One model call as rows: which arguments are per row, what must match to merge, how outputs split.
+
+A call is described by binding its arguments to the model's `forward` signature, so a model's support can
+name them. Per-row arguments (tensors whose dim 0 is the batch, and the support's `row_lists`) become row
+inputs; everything else goes into the call's signature, and only calls with equal signatures merge.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+from diffusers.utils import BaseOutput
+from transformers.utils import ModelOutput
+
+from ..programs.validation import freeze
+from . import ModelSupport, support_for
+
+logger = logging.getLogger(__name__)
+
+_BATCH_NAMES = ("hidden_states", "sample", "x", "input_ids")
+_RECORDS = (BaseOutput, ModelOutput)  # diffusers' and transformers' output dataclasses
+
+
+@dataclass
+class ModelCall:
+    """A described call: `template` rebuilds it from `row_inputs`; equal `signature`s may share a forward."""
+
+    support: ModelSupport
+    method: str
+    parameters: inspect.Signature | None
+    template: dict[str, Any]
+    signature: Any
+    row_inputs: list[Any]
+    rows: int | None
+    refusal: str | None
+    arguments: dict[str, Any]  # the call's arguments by name, as given
+
+    @property
+    def structure(self) -> Any:
+        """The signature without the values of its shared tensors: what a check of row independence covers."""
+        return _structure(self.signature)
+
+
+_signatures: dict[tuple[type, str], inspect.Signature | None] = {}
+
+
+def _method_signature(model: torch.nn.Module, method: str) -> inspect.Signature | None:
+    key = (type(model), method)
+    if key not in _signatures:
+        try:
+            _signatures[key] = inspect.signature(getattr(type(model), method))
+        except (AttributeError, TypeError, ValueError):
+            _signatures[key] = None
+    return _signatures[key]
+
+
+def _arguments(model: torch.nn.Module, method: str, args: tuple,
+               kwargs: dict) -> tuple[inspect.Signature | None, dict[str, Any]]:
+    """The call's arguments by name (positional ones as `__arg<i>` where the signature can't bind them)."""
+    signature = _method_signature(model, method)
+    if signature is not None:
+        try:
+            bound = signature.bind(model, *args, **kwargs)
+        except TypeError:
+            signature = None
+        else:
+            named = dict(bound.arguments)
+            named.pop(next(iter(signature.parameters)), None)  # self
+            return signature, named
+    named = {f"__arg{i}": value for i, value in enumerate(args)}
+    named.update(kwargs)
+    return None, named
+
+
+def describe_call(model: torch.nn.Module, args: tuple, kwargs: dict, method: str = "forward") -> ModelCall:
+    """`model.<method>(*args, **kwargs)` as rows and a signature (`forward`: a call of the model itself)."""
+    support = support_for(model)
+    signature, named = _arguments(model, method, args, kwargs)
+    rows = _batch_size(named, support, signature)
+    refusal = support.refusal(model, named) if support.refusal else None
+    row_inputs: list[Any] = []
+    template, described = {}, []
+    for name, value in named.items():
+        if name in support.row_lists and isinstance(value, (list, tuple)) and rows is not None and len(value) == rows:
+            row_inputs.append(list(value))
+            template[name] = _Row(len(row_inputs) - 1, type(value))
+            described.append((name, ("row list",)))  # NOTE: the model takes entries of any shape
+            continue
+        template[name], part = _describe(value, None if name in support.shared else rows, row_inputs)
+        described.append((name, part))
+    return ModelCall(support, method, signature, template, tuple(described), row_inputs, rows, refusal, named)
+
+
+def _batch_size(named: dict[str, Any], support: ModelSupport, signature: inspect.Signature | None) -> int | None:
+    for name in support.row_lists:
+        value = named.get(name)
+        if isinstance(value, (list, tuple)) and value:
+            return len(value)
+    # the first argument carries the batch (the latents), as in every diffusers denoiser
+    first_name = list(signature.parameters)[1] if signature is not None and len(signature.parameters) > 1 else "__arg0"
+    first = named.get(first_name)
+    if first is None:
+        first = next((named[n] for n in _BATCH_NAMES if n in named), None)
+    if isinstance(first, torch.Tensor) and first.ndim >= 1:
+        return int(first.shape[0])
+    return None
+
+
+class _Row:
+    __slots__ = ("index", "container")
+
+    def __init__(self, index: int, container: type | None = None):
+        self.index = index
+        self.container = container
+
+
+class Exact:
+    """A tensor in a key: equal only to an identical tensor (same shape, dtype, device and values)."""
+
+    __slots__ = ("tensor", "_hash")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._hash = hash((tuple(tensor.shape), tensor.dtype, str(tensor.device)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Exact) or other._hash != self._hash:
+            return False
+        mine, theirs = self.tensor, other.tensor
+        return mine is theirs or (mine.shape == theirs.shape and mine.dtype == theirs.dtype
+                                  and mine.device == theirs.device and torch.equal(mine, theirs))
+
+
+def _describe(value: Any, rows: int | None, row_inputs: list) -> tuple[Any, Any]:
+    """(template, signature): the value with row tensors replaced by `_Row` markers, and its hashable form."""
+    if isinstance(value, torch.Tensor):
+        if rows is not None and value.ndim >= 1 and value.shape[0] == rows:
+            row_inputs.append(value)
+            return _Row(len(row_inputs) - 1), ("row", tuple(value.shape[1:]), value.dtype, str(value.device))
+        return value, ("same", Exact(value))
+    if isinstance(value, (tuple, list)):
+        parts = [_describe(v, rows, row_inputs) for v in value]
+        return type(value)(p[0] for p in parts), (type(value).__name__, tuple(p[1] for p in parts))
+    if isinstance(value, dict):
+        parts = {k: _describe(v, rows, row_inputs) for k, v in value.items()}
+        return {k: p[0] for k, p in parts.items()}, ("dict", tuple((k, p[1]) for k, p in parts.items()))
+    return value, ("value", type(value).__name__, freeze(value))
+
+
+def _structure(signature: Any) -> Any:
+    if isinstance(signature, Exact):
+        return ("tensor", tuple(signature.tensor.shape), signature.tensor.dtype)
+    if isinstance(signature, tuple):
+        return tuple(_structure(part) for part in signature)
+    return signature
+
+
+def fill(template: Any, rows: dict[str, Any]) -> Any:
+    """The template with each `_Row` marker replaced by its (batched) row input `rows[f"row{i}"]`."""
+    if isinstance(template, _Row):
+        value = rows[f"row{template.index}"]
+        return template.container(value) if template.container is not None else value
+    if isinstance(template, (tuple, list)):
+        return type(template)(fill(v, rows) for v in template)
+    if isinstance(template, dict):
+        return {k: fill(v, rows) for k, v in template.items()}
+    return template
+
+
+def run_call(model: torch.nn.Module, call: ModelCall, rows: dict[str, Any]) -> Any:
+    """Call the model with the described call's arguments, row inputs taken from `rows`."""
+    named = fill(call.template, rows)
+    target = model if call.method == "forward" else getattr(model, call.method)  # NOTE: forward via hooks
+    if call.parameters is None:
+        positional = [named.pop(f"__arg{i}") for i in range(len(named)) if f"__arg{i}" in named]
+        return target(*positional, **named)
+    self_name = next(iter(call.parameters.parameters))
+    bound = inspect.BoundArguments(call.parameters, {self_name: model, **named})
+    return target(*bound.args[1:], **bound.kwargs)
+
+
+class NotRowWise(ValueError):
+    pass
+
+
+def cut(output: Any, begin: int, end: int, total: int, lists_are_rows: bool = False) -> Any:
+    """Rows [begin, end) of a batched output (tensors, model outputs, tuples, dicts)."""
+    if isinstance(output, torch.Tensor):
+        if output.ndim == 0 or output.shape[0] != total:
+            raise NotRowWise(f"an output of shape {tuple(output.shape)} for {total} rows")
+        return output[begin:end]
+    if isinstance(output, _RECORDS):
+        return type(output)(**{k: cut(v, begin, end, total, lists_are_rows) for k, v in output.items()})
+    if isinstance(output, DiagonalGaussianDistribution):
+        return DiagonalGaussianDistribution(cut(output.parameters, begin, end, total), output.deterministic)
+    if isinstance(output, list) and lists_are_rows:
+        if len(output) != total:
+            raise NotRowWise(f"a list output of {len(output)} entries for {total} rows")
+        return output[begin:end]
+    if isinstance(output, (tuple, list)):
+        return type(output)(cut(v, begin, end, total, lists_are_rows) for v in output)
+    if isinstance(output, dict):
+        return {k: cut(v, begin, end, total, lists_are_rows) for k, v in output.items()}
+    if output is None or isinstance(output, (bool, int, float, str)):
+        return output
+    raise NotRowWise(f"an output of type {type(output).__name__} can't be split by rows")
+
+
+def slice_rows(rows: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
+    """The row inputs of rows [begin, end) (tensors along dim 0, lists by entry)."""
+    return {name: value[begin:end] for name, value in rows.items()}
+
+
+def max_difference(merged: Any, alone: Any) -> float:
+    """The largest relative difference between two outputs of the same structure (inf where they don't match)."""
+    if isinstance(merged, torch.Tensor) and isinstance(alone, torch.Tensor):
+        if merged.shape != alone.shape:
+            return float("inf")
+        if not merged.is_floating_point():
+            return 0.0 if torch.equal(merged, alone) else float("inf")
+        scale = alone.detach().abs().max().float().clamp(min=1.0)
+        return float((merged.detach().float() - alone.detach().float()).abs().max() / scale) if alone.numel() else 0.0
+    if isinstance(merged, DiagonalGaussianDistribution) and isinstance(alone, DiagonalGaussianDistribution):
+        return max_difference(merged.parameters, alone.parameters)
+    if isinstance(merged, _RECORDS):
+        merged, alone = tuple(merged.values()), tuple(alone.values())
+    if isinstance(merged, dict) and isinstance(alone, dict):
+        if merged.keys() != alone.keys():
+            return float("inf")
+        merged, alone = list(merged.values()), list(alone.values())
+    if isinstance(merged, (tuple, list)) and isinstance(alone, (tuple, list)):
+        if len(merged) != len(alone):
+            return float("inf")
+        return max((max_difference(m, a) for m, a in zip(merged, alone)), default=0.0)
+    return 0.0 if merged is alone or merged == alone else float("inf")
+
+
+def probe_tolerance(output: Any) -> float:
+    """How far a merged call may differ from calls run apart before its rows are judged not independent:
+    float32 reductions over other batch sizes differ in the last bits; half precision in the third digit."""
+    tensor = _first_tensor(output)
+    if tensor is not None and tensor.dtype in (torch.float16, torch.bfloat16):
+        return 3e-2
+    return 1e-4
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, DiagonalGaussianDistribution):
+        return output.parameters
+    values = output.values() if isinstance(output, (dict, BaseOutput)) else output if isinstance(
+        output, (tuple, list)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None

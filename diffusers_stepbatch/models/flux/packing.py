@@ -1,0 +1,364 @@
+"""One FluxTransformer2DModel forward over rows of different image sizes and text lengths (packed tokens).
+
+It drives the model's own submodules the way `FluxTransformer2DModel.forward` does, op for op, with three
+differences that keep each row's result its own: tokens of all rows are packed without padding (see
+`packing/layout.py`), each row's AdaLN modulation (from its timestep, guidance and pooled text) reaches only its own
+tokens, and attention runs inside each row with the row's own RoPE positions. TeaCache decisions stay per
+request and CFG branch, as in `models/flux/teacache.py`, whose state holds layout-free [rows, tokens, dim] tensors
+so a request may alternate between packed and ordinary calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from diffusers.utils import apply_lora_scale
+
+from ...adapters.lora import lora_layers
+from ...cache.teacache import TeaCacheState, row_groups
+from ..packing.attention import resolve
+from ..packing.layout import PackedLayout, adaln_values, attend
+from ..packing.support import unsupported_reason
+
+TEXT, IMAGE = 0, 1
+
+
+@dataclass
+class FluxPart:
+    """The rows of one shape: `FluxTransformer2DModel.forward`'s inputs for them (rows along dim 0)."""
+
+    hidden_states: torch.Tensor  # [rows, image tokens, in_channels]
+    encoder_hidden_states: torch.Tensor  # [rows, text tokens, joint_attention_dim]
+    pooled_projections: torch.Tensor  # [rows, pooled dim]
+    timestep: torch.Tensor  # [rows], t / 1000 as FluxPipeline passes it
+    guidance: torch.Tensor | None  # [rows] or None
+    txt_ids: torch.Tensor  # [text tokens, 3]
+    img_ids: torch.Tensor  # [image tokens, 3]
+    teacache: Sequence[TeaCacheState | None] | None = None  # per row
+
+
+def flux_packing_unsupported(transformer) -> str | None:
+    """Why `flux_packed_forward` can't stand in for this transformer's forward, or None when it can."""
+    return unsupported_reason(transformer, FluxAttnProcessor)
+
+
+def flux_packed_forward(transformer, parts: Sequence[FluxPart], joint_attention_kwargs: dict | None = None,
+                        packed_attention: str = "auto") -> list[torch.Tensor]:
+    """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
+
+    `packed_attention` picks how attention stays inside each row (`models/packing/attention.py`).
+    """
+    return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                    packed_attention=packed_attention)
+
+
+# the forward's arguments a packed call reproduces; a call with any other argument set runs unpacked
+_PACKED_ARGUMENTS = {"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance",
+                     "txt_ids", "img_ids", "joint_attention_kwargs", "return_dict"}
+
+
+def pack_key(arguments: dict) -> tuple | None:
+    """(what must match for calls of `FluxTransformer2DModel.forward` to pack, tokens per row), or None."""
+    if any(value is not None for name, value in arguments.items() if name not in _PACKED_ARGUMENTS):
+        return None
+    attention_kwargs = arguments.get("joint_attention_kwargs") or {}
+    if set(attention_kwargs) - {"scale"}:
+        return None  # NOTE: other attention kwargs go to the attention processor, which a packed call bypasses
+    hidden, text = arguments["hidden_states"], arguments["encoder_hidden_states"]
+    key = (arguments.get("guidance") is None, attention_kwargs.get("scale"),
+           tuple(arguments["pooled_projections"].shape[1:]), hidden.dtype, text.dtype, str(hidden.device),
+           arguments.get("return_dict", True))
+    return key, hidden.shape[1] + text.shape[1]
+
+
+def pack_calls(transformer, calls: Sequence[dict], packed_attention: str) -> list:
+    """One packed forward for calls of different sizes; each call's output as the model would return it."""
+    def ids(tensor):
+        return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
+
+    parts = [FluxPart(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
+                      pooled_projections=c["pooled_projections"], timestep=c["timestep"], guidance=c.get("guidance"),
+                      txt_ids=ids(c["txt_ids"]), img_ids=ids(c["img_ids"])) for c in calls]
+    outputs = flux_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
+    return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
+            for c, out in zip(calls, outputs)]
+
+
+def flux_token_streams(parts: Sequence[FluxPart]) -> list[torch.Tensor]:
+    """The row of every token in each packed stream the forward runs layers on: text, image, and the single
+    blocks' joint stream (each row's text then image tokens). Per-row LoRA maps layer inputs to rows with it."""
+    layout = _layout(parts)
+    return [*layout.token_rows, _joint_layout(layout).token_rows[0]]
+
+
+def _layout(parts):
+    return _cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
+                          tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
+                          parts[0].hidden_states.device)
+
+
+def _joint_layout(layout: PackedLayout) -> PackedLayout:
+    # NOTE: the single blocks' one stream: a row's text and image tokens side by side, as the model's
+    # torch.cat([encoder, hidden], dim=1) has them, so attention reads each part as a view.
+    return _cached_layout(tuple(layout.rows), tuple((text + image,) for text, image in layout.lengths),
+                          layout.token_rows[0].device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(rows: tuple, lengths: tuple, device: torch.device) -> PackedLayout:
+    # NOTE: the same few shapes recur step after step; building a layout is ~30 small kernels (aranges, repeats).
+    return PackedLayout(rows, lengths, device=device)
+
+
+@apply_lora_scale("joint_attention_kwargs")
+def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="auto"):
+    first = parts[0]
+    layout = _layout(parts)
+    hidden = transformer.x_embedder(layout.pack(IMAGE, [p.hidden_states for p in parts]))
+    method = resolve(packed_attention, hidden.device, hidden.dtype)
+    timestep = torch.cat([p.timestep for p in parts]).to(hidden.dtype) * 1000
+    pooled = torch.cat([p.pooled_projections for p in parts])
+    if first.guidance is not None:
+        guidance = torch.cat([p.guidance for p in parts]).to(hidden.dtype) * 1000
+        temb = transformer.time_text_embed(timestep, guidance, pooled)
+    else:
+        temb = transformer.time_text_embed(timestep, pooled)
+    encoder = transformer.context_embedder(layout.pack(TEXT, [p.encoder_hidden_states for p in parts]))
+    rotary = _part_rotary(transformer, parts)
+
+    states = [s for p in parts for s in (p.teacache or [None] * p.hidden_states.shape[0])]
+    if all(state is None for state in states):
+        out = _blocks(transformer, layout, hidden, encoder, temb, rotary, method)
+    else:
+        out = _teacache_blocks(transformer, layout, states, hidden, encoder, temb, rotary, method)
+
+    norm_out = transformer.norm_out
+    emb = norm_out.linear(norm_out.silu(temb).to(out.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
+    out = layout.modulate(IMAGE, norm_out.norm(out), scale1, shift)
+    return layout.unpack(IMAGE, transformer.proj_out(out))
+
+
+def _part_rotary(transformer, parts):
+    """Per part, the model's (cos, sin) of its text then image positions (one row's worth)."""
+    return [_rotary(transformer.pos_embed, part.txt_ids, part.img_ids) for part in parts]
+
+
+# id(img_ids) -> (img_ids, pos_embed, txt_ids as weak references, versions, (cos, sin)). NOTE: a part's ids are
+# its first request's, the same tensors at each of its steps, so their rotary embedding is computed once per
+# request instead of once per step. (Keyed by id: tensors compare by value, so they can't key a WeakKeyDictionary.)
+_ROTARY: dict[int, tuple] = {}
+_ROTARY_LOCK = threading.Lock()
+
+
+def _rotary(pos_embed, txt_ids: torch.Tensor, img_ids: torch.Tensor):
+    versions = (txt_ids._version, img_ids._version)
+    with _ROTARY_LOCK:
+        cached = _ROTARY.get(id(img_ids))
+    if (cached is not None and cached[0]() is img_ids and cached[1]() is pos_embed and cached[2]() is txt_ids
+            and cached[3] == versions):
+        return cached[4]
+    rotary = pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    with _ROTARY_LOCK:
+        if cached is None or cached[0]() is not img_ids:  # NOTE: forget the entry when the ids are collected
+            weakref.finalize(img_ids, _forget_rotary, id(img_ids))
+        _ROTARY[id(img_ids)] = (weakref.ref(img_ids), weakref.ref(pos_embed), weakref.ref(txt_ids), versions, rotary)
+    return rotary
+
+
+def _forget_rotary(key: int) -> None:
+    with _ROTARY_LOCK:
+        _ROTARY.pop(key, None)
+
+
+def _same_as_last_call(fn):
+    """Memo of the last call of `fn(layout, part_rotary)`: the same requests usually pack again at the next
+    step, with the same (cached, `_rotary`) part embeddings. The memo holds those, so their ids stay theirs."""
+    last: list = [None]
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def memoized(layout, part_rotary):
+        key = (tuple(layout.rows), tuple(layout.lengths), tuple(map(id, part_rotary)))
+        with lock:
+            entry = last[0]
+        if entry is not None and entry[0] == key:
+            return entry[2]
+        result = fn(layout, part_rotary)
+        with lock:
+            last[0] = (key, list(part_rotary), result)
+        return result
+
+    return memoized
+
+
+@_same_as_last_call
+def _stream_rotary(layout, part_rotary):
+    """Per stream (text, image), (cos, sin) for every packed token: each part's positions, repeated per row."""
+    per_stream = [([], []) for _ in range(2)]
+    for part_rows, (text_len, _), (cos, sin) in zip(layout.rows, layout.lengths, part_rotary):
+        for stream, window in ((TEXT, slice(0, text_len)), (IMAGE, slice(text_len, None))):
+            per_stream[stream][0].append(cos[window].repeat(part_rows, 1))
+            per_stream[stream][1].append(sin[window].repeat(part_rows, 1))
+    return [(torch.cat(cos), torch.cat(sin)) for cos, sin in per_stream]
+
+
+@_same_as_last_call
+def _joint_rotary(layout, part_rotary):
+    """(cos, sin) for every token of the joint stream (`_joint_layout`)."""
+    return tuple(torch.cat([pair[i].repeat(part_rows, 1) for part_rows, pair in zip(layout.rows, part_rotary)])
+                 for i in range(2))
+
+
+def _rope(x: torch.Tensor, rotary) -> torch.Tensor:
+    # NOTE: [tokens, heads, dim] seen as one sequence of `tokens` with per-token (cos, sin).
+    return apply_rotary_emb(x.unsqueeze(0), rotary, sequence_dim=1).squeeze(0)
+
+
+def _attention_fn(attn):
+    processor = attn.processor
+
+    def attention(query, key, value):
+        return dispatch_attention_fn(query, key, value, attn_mask=None, backend=processor._attention_backend,
+                                     parallel_config=processor._parallel_config)
+
+    return attention
+
+
+def _heads(attn, x):
+    return x.unflatten(-1, (-1, attn.head_dim))
+
+
+def _modulation(layout, stream, norm, temb, chunks):
+    """An AdaLN-Zero layer's (shift, 1 + scale, gate) chunks per row, as `stream`'s tokens see them."""
+    return adaln_values(layout, stream, norm.linear(norm.silu(temb)), chunks)
+
+
+def _double_block(block, layout, hidden, encoder, temb, rotary, method, split):
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(
+        layout, IMAGE, block.norm1, temb, 6)
+    c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _modulation(
+        layout, TEXT, block.norm1_context, temb, 6)
+    norm_hidden = layout.modulate(IMAGE, block.norm1.norm(hidden), scale_msa, shift_msa)
+    norm_encoder = layout.modulate(TEXT, block.norm1_context.norm(encoder), c_scale_msa, c_shift_msa)
+
+    attn = block.attn
+    query, key, value = (attn.norm_q(_heads(attn, attn.to_q(norm_hidden))),
+                         attn.norm_k(_heads(attn, attn.to_k(norm_hidden))), _heads(attn, attn.to_v(norm_hidden)))
+    e_query, e_key, e_value = (attn.norm_added_q(_heads(attn, attn.add_q_proj(norm_encoder))),
+                               attn.norm_added_k(_heads(attn, attn.add_k_proj(norm_encoder))),
+                               _heads(attn, attn.add_v_proj(norm_encoder)))
+    text_out, image_out = attend(
+        layout,
+        [_rope(e_query, rotary[TEXT]), _rope(query, rotary[IMAGE])],
+        [_rope(e_key, rotary[TEXT]), _rope(key, rotary[IMAGE])],
+        [e_value, value], _attention_fn(attn), method,
+    )
+    attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
+    context_attn_output = attn.to_add_out(text_out.to(query.dtype))
+
+    hidden = layout.gated_add(IMAGE, hidden, gate_msa, attn_output)
+    norm_hidden = layout.modulate(IMAGE, block.norm2(hidden), scale_mlp, shift_mlp)
+    hidden = layout.gated_apply(IMAGE, hidden, gate_mlp, block.ff, norm_hidden, split)
+
+    encoder = layout.gated_add(TEXT, encoder, c_gate_msa, context_attn_output)
+    norm_encoder = layout.modulate(TEXT, block.norm2_context(encoder), c_scale_mlp, c_shift_mlp)
+    encoder = layout.gated_apply(TEXT, encoder, c_gate_mlp, block.ff_context, norm_encoder, split)
+    if encoder.dtype == torch.float16:
+        encoder = encoder.clip(-65504, 65504)
+    return encoder, hidden
+
+
+def _single_block(block, joint_layout, joint, temb, rotary, method, split, mixed):
+    """`joint` holds each row's text then image tokens (`_joint_layout`), as FluxSingleTransformerBlock sees it.
+
+    `mixed` is a [tokens, attention dim + mlp dim] workspace for the model's torch.cat([attn_output, mlp]).
+    """
+    shift, scale, gate = _modulation(joint_layout, 0, block.norm, temb, 3)
+    norm = joint_layout.modulate(0, block.norm.norm(joint), scale, shift)
+    attn = block.attn
+    inner = attn.heads * attn.head_dim
+    # NOTE: one workspace for all single blocks, written in place of the cat: with long rows a fresh
+    # [tokens, attention + mlp dim] tensor per block is fresh memory pages per block.
+    joint_layout.apply_into(0, lambda x: block.act_mlp(block.proj_mlp(x)), norm, mixed[:, inner:], split)
+    query = _rope(attn.norm_q(_heads(attn, attn.to_q(norm))), rotary)
+    key = _rope(attn.norm_k(_heads(attn, attn.to_k(norm))), rotary)
+    value = _heads(attn, attn.to_v(norm))
+    attend(joint_layout, [query], [key], [value], _attention_fn(attn), method, out=[mixed[:, :inner]])
+    joint = joint_layout.gated_add(0, joint, gate, block.proj_out(mixed))
+    if joint.dtype == torch.float16:
+        joint = joint.clip(-65504, 65504)
+    return joint
+
+
+def _blocks(transformer, layout, hidden, encoder, temb, part_rotary, method):
+    rotary = _stream_rotary(layout, part_rotary)
+    # NOTE: MLPs may run per part (temporaries of one part's size) unless per-row LoRA maps their inputs to
+    # rows by token count, which a part's slice would not match.
+    split = not lora_layers(transformer)
+    for block in transformer.transformer_blocks:
+        encoder, hidden = _double_block(block, layout, hidden, encoder, temb, rotary, method, split)
+    if len(transformer.single_transformer_blocks):
+        joint_layout = _joint_layout(layout)
+        joint = hidden.new_empty(joint_layout.tokens(0), hidden.shape[1])
+        joint_parts = joint_layout.unpack(0, joint)
+        for joint_part, text, image in zip(joint_parts, layout.unpack(TEXT, encoder), layout.unpack(IMAGE, hidden)):
+            joint_part[:, :text.shape[1]] = text
+            joint_part[:, text.shape[1]:] = image
+        joint_rotary = _joint_rotary(layout, part_rotary)
+        first = transformer.single_transformer_blocks[0]
+        mixed = joint.new_empty(joint.shape[0], first.proj_out.in_features)
+        for block in transformer.single_transformer_blocks:
+            joint = _single_block(block, joint_layout, joint, temb, joint_rotary, method, split, mixed)
+        hidden = layout.pack(IMAGE, [part[:, text_len:] for part, (text_len, _) in
+                                     zip(joint_layout.unpack(0, joint), layout.lengths)])
+    return hidden
+
+
+def _teacache_blocks(transformer, layout, states, hidden, encoder, temb, part_rotary, method):
+    """`_blocks` with per-state TeaCache decisions: skipping rows add their cached residual instead."""
+    norm1 = transformer.transformer_blocks[0].norm1
+    # NOTE: the signal op for op as TeaCache computes it on an ordinary call (mul, then add), so a request's
+    # decisions don't depend on whether its step ran packed.
+    shift, scale = norm1.linear(norm1.silu(temb)).index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
+    signal = norm1.norm(hidden) * (1 + scale) + shift
+
+    decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
+    for state, start, end in row_groups(states):
+        part, inner = layout.part_of_row(start)
+        tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
+        own = signal[tokens].unflatten(0, (end - start, -1))
+        compute, accumulated = (True, 0.0) if state is None else state.decide(own)
+        decisions.append((state, range(start, end), tokens, own, compute, accumulated))
+    compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
+
+    out = torch.empty_like(hidden)
+    residual = None
+    if compute_rows:
+        sub_layout, (text_index, image_index) = layout.select_rows(compute_rows)
+        kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in compute_rows))  # select_rows' order
+        sub_hidden = hidden.index_select(0, image_index)
+        sub_out = _blocks(transformer, sub_layout, sub_hidden, encoder.index_select(0, text_index),
+                          temb.index_select(0, torch.tensor(compute_rows, device=temb.device)),
+                          [part_rotary[part] for part in kept_parts], method)
+        out[image_index] = sub_out
+        residual = torch.empty_like(hidden)
+        residual[image_index] = sub_out - sub_hidden
+    for state, rows, tokens, _, compute, _ in decisions:
+        if not compute:
+            out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
+    for state, rows, tokens, own, compute, accumulated in decisions:
+        if state is not None:
+            own_residual = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
+            state.commit(own.clone(), compute, accumulated, own_residual)
+    return out

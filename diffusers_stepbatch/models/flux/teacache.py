@@ -1,0 +1,146 @@
+"""FLUX.1's TeaCache forward: `FluxTransformer2DModel.forward` with one skip decision per request branch.
+
+The rescale polynomial maps the signal's relative L1 change to the model output's, highest power first
+(numpy.poly1d order); fitted on FLUX.1-dev by the TeaCache authors (TeaCache4FLUX in
+github.com/ali-vilab/TeaCache); FLUX.1-schnell shares the architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.utils import apply_lora_scale
+
+from ...cache.teacache import TeaCacheState, relative_l1, row_groups
+
+FLUX_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
+
+
+def flux_teacache_forward(
+    transformer: Any,
+    states: Sequence[TeaCacheState | None],
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    pooled_projections: torch.Tensor,
+    timestep: torch.Tensor,
+    img_ids: torch.Tensor,
+    txt_ids: torch.Tensor,
+    guidance: torch.Tensor | None = None,
+    joint_attention_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """`FluxTransformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions.
+
+    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute).
+    Rows whose state decides to compute run the blocks as one sub-batch; the others add their residual.
+    The state changes only after the forward succeeded, so a failed batch retried row by row stays correct.
+    """
+    return _forward(
+        transformer, states, hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+        pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
+        guidance=guidance, joint_attention_kwargs=joint_attention_kwargs,
+    )
+
+
+@apply_lora_scale("joint_attention_kwargs")
+def _forward(transformer, states, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids,
+             txt_ids, guidance, joint_attention_kwargs):
+    # NOTE: the embeddings mirror FluxTransformer2DModel.forward op for op, so with every row computing the
+    # output is bit-identical to the model's own forward (tested).
+    hidden = transformer.x_embedder(hidden_states)
+    timestep = timestep.to(hidden.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance.to(hidden.dtype) * 1000
+        temb = transformer.time_text_embed(timestep, guidance, pooled_projections)
+    else:
+        temb = transformer.time_text_embed(timestep, pooled_projections)
+    encoder = transformer.context_embedder(encoder_hidden_states)
+    rotary = transformer.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    signal = transformer.transformer_blocks[0].norm1(hidden, emb=temb)[0]
+
+    decisions = []  # (state, start, end, compute, accumulated)
+    for state, start, end in row_groups(states):
+        compute, accumulated = (True, 0.0) if state is None else state.decide(signal[start:end])
+        decisions.append((state, start, end, compute, accumulated))
+    compute_rows = [r for _, start, end, compute, _ in decisions if compute for r in range(start, end)]
+
+    if len(compute_rows) == hidden.shape[0]:
+        out = _blocks(transformer, hidden, encoder, temb, rotary, joint_attention_kwargs)
+        residual = out - hidden
+    else:
+        out = torch.empty_like(hidden)
+        residual = None
+        if compute_rows:
+            index = torch.tensor(compute_rows, device=hidden.device)
+            sub = _blocks(transformer, hidden[index], encoder[index], temb[index], rotary, joint_attention_kwargs)
+            out[index] = sub
+            residual = torch.empty_like(hidden)
+            residual[index] = sub - hidden[index]
+        for state, start, end, compute, _ in decisions:
+            if not compute:
+                out[start:end] = hidden[start:end] + state.residual
+    output = transformer.proj_out(transformer.norm_out(out, temb))
+
+    for state, start, end, compute, accumulated in decisions:
+        if state is not None:
+            residual_rows = _own(residual, start, end) if compute else None
+            state.commit(_own(signal, start, end), compute, accumulated, residual_rows)
+    return output
+
+
+def _own(batch: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) that don't keep the rest of the batch alive."""
+    return batch if (start, end) == (0, batch.shape[0]) else batch[start:end].clone()
+
+
+def _blocks(transformer, hidden, encoder, temb, rotary, joint_attention_kwargs):
+    for block in transformer.transformer_blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
+                                image_rotary_emb=rotary, joint_attention_kwargs=joint_attention_kwargs)
+    for block in transformer.single_transformer_blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
+                                image_rotary_emb=rotary, joint_attention_kwargs=joint_attention_kwargs)
+    return hidden
+
+
+def fit_coefficients(
+    pipe: Any, prompts: Sequence[str], degree: int = 4, seed: int = 0, **call_kwargs: Any
+) -> tuple[float, ...]:
+    """Fit a rescale polynomial for `pipe`'s Flux transformer, as the TeaCache authors did for FLUX.1-dev.
+
+    Runs `pipe` (unwrapped, every step computed) on `prompts` and fits, over consecutive steps of each CFG
+    branch, the model output's relative L1 change against the signal's; prompt i is sampled with seed
+    `seed + i` unless `call_kwargs` holds a generator. Pass the result as
+    `TeaCacheConfig(coefficients=...)` for a model whose statistics differ from FLUX.1-dev's.
+
+    >>> coefficients = fit_coefficients(pipe, ["a cat", "a red square"], num_inference_steps=28)
+    >>> sb = StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.4, coefficients=coefficients))
+    """
+    import numpy as np
+
+    transformer = pipe.transformer
+    xs, ys = [], []
+    for index, prompt in enumerate(prompts):
+        signals, outputs = [], []
+        hooks = [
+            transformer.transformer_blocks[0].norm1.register_forward_hook(
+                lambda module, args, out: signals.append(out[0].detach().double())),
+            transformer.register_forward_hook(
+                lambda module, args, out: outputs.append((out[0] if isinstance(out, tuple) else out.sample).double())),
+        ]
+        try:
+            with torch.no_grad():
+                generator = call_kwargs.get("generator") or torch.Generator().manual_seed(seed + index)
+                pipe(prompt, **{**call_kwargs, "generator": generator})
+        finally:
+            for hook in hooks:
+                hook.remove()
+        steps = call_kwargs.get("num_inference_steps") or len(outputs)
+        branches = max(len(outputs) // steps, 1)  # true CFG calls the transformer twice per step
+        for i in range(branches, len(outputs)):
+            xs.append(relative_l1(signals[i], signals[i - branches]))
+            ys.append(relative_l1(outputs[i], outputs[i - branches]))
+    if len(xs) <= degree:
+        raise ValueError(f"{len(xs)} step pairs cannot fit a degree-{degree} polynomial; use more prompts or steps")
+    return tuple(float(c) for c in np.polyfit(xs, ys, degree))

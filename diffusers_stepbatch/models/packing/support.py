@@ -1,0 +1,54 @@
+"""When a packed forward may stand in for a transformer's own forward, and when it must not."""
+
+from __future__ import annotations
+
+import logging
+
+from ...module_scan import diffusers_hooks, marked_modules, own_attribute
+
+logger = logging.getLogger(__name__)
+_logged: set[tuple[str, str]] = set()
+
+
+def unsupported_reason(transformer, processor_class: type) -> str | None:
+    """Why driving `transformer`'s submodules directly could differ from its forward, or None.
+
+    A packed forward re-implements the model's forward around its submodules, so anything that changes that
+    forward from outside is a reason to keep to per-size batches: another attention processor (IP-Adapter,
+    custom kernels), fused projections, diffusers hooks (caches, layer skipping) or a model-level offload hook.
+    """
+    if own_attribute(transformer, "_hf_hook") is not None:
+        return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
+    for name, module in marked_modules(transformer):
+        hooks = diffusers_hooks(module)
+        if hooks:
+            return f"diffusers hooks {sorted(hooks)} are registered on {name or 'the transformer'}"
+        processor = own_attribute(module, "processor")
+        if processor is not None and type(processor) is not processor_class:
+            return f"{name} uses {type(processor).__name__}, not {processor_class.__name__}"
+        if own_attribute(module, "fused_projections"):
+            return f"{name} has fused QKV projections"
+    return None
+
+
+def extra_attention_kwargs(kwargs: dict | None, name: str) -> str | None:
+    """A reason to keep sizes apart when attention kwargs hold more than the LoRA `scale` (they reach the
+    attention processor, which the packed forward does not call)."""
+    extra = set(kwargs or {}) - {"scale"}
+    return f"{name} {sorted(extra)} go to the attention processor" if extra else None
+
+
+def packing_refused(family: str, reason: str | None) -> bool:
+    """True when `reason` keeps a request out of packed calls; says so in one info line per (family, reason)."""
+    if reason is None:
+        return False
+    log_unpackable_once(family, reason)
+    return True
+
+
+def log_unpackable_once(family: str, reason: str) -> None:
+    """One info line per (family, reason): the request runs in per-size batches instead of packed calls."""
+    if (family, reason) not in _logged:
+        _logged.add((family, reason))
+        logger.info("%s: mixed-resolution packing is off because %s; requests of different sizes run in "
+                    "separate batches", family, reason)

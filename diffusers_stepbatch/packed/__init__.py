@@ -1,1 +1,0 @@
-"""Packed forwards: rows of different sizes in one transformer call (mixed resolutions; docs/families.md)."""

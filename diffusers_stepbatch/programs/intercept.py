@@ -1,0 +1,198 @@
+"""Model calls of a pipeline's own `__call__` as work items: what the generic program intercepts.
+
+On a request's view, the denoisers, text encoders and VAE are proxies: a call goes to the engine as a work item
+whose key holds everything but the rows (`models/calls.py` describes the call through the model layer), and its
+result comes back cut to the request's rows. Calls with equal keys share one model call. Models whose row rules
+are not proven have the first merge of each call structure checked against separate calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..engine.batch import Packable, WorkItem
+from ..engine.split_reasons import named_key
+from ..models import Packing, support_for
+from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
+from ..models.calls import run_call, slice_rows
+from ..models.packing.support import packing_refused
+
+logger = logging.getLogger(__name__)
+
+HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
+_logged: set[tuple[str, str]] = set()
+_not_rowwise: set[Any] = set()  # (model, call structure) pairs whose rows were not independent: they run alone
+_verified: set[Any] = set()  # (model, call structure) pairs whose merged outputs matched separate calls
+
+
+class Holder:
+    """Where a work item's real result waits for its request (outputs need not be row-wise tensors)."""
+
+    __slots__ = ("output",)
+
+    def __init__(self):
+        self.output = None
+
+
+def log_once(model: str, reason: str) -> None:
+    if (model, reason) not in _logged:
+        _logged.add((model, reason))
+        logger.info("StepBatched runs %s calls one at a time: %s", model, reason)
+
+
+class ModelProxy:
+    """Stands in for a model on a request's view: the intercepted calls go to `submit`, the rest to the model.
+
+    `methods` maps a method name ("__call__" for the model itself) to the work kind its calls become;
+    `packed_attention` (None: never pack) is how packed calls of several sizes keep attention inside each row.
+    """
+
+    def __init__(self, module: torch.nn.Module, methods: dict[str, str], submit: Callable[[WorkItem], None],
+                 step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None):
+        self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
+                             _packed_attention=packed_attention, _packing_checked=False)
+
+    @property
+    def __class__(self) -> type:  # NOTE: so that the pipeline's isinstance checks see the model's class
+        return type(self._module)
+
+    def __getattr__(self, name: str) -> Any:
+        kind = self._methods.get(name)
+        if kind is None:
+            return getattr(self._module, name)
+        return functools.partial(self._intercept, kind, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:  # as without the proxy: the shared model changes
+        setattr(self._module, name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kind = self._methods.get("__call__")
+        if kind is None:
+            return self._module(*args, **kwargs)
+        return self._intercept(kind, "forward", *args, **kwargs)
+
+    def _intercept(self, kind: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing())
+        item.step = self._step()
+        self._submit(item)
+        return holder.output
+
+    def _packing(self) -> str | None:
+        """The packed attention method, once the model's state (processors, hooks) was found to allow packing."""
+        if not self._packing_checked:  # NOTE: once per request: the scan walks the model's modules
+            packing = support_for(self._module).packing
+            reason = None if packing is None else packing.unsupported(self._module)
+            if packing is None or packing_refused(type(self._module).__name__, reason):
+                self.__dict__["_packed_attention"] = None
+            self.__dict__["_packing_checked"] = True
+        return self._packed_attention
+
+
+def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
+               packed_attention: str | None = None) -> tuple[WorkItem, Holder]:
+    """One model call as a work item; its key holds everything but the rows, so equal keys can merge, and calls
+    of other sizes with equal pack keys can share a packed call."""
+    holder = Holder()
+    call = describe_call(module, args, kwargs, method)
+    reason = call.refusal
+    if reason is None and call.rows is None:
+        reason = "its inputs have no batch rows"
+    if reason is None and (id(module), method, call.structure) in _not_rowwise:
+        reason = "merged outputs of these calls were not row-wise"
+    rows = call.rows or 1
+    if reason is not None:
+        key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
+    else:  # NOTE: one key field per argument, so stats()["splits"] names the argument that kept calls apart
+        key = named_key(program=f"generic.{kind}", model=(id(module), method),
+                        **{f"argument {name}": part for name, part in call.signature})
+    inputs = {f"row{i}": value for i, value in enumerate(call.row_inputs)}
+    inputs[HOLDERS] = [holder] * rows
+    item = WorkItem(kind, key, inputs, functools.partial(_merged_call, module, call), rows=rows)
+    if reason is None and packed_attention is not None and method == "forward":
+        item.pack = _packable(module, call, packed_attention)
+    return item, holder
+
+
+def _packable(module, call: ModelCall, packed_attention: str) -> Packable | None:
+    packing = call.support.packing
+    found = packing.key(call.arguments)
+    if found is None:
+        return None
+    key, tokens = found
+    run = functools.partial(_packed_call, module, packing, packed_attention)
+    return Packable(key=("generic.packed", id(module), packed_attention, key), run=run, context=call, tokens=tokens)
+
+
+def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> list:
+    """One packed call for several shapes' batches; each holder gets its rows of its call's output."""
+    holders = [inputs.pop(HOLDERS) for _, inputs in shapes]
+    calls = [fill(call.template, inputs) for call, inputs in shapes]
+    outputs = packing.run(module, calls, packed_attention)
+    for (call, _), shape_holders, output in zip(shapes, holders, outputs):
+        _hand_out(shape_holders, output, call)
+    return [torch.zeros(len(shape_holders)) for shape_holders in holders]
+
+
+def _bounds(holders: list[Holder]) -> list[tuple[int, int]]:
+    """Each request's row range in a batch (its rows are consecutive and share one holder)."""
+    total = len(holders)
+    bounds, start = [], 0
+    for i in range(1, total + 1):
+        if i == total or holders[i] is not holders[start]:
+            bounds.append((start, i))
+            start = i
+    return bounds
+
+
+def _hand_out(holders: list[Holder], output: Any, call: ModelCall) -> None:
+    bounds = _bounds(holders)
+    if len(bounds) == 1:
+        holders[0].output = output
+        return
+    for begin, end in bounds:
+        holders[begin].output = cut(output, begin, end, len(holders), call.support.output_lists_are_rows)
+
+
+def _merged_call(module, call: ModelCall, **inputs):
+    holders = inputs.pop(HOLDERS)
+    total = len(holders)
+    bounds = _bounds(holders)
+    output = run_call(module, call, inputs)
+    if len(bounds) == 1:  # one request: its output as the model returned it
+        holders[0].output = output
+        return torch.zeros(total)
+    seen = (id(module), call.method, call.structure)
+    try:
+        parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
+    except NotRowWise as exc:
+        parts = _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
+    else:
+        if not call.support.trusted and seen not in _verified:
+            parts = _checked(module, call, seen, inputs, bounds, parts)
+    for (begin, _), part in zip(bounds, parts):
+        holders[begin].output = part
+    return torch.zeros(total)
+
+
+def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
+    """The first merged call of a structure on a model without proven row rules, checked against the same calls
+    run apart: where the rows were not independent, the separate outputs stand and such calls run alone."""
+    alone = [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
+    difference = max(max_difference(part, own) for part, own in zip(parts, alone))
+    if difference > probe_tolerance(alone[0]):
+        _not_rowwise.add(seen)
+        log_once(type(module).__name__, f"merged outputs differed from separate calls by {difference:.2e}")
+        return alone
+    _verified.add(seen)
+    return parts
+
+
+def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
+    _not_rowwise.add(seen)
+    log_once(type(module).__name__, reason)
+    return [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]

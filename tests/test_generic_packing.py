@@ -1,0 +1,72 @@
+"""The generic program packs FLUX.1 calls of different sizes through the model layer, exactly.
+
+FluxImg2ImgPipeline, FluxInpaintPipeline and FluxKontextPipeline have no dedicated program; their transformer
+calls are intercepted and, where the sizes differ, packed into one call (`models/flux/packing.py`). Text encoder
+and VAE calls of several requests share calls too.
+"""
+
+import pytest
+import torch
+from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxKontextPipeline
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.programs import generic, program_for
+
+from .references import TOLERANCE, flux_pipe, max_diff, seeded, single_thread, submit_all  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SIZES = [(32, 32), (32, 64), (64, 32), (48, 48)]
+
+
+def _image(height, width, seed):
+    return torch.rand(1, 3, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def _requests(pipeline_class, sizes):
+    requests = []
+    for i, (height, width) in enumerate(sizes):
+        kwargs = dict(prompt=f"a shape {i}", image=_image(height, width, i), height=height, width=width,
+                      num_inference_steps=3 + i % 3, guidance_scale=2.0 + i, output_type="pt",
+                      max_sequence_length=16, seed=i)
+        if pipeline_class is FluxInpaintPipeline:
+            mask = torch.zeros(1, 1, height, width)
+            mask[..., height // 4: height // 2, :] = 1.0
+            kwargs.update(mask_image=mask, strength=0.9)
+        elif pipeline_class is FluxImg2ImgPipeline:
+            kwargs.update(strength=0.7 + 0.1 * (i % 3))
+        else:
+            kwargs.update(_auto_resize=False)
+        requests.append(kwargs)
+    return requests
+
+
+@pytest.mark.parametrize("config", ["dev-tiny", "dev-wide"])
+@pytest.mark.parametrize("pipeline_class", [FluxImg2ImgPipeline, FluxInpaintPipeline, FluxKontextPipeline])
+def test_requests_of_different_sizes_pack_and_equal_their_solo_runs(pipeline_class, config):
+    pipe = pipeline_class(**flux_pipe(config).components)
+    pipe.set_progress_bar_config(disable=True)
+    assert program_for(pipe) is generic.plan_generic
+    requests = _requests(pipeline_class, SIZES)
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        results = submit_all(sb, requests)
+        stats = sb.stats()
+    differences = [max_diff(got.images, want) for got, want in zip(results, expected)]
+    assert max(differences) <= TOLERANCE, differences
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
+    assert max(stats["rows_histogram"]["encode"]) > 1, "the text encoders never ran several requests' prompts"
+
+
+def test_packing_off_keeps_sizes_apart_and_exact():
+    pipe = FluxKontextPipeline(**flux_pipe("dev-tiny").components)
+    pipe.set_progress_bar_config(disable=True)
+    requests = _requests(FluxKontextPipeline, SIZES[:3])
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    pipe.transformer.set_attn_processor(type(pipe.transformer.attn_processors[
+        next(iter(pipe.transformer.attn_processors))])())  # NOTE: a fresh processor object of the same class
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        results = submit_all(sb, [dict(kwargs, joint_attention_kwargs={"scale": 1.0}) for kwargs in requests])
+        stats = sb.stats()
+    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] > 0  # the LoRA scale alone doesn't keep sizes apart
