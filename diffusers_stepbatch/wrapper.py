@@ -121,7 +121,7 @@ class StepBatched:
             packed_attention=check_packed_attention(packed_attention),
         )
         self._owner = _owner
-        if _owner is not None:  # a sibling: its calls go to the owner's engine (see `sibling`)
+        if _owner is not None:
             self.engine, self._finalizer = _owner.engine, None
             return
         config = scheduler or SchedulerConfig()
@@ -134,14 +134,8 @@ class StepBatched:
         self._finalizer = weakref.finalize(self, self.engine.close, True, _FINALIZER_JOIN_S)
 
     def sibling(self, pipe: Any) -> StepBatched:
-        """A `StepBatched` for another pipeline over the same models whose calls go to this engine.
-
-        Calls of both share its batches wherever their model calls are compatible (e.g. an inpainting and an
-        img2img pipeline built from one FLUX model's components) and its prompt cache; the sibling decodes with
-        the VAE and runs exact steps (no decoder or TeaCache of this wrapper). It keeps this wrapper alive;
-        closing either closes the one engine.
-
-        >>> inpaint = sb.sibling(FluxInpaintPipeline(**sb.pipe.components))
+        """A `StepBatched` for another pipeline over the same models, on this engine and prompt cache (VAE decode,
+        exact steps); closing either closes the engine. `inpaint = sb.sibling(FluxInpaintPipeline(**sb.components))`
         """
         if self._owner is not None:
             return self._owner.sibling(pipe)

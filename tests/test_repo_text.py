@@ -40,7 +40,6 @@ STILL_TO_CLEAN = (
     "diffusers_stepbatch/programs/generic.py",
     "diffusers_stepbatch/programs/options.py",
     "diffusers_stepbatch/programs/registry.py",
-    "diffusers_stepbatch/serve/",
     "diffusers_stepbatch/toy/",
     "model_cards/toy-shapes-pid.md",  # NOTE: a copy of toy/pid_adapter/README.md; a test keeps them equal
 )

@@ -17,23 +17,17 @@ class ServeConfig:
     """Settings of one server (one engine); every field is a `diffusers-stepbatch serve` flag.
 
     Args:
-        model: "toy" (the shipped toy-shapes FLUX model, offline) or a Hub id / local folder for
-            `DiffusionPipeline.from_pretrained`.
-        dtype, device: where the pipeline runs ("float32" / "float16" / "bfloat16"; "cpu", "cuda", "cuda:1").
-        host, port: where uvicorn listens (127.0.0.1 by default: nothing outside this machine).
+        model: "toy" (the shipped toy model, offline) or a Hub id / local folder (`DiffusionPipeline`).
+        dtype, device, host, port: where the pipeline runs ("bfloat16", "cuda:1") and uvicorn listens.
         api_key: Bearer key required on `/v1/*`; None reads `DIFFUSERS_STEPBATCH_API_KEY`, "" disables it.
         served_model_name: the `model` clients name (default: "toy-shapes" or the model id).
         max_batch_size, policy, max_wait_s, max_queue, on_unmeetable_deadline, step_time_target_s,
             cost_aware, burst_wait_s, burst_settle_s: the engine's `SchedulerConfig`.
         teacache: a TeaCache threshold (None: exact steps).
         decoder, pid_exit_step: decode with PiD (`StepBatched(decoder=..., pid_exit_step=...)`).
-        shutdown_timeout_s: on SIGTERM/SIGINT, how long in-flight requests may take to finish.
-        retry_after_s: the `Retry-After` a 429 (queue full) carries.
-        edits: serve `/v1/images/edits` with the model's inpainting / img2img / reference-edit pipelines.
-        max_body_bytes: the largest request body (413 beyond it, before the body is read).
-        max_prompt_chars: the longest `prompt` / `negative_prompt` (OpenAI's limit: 32,000 characters).
-        max_input_images, max_image_pixels: how many images an edit may send, and how large each may be.
-        allow_remote_images: let the JSON form of an edit name http(s) image URLs, which the server fetches.
+        shutdown_timeout_s, retry_after_s: seconds in-flight requests get after SIGTERM; a 429's `Retry-After`.
+        edits: serve `/v1/images/edits`; allow_remote_images: let edits name http(s) URLs (fetched).
+        max_body_bytes, max_prompt_chars, max_input_images, max_image_pixels: request limits (413 / 400).
     """
 
     model: str = TOY_MODEL

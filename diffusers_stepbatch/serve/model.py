@@ -1,5 +1,4 @@
-"""`ServingModel`: the engine a server runs, its public name, the call arguments it fills in by default, the
-sizes it draws and the pipelines it edits with."""
+"""`ServingModel`: the engine a server runs, its name, default call arguments, sizes and edit pipelines."""
 
 from __future__ import annotations
 
@@ -22,16 +21,12 @@ class ServingModel:
     """One `StepBatched` engine behind a server.
 
     Args:
-        sb: the engine (text-to-image, or the served pipeline whatever it is).
-        name: the model name clients pass as `model` (`/v1/models` lists it).
-        call_defaults: pipeline arguments every request gets unless it sets them (the toy model's
-            `max_sequence_length=16`, its native size and steps).
-        sizes: the sizes the model draws well (`/v1/models` lists them; others are a 400); None: any size the
-            pipeline takes.
-        edits: task ("inpaint", "reference", "img2img") -> the `StepBatched` that serves edits of that kind,
-            siblings of `sb` on its engine (`edits.edit_pipelines`); empty: `/v1/images/edits` is a 400.
-        generic_twin: `sb`'s pipeline under the generic step program, on the same engine: while edits are in
-            flight, generations go there so that they share forwards with the edits (same images either way).
+        sb, name: the engine and the model name clients pass as `model`.
+        call_defaults: pipeline arguments every request gets unless it sets them (the toy's size and steps).
+        sizes: the sizes the model draws (others are a 400); None: any size the pipeline takes.
+        edits: task ("inpaint", "reference", "img2img") -> the sibling engine serving those edits.
+        generic_twin: `sb`'s pipeline under the generic program, where generations go while edits run, so that
+            they share forwards (the same images either way).
     """
 
     sb: Any

@@ -4,10 +4,8 @@
 >>> from diffusers_stepbatch.serve.ray import build_app
 >>> serve.run(build_app({"model": "toy", "num_replicas": 2}), route_prefix="/")
 
-or from a config file (examples/ray_serve.yaml): `serve run examples/ray_serve.yaml`. Ray's proxy spreads
-requests over the replicas; each replica batches what it gets. Requests in flight on a replica that dies
-fail with a 5xx from Ray's proxy (they are not retried: a generation is not idempotent in time); the other
-replicas keep serving and Ray Serve starts a replacement.
+or `serve run examples/ray_serve.yaml`. Each replica batches what Ray's proxy sends it; a replica's death fails
+only its in-flight requests (docs/guides/serving.md).
 """
 
 from __future__ import annotations
@@ -36,20 +34,15 @@ class ImageServer:
         self.config = ServeConfig(**config)
         self.model = load_model(self.config)
         context = ray.get_runtime_context()
-        # NOTE: the actor name is what `ray.get_actor(name, namespace="serve")` takes (tests kill replicas by it)
-        self.replica = context.get_actor_name() or context.get_actor_id()
+        self.replica = context.get_actor_name() or context.get_actor_id()  # what ray.get_actor(name) takes
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.config, model=self.model, close_model=True, replica=self.replica)
 
 
 def build_app(args: dict[str, Any]) -> Any:
-    """Ray Serve application builder (`import_path: diffusers_stepbatch.serve.ray:build_app`).
-
-    `args` holds `ServeConfig` fields (model, dtype, device, max_batch_size, ...) and, optionally, the
-    deployment's own options (num_replicas, autoscaling_config, ray_actor_options, max_ongoing_requests);
-    the config file's `deployments:` section may set those too.
-    """
+    """Ray Serve application builder: `args` holds `ServeConfig` fields and, optionally, the deployment's own
+    options (num_replicas, autoscaling_config, ray_actor_options, max_ongoing_requests)."""
     args = dict(args)
     options = {name: args.pop(name) for name in _DEPLOYMENT_OPTIONS if name in args}
     known = {field.name for field in dataclasses.fields(ServeConfig)}

@@ -1,18 +1,10 @@
 """A trained miniature FLUX text-to-image pipeline for toy shapes, shipped with the package (offline demo model).
 
-Captions follow `a {color} {shape} {position} on a {background} background` (see `toy.scenes`). The model is
-guidance-distilled: one transformer forward per step, `guidance_scale` is an input of the model.
-
 >>> from diffusers_stepbatch.toy import load_pipeline
->>> pipe = load_pipeline()
->>> image = pipe("a red circle at the top left on a white background", height=64, width=64).images[0]
->>> image.size
-(64, 64)
+>>> image = load_pipeline()("a red circle at the top left on a white background", height=64, width=64).images[0]
 
-The pipeline is a `ToyFluxPipeline` (`toy/pipeline.py`), a FluxPipeline that caps the T5 input at the 16 tokens
-the model was trained with: FluxPipeline's default `max_sequence_length=512` would otherwise pad the T5 input
-far beyond anything the model saw, and draw the wrong picture. It draws every size in `build.supported_sizes()`
-(sides that are multiples of 16 from 48 to 128 px, aspect 1:2 to 2:1); 64x64 is the default.
+Captions follow `a {color} {shape} {position} on a {background} background` (`toy.scenes`); it draws every size
+in `build.supported_sizes()` (48-128 px, aspect 1:2 to 2:1); guidance-distilled: one forward per step.
 """
 
 from __future__ import annotations
