@@ -387,4 +387,9 @@ def test_metrics_count_http_requests_and_expose_the_engine(client, base_url):
 def test_web_page_is_served(base_url):
     page = httpx.get(base_url + "/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert 'id="generate"' in page.text and MODEL in page.text and "/v1/images/generations" in page.text
+    assert 'id="submit"' in page.text and 'id="mask-canvas"' in page.text and MODEL in page.text
+    script = httpx.get(base_url + "/static/app.js")
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    for route in ("/v1/images/generations", "/v1/images/edits", "/v1/engine/live", "/v1/models"):
+        assert route in script.text
+    assert "http://" not in page.text + script.text and "https://" not in page.text + script.text  # no CDN
