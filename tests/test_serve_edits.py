@@ -169,10 +169,15 @@ def test_several_images_go_to_a_reference_edit_pipeline(served):
     from diffusers_stepbatch.serve.inputs import EditInputs
     from diffusers_stepbatch.serve.protocol import ImageEditRequest
 
-    class ReferencePipeline:
-        def __call__(self, prompt, image=None, height=None, width=None, num_images_per_prompt=1, generator=None,
-                     output_type="pil"):
-            raise NotImplementedError
+    from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
+
+    class Kontext(FluxKontextPipeline):
+        def __init__(self):
+            pass
+
+    class ReferencePipeline(QwenImageEditPlusPipeline):
+        def __init__(self):  # NOTE: only its class matters here: plan_edit reads its __call__'s arguments
+            pass
 
     class Engine:
         pipe = ReferencePipeline()
@@ -183,6 +188,10 @@ def test_several_images_go_to_a_reference_edit_pipeline(served):
     generation = plan_edit(model, ImageEditRequest(prompt="x", size="64x64"), EditInputs(images, None), 100)
     assert generation.task == "reference" and generation.kind == "edit"
     assert [im.size for im in generation.kwargs["image"]] == [(64, 64)] * 3
+    single = ServingModel(sb=served.sb, name=MODEL, edits={"reference": type("E", (), {"pipe": Kontext()})()})
+    with pytest.raises(Exception) as caught:  # a one-image reference pipeline: several images are a 400
+        plan_edit(single, ImageEditRequest(prompt="x", size="64x64"), EditInputs(images, None), 100)
+    assert caught.value.status == 400 and caught.value.code == "too_many_images"
 
 
 def test_edits_and_generations_share_forwards(client, served):
@@ -350,3 +359,25 @@ def test_openapi_documents_edits_and_errors(base_url):
     assert "ImageEditRequest" in schema["components"]["schemas"] and "ErrorResponse" in schema["components"]["schemas"]
     generations = schema["paths"]["/v1/images/generations"]["post"]
     assert {"400", "413", "429"} <= set(generations["responses"])
+
+
+# ------------------------------------------------------------------------------------------------ routing
+def test_edit_pipelines_are_found_for_other_families():
+    """A text-to-image FLUX model gets diffusers' inpainting and img2img pipelines over its components; a served
+    edit pipeline serves its own kind; every edit pipeline runs on the served engine."""
+    from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxKontextPipeline
+
+    from diffusers_stepbatch import StepBatched
+    from diffusers_stepbatch.serve.edits import edit_pipelines, edit_task
+    from diffusers_stepbatch.testing import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline()
+    with StepBatched(pipe) as sb:
+        routes = edit_pipelines(sb)
+        assert {task: type(e.pipe) for task, e in routes.items()} == {"inpaint": FluxInpaintPipeline,
+                                                                      "img2img": FluxImg2ImgPipeline}
+        assert all(e.engine is sb.engine and e.pipe.transformer is pipe.transformer for e in routes.values())
+    assert (edit_task(FluxInpaintPipeline), edit_task(FluxImg2ImgPipeline)) == ("inpaint", "img2img")
+    assert edit_task(FluxKontextPipeline) == "reference" and edit_task(type(pipe)) is None
+    with StepBatched(FluxInpaintPipeline(**pipe.components)) as served_inpaint:
+        assert edit_pipelines(served_inpaint) == {"inpaint": served_inpaint}

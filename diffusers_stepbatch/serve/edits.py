@@ -15,6 +15,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _GENERIC_TWINS: dict[type, type] = {}
+# Reference-edit pipelines that take several input images as a list (the others read a list as a batch).
+MULTI_IMAGE_PIPELINES = ("QwenImageEditPlusPipeline", "Flux2Pipeline", "Flux2KleinPipeline")
 
 
 def _parameters(pipeline_class: type) -> frozenset[str]:
@@ -29,6 +31,13 @@ def edit_task(pipeline_class: type) -> str | None:
     if "mask_image" in parameters:
         return "inpaint"
     return "img2img" if "strength" in parameters else "reference"
+
+
+def takes_several_images(pipeline_class: type) -> bool:
+    import diffusers
+
+    known = [getattr(diffusers, name) for name in MULTI_IMAGE_PIPELINES if hasattr(diffusers, name)]
+    return any(issubclass(pipeline_class, cls) for cls in known)
 
 
 def edit_pipelines(sb: Any) -> dict[str, Any]:
