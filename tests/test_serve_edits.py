@@ -165,11 +165,11 @@ def test_json_form_with_data_urls_equals_the_multipart_form(client, base_url):
 
 def test_several_images_go_to_a_reference_edit_pipeline(served):
     """A model whose edit pipeline takes reference images gets them all, in order (the toy has none)."""
+    from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
+
     from diffusers_stepbatch.serve.generation import plan_edit
     from diffusers_stepbatch.serve.inputs import EditInputs
     from diffusers_stepbatch.serve.protocol import ImageEditRequest
-
-    from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
 
     class Kontext(FluxKontextPipeline):
         def __init__(self):
