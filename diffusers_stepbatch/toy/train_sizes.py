@@ -156,7 +156,7 @@ def distill(cfg: SizesConfig, pipe, teacher, embeds, pooled, start: float):
 def _copy(model):
     from diffusers import FluxTransformer2DModel
 
-    clone = FluxTransformer2DModel(**model.config)
+    clone = FluxTransformer2DModel(**{k: v for k, v in model.config.items() if not k.startswith("_")})
     clone.load_state_dict(model.state_dict())
     return clone
 
