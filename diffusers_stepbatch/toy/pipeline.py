@@ -18,8 +18,8 @@ class ToyFlux:
     @staticmethod
     def _prepare_latent_image_ids(batch_size, height, width, device, dtype):
         ids = FluxPipeline._prepare_latent_image_ids(batch_size, height, width, device, dtype)
-        ids[:, 1] *= NATIVE_GRID / height
-        ids[:, 2] *= NATIVE_GRID / width
+        ids[:, 1] *= NATIVE_GRID / max(height, 1)  # NOTE: an empty grid (a side below 16 px) fails later, as in Flux
+        ids[:, 2] *= NATIVE_GRID / max(width, 1)
         return ids
 
     def _get_t5_prompt_embeds(self, prompt=None, num_images_per_prompt=1, max_sequence_length=512, device=None,
