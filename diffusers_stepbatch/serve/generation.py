@@ -66,6 +66,14 @@ class Generation:
     task: str = "generate"
     user: str | None = None
     stream: bool = False
+    overlay: tuple[Any, Any] | None = None  # (mask, original): an inpainting edit keeps the unmasked pixels
+
+    def finish(self, images: list[Any]) -> list[Any]:
+        """The answer's images: an inpainting edit's outside its mask are the original's (as OpenAI's edits)."""
+        if self.overlay is None:
+            return images
+        mask, original = self.overlay
+        return [self.sb.pipe.image_processor.apply_overlay(mask, original, image) for image in images]
 
     def partial_steps(self) -> list[int]:
         """The steps after which a partial image is sent: `partial_images` evenly spread, none at the end."""
@@ -111,13 +119,17 @@ def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prom
     if task == "inpaint":
         mask = inputs.mask or PIL.Image.new("L", first.size, 255)  # NOTE: no mask: the whole image is redrawn
         arguments["mask_image"] = mask if mask.size == (width, height) else mask.resize((width, height))
-    if body.strength is not None:
+    if body.strength is None and task == "inpaint" and model.accepts("strength", sb):
+        arguments["strength"] = 1.0  # NOTE: OpenAI's edits redraw the masked part entirely
+    elif body.strength is not None:
         if not model.accepts("strength", sb):
             raise bad_request(f"strength={body.strength} is not an argument of {type(sb.pipe).__name__} ({task} "
                               f"edits); leave it out", "strength", code="unsupported_parameter")
         arguments["strength"] = body.strength
     generation = _plan(model, sb, body, width, height, arguments)
     generation.kind, generation.task = "edit", task
+    if task == "inpaint" and inputs.mask is not None and hasattr(sb.pipe, "image_processor"):
+        generation.overlay = (arguments["mask_image"], images[0])
     strength = generation.kwargs.get("strength", _default(sb, "strength"))
     if isinstance(strength, (int, float)):  # NOTE: img2img-style pipelines run only the last strength * N steps
         steps = generation.num_steps
@@ -216,7 +228,7 @@ async def generate(model: ServingModel, generation: Generation, watch: Disconnec
         raise RequestFailed(exc) from exc
     finally:
         handle.abort()  # no-op once finished; between two steps otherwise
-    return output.images
+    return generation.finish(output.images)
 
 
 class StreamPump:

@@ -284,7 +284,7 @@ async def _events(server: ServerContext, generation: Generation, pump: Any, watc
                         yield _sse(event)
                     sent += 1
             else:
-                images = value.images
+                images = generation.finish(value.images)
                 events = await run_in_threadpool(completed_events, generation, images,
                                                  usage(served, generation, images))
                 for event in events:
