@@ -50,6 +50,7 @@ PROMPTS = (
     "a blue square at the bottom right on a black background",
     "a yellow triangle in the center on a gray background",
 )
+EDIT_STRENGTH = 1.0  # NOTE: every side redraws the masked part entirely (the server's default for inpainting)
 TOY_CALL = {"guidance_scale": 3.5, "max_sequence_length": 16}  # NOTE: the toy was trained on 16 text tokens
 
 
@@ -89,14 +90,14 @@ def lock_app():
 
     @app.post("/v1/images/edits")
     def edit(image: bytes = File(), mask: bytes = File(), prompt: str = Form(), size: str = Form("64x64"),
-             num_inference_steps: int = Form(20), seed: int = Form(0)) -> dict:
+             num_inference_steps: int = Form(20), seed: int = Form(0), strength: float = Form(1.0)) -> dict:
         from PIL import Image
 
         width, height = map(int, size.split("x"))
         source = Image.open(io.BytesIO(image)).convert("RGB")
         repaint = Image.open(io.BytesIO(mask)).getchannel("A").point(lambda a: 255 - a)
         with lock:
-            images = inpaint(prompt, image=source, mask_image=repaint, height=height, width=width,
+            images = inpaint(prompt, image=source, mask_image=repaint, height=height, width=width, strength=strength,
                              num_inference_steps=num_inference_steps, generator=torch.Generator().manual_seed(seed),
                              **TOY_CALL).images
         return {"created": int(time.time()), "data": [{"b64_json": _b64_png(im)} for im in images]}
@@ -126,6 +127,7 @@ def make_workload(count: int, seed: int, steps: tuple[int, ...], edits: bool = F
     rng = random.Random(seed)
     return [{"prompt": rng.choice(PROMPTS), "size": "{}x{}".format(*rng.choice(SIZES)), "num_inference_steps": rng.choice(steps),
              "seed": rng.randrange(2**31), "edit": edits and i % 2 == 1} for i in range(count)]
+
 
 
 def edit_inputs(size: str) -> tuple[bytes, bytes]:
@@ -161,6 +163,7 @@ async def _http_clients(url: str, workload: list[dict], concurrency: int) -> tup
                 started = time.perf_counter()
                 try:
                     if body.pop("edit"):
+                        body["strength"] = EDIT_STRENGTH
                         image, mask = edit_inputs(body["size"])
                         response = await client.post("/v1/images/edits", data={k: str(v) for k, v in body.items()},
                                                      files={"image": ("image.png", image, "image/png"),
@@ -211,7 +214,7 @@ def in_process_round(engines: dict, workload: list[dict], concurrency: int) -> t
         if body["edit"]:
             image, mask = edit_inputs(body["size"])
             engine = engines["edit"]
-            extra = {"image": Image.open(io.BytesIO(image)).convert("RGB"),
+            extra = {"image": Image.open(io.BytesIO(image)).convert("RGB"), "strength": EDIT_STRENGTH,
                      "mask_image": Image.open(io.BytesIO(mask)).getchannel("A").point(lambda a: 255 - a)}
         images = engine(body["prompt"], height=height, width=width, num_inference_steps=body["num_inference_steps"],
                         generator=torch.Generator().manual_seed(body["seed"]), **TOY_CALL, **extra).images
