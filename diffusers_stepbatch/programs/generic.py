@@ -29,7 +29,8 @@ from ..engine.ownership import current_owner, run_for
 from ..module_scan import diffusers_hooks, marked_modules
 from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
-from .intercept import HOLDERS, Holder, ModelProxy, log_once
+from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
+from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, log_once
 from .request_state import active_view
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
 
@@ -39,7 +40,7 @@ DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
 ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
-@register_program(DiffusionPipeline)
+@register_program(DiffusionPipeline, features=("adapters",))
 def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
     _check_call(pipe, args)
@@ -52,10 +53,14 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
     reason = _unbatchable_reason(pipe, denoisers, args)
     if reason is not None:
+        if context.adapters is not NOT_GIVEN:
+            raise ValueError(f"adapters= is not supported for {type(pipe).__name__} here: its calls run whole "
+                             f"({reason}); set the adapters on the pipeline with set_adapters instead")
         log_once(type(pipe).__name__, f"whole calls, unbatched: {reason}")
         program = _whole_call_program(request_pipeline(pipe, context), positional, keywords, reason)
     else:
-        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, denoisers,
+        adapters = {name: _denoiser_adapters(getattr(pipe, name), args, context) for name in denoisers}
+        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, adapters,
                                   context.options.packed_attention)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
@@ -136,6 +141,12 @@ def _unbatchable_reason(pipe, denoisers: list[str], args: dict[str, Any]) -> str
     return None
 
 
+def _denoiser_adapters(model, args: dict[str, Any], context: PlanContext) -> AdapterState | None:
+    """The request's LoRA for `model` (its `adapters=`, or the active adapters), times its attention kwargs' scale."""
+    scale = next((args[name].get("scale") for name in ATTENTION_KWARGS if isinstance(args.get(name), dict)), None)
+    return request_adapters(model, context.adapters, lora_scale=scale)
+
+
 def _uses_pag(pipe, args: dict[str, Any]) -> bool:
     from diffusers.pipelines.pag.pag_utils import PAGMixin
 
@@ -177,12 +188,13 @@ class _Handoff:
             raise _Aborted()
 
 
-def _install_proxies(pipe, view, handoff: _Handoff, denoisers: list[str], packed_attention: str) -> None:
+def _install_proxies(pipe, view, handoff: _Handoff, denoisers: dict[str, AdapterState | None],
+                     packed_attention: str) -> None:
     """The request's view calls the engine for its denoisers, text encoders and VAE."""
     scheduler = getattr(view, "scheduler", None)
-    for name in denoisers:
+    for name, adapters in denoisers.items():
         view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "denoise"}, handoff.submit,
-                                         functools.partial(_step_index, scheduler), packed_attention)
+                                         functools.partial(_step_index, scheduler), packed_attention, adapters)
     for name in ENCODER_NAMES:
         if isinstance(getattr(pipe, name, None), torch.nn.Module):
             view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "encode"}, handoff.submit)
@@ -190,8 +202,9 @@ def _install_proxies(pipe, view, handoff: _Handoff, denoisers: list[str], packed
         view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, handoff.submit)
 
 
-def generic_program(pipe, view, positional: list, keywords: dict, denoisers: list[str],
+def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, AdapterState | None],
                     packed_attention: str = "auto") -> Generator[WorkItem, Any, Any]:
+    """`denoisers`: the request's LoRA state per denoiser name (None: that model has no LoRA layers)."""
     handoff = _Handoff()
     _install_proxies(pipe, view, handoff, denoisers, packed_attention)
     # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.

@@ -15,16 +15,19 @@ from typing import Any
 
 import torch
 
+from ..adapters.state import AdapterState, lora_rows, without_lora_scale
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..models import Packing, support_for
 from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
-from ..models.calls import run_call, slice_rows
+from ..models.calls import run_call
 from ..models.packing.support import packing_refused
 
 logger = logging.getLogger(__name__)
 
 HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
+LORA = "_lora"  # each row's LoRA state (None: no per-row LoRA)
+ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
 _not_rowwise: set[Any] = set()  # (model, call structure) pairs whose rows were not independent: they run alone
 _verified: set[Any] = set()  # (model, call structure) pairs whose merged outputs matched separate calls
@@ -49,13 +52,15 @@ class ModelProxy:
     """Stands in for a model on a request's view: the intercepted calls go to `submit`, the rest to the model.
 
     `methods` maps a method name ("__call__" for the model itself) to the work kind its calls become;
-    `packed_attention` (None: never pack) is how packed calls of several sizes keep attention inside each row.
+    `packed_attention` (None: never pack) is how packed calls of several sizes keep attention inside each row;
+    `adapters` is the request's LoRA, applied to its own rows (None: the model has no LoRA layers).
     """
 
     def __init__(self, module: torch.nn.Module, methods: dict[str, str], submit: Callable[[WorkItem], None],
-                 step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None):
+                 step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
+                 adapters: AdapterState | None = None):
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
-                             _packed_attention=packed_attention, _packing_checked=False)
+                             _packed_attention=packed_attention, _packing_checked=False, _adapters=adapters)
 
     @property
     def __class__(self) -> type:  # NOTE: so that the pipeline's isinstance checks see the model's class
@@ -77,7 +82,7 @@ class ModelProxy:
         return self._intercept(kind, "forward", *args, **kwargs)
 
     def _intercept(self, kind: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing())
+        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing(), self._adapters)
         item.step = self._step()
         self._submit(item)
         return holder.output
@@ -94,10 +99,13 @@ class ModelProxy:
 
 
 def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
-               packed_attention: str | None = None) -> tuple[WorkItem, Holder]:
+               packed_attention: str | None = None, adapters: AdapterState | None = None) -> tuple[WorkItem, Holder]:
     """One model call as a work item; its key holds everything but the rows, so equal keys can merge, and calls
     of other sizes with equal pack keys can share a packed call."""
     holder = Holder()
+    if adapters is not None:  # NOTE: the LoRA scale is in the request's per-row adapter weights
+        kwargs = {name: without_lora_scale(value) if name in ATTENTION_KWARGS and isinstance(value, dict) else value
+                  for name, value in kwargs.items()}
     call = describe_call(module, args, kwargs, method)
     reason = call.refusal
     if reason is None and call.rows is None:
@@ -108,12 +116,13 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     if reason is not None:
         key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
     else:  # NOTE: one key field per argument, so stats()["splits"] names the argument that kept calls apart
-        key = named_key(program=f"generic.{kind}", model=(id(module), method),
+        key = named_key(program=f"generic.{kind}", model=(id(module), method), lora=adapters is not None,
                         **{f"argument {name}": part for name, part in call.signature})
     inputs = {f"row{i}": value for i, value in enumerate(call.row_inputs)}
     inputs[HOLDERS] = [holder] * rows
+    inputs[LORA] = [adapters] * rows if adapters is not None else None
     item = WorkItem(kind, key, inputs, functools.partial(_merged_call, module, call), rows=rows)
-    if reason is None and packed_attention is not None and method == "forward":
+    if reason is None and packed_attention is not None and adapters is None and method == "forward":
         item.pack = _packable(module, call, packed_attention)
     return item, holder
 
@@ -162,7 +171,7 @@ def _merged_call(module, call: ModelCall, **inputs):
     holders = inputs.pop(HOLDERS)
     total = len(holders)
     bounds = _bounds(holders)
-    output = run_call(module, call, inputs)
+    output = _run(module, call, inputs)
     if len(bounds) == 1:  # one request: its output as the model returned it
         holders[0].output = output
         return torch.zeros(total)
@@ -182,7 +191,7 @@ def _merged_call(module, call: ModelCall, **inputs):
 def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
     """The first merged call of a structure on a model without proven row rules, checked against the same calls
     run apart: where the rows were not independent, the separate outputs stand and such calls run alone."""
-    alone = [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
+    alone = [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
         _not_rowwise.add(seen)
@@ -195,4 +204,18 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
 def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
     _not_rowwise.add(seen)
     log_once(type(module).__name__, reason)
-    return [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
+    return [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
+
+
+def _run(module, call: ModelCall, inputs: dict) -> Any:
+    """The model call on these rows, each row with its request's LoRA where it has one."""
+    inputs = dict(inputs)
+    lora = inputs.pop(LORA)
+    if lora is None:
+        return run_call(module, call, inputs)
+    with lora_rows(module, lora):
+        return run_call(module, call, inputs)
+
+
+def _rows_of(inputs: dict, begin: int, end: int) -> dict:
+    return {name: None if value is None else value[begin:end] for name, value in inputs.items()}
