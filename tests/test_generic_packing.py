@@ -77,3 +77,24 @@ def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
         pipe.transformer.set_attn_processor(FluxAttnProcessor())
     assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
     assert stats["mixed"]["calls"] == 0
+
+
+def test_teacache_in_shared_packed_forwards_equals_teacache_alone():
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    pipe = FluxKontextPipeline(**flux_pipe("dev-tiny").components)
+    pipe.set_progress_bar_config(disable=True)
+    requests = [dict(kwargs, num_inference_steps=12 + i)
+                for i, kwargs in enumerate(_requests(FluxKontextPipeline, SIZES))]
+    requests[1]["teacache"] = None  # this one computes every step, beside the others
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    teacache = TeaCacheConfig(threshold=0.5)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache, max_batch_size=8) as sb:
+        batched = submit_all(sb, requests)
+        stats = sb.stats()
+    assert max(max_diff(got.images, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    assert stats["mixed"]["calls"] > 0
+    assert max_diff(solo[1], exact[1]) <= TOLERANCE  # teacache=None: every step computed
+    assert min(max_diff(solo[i], exact[i]) for i in (0, 2, 3)) > 10 * TOLERANCE, "TeaCache skipped no step"

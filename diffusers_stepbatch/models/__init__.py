@@ -27,13 +27,13 @@ class Packing:
     Args:
         unsupported: why the model can't run packed calls now (other attention processors, hooks), or None.
         key: (what must match for calls to pack, tokens per row), or None when this call can't pack.
-        run: `run(model, calls, packed_attention)`: one output per call (its arguments by name), as the model
-            returns it.
+        run: `run(model, calls, packed_attention, teacache)`: one output per call (its arguments by name), as the
+            model returns it; `teacache[i]` holds call i's per-row TeaCache states or None.
     """
 
     unsupported: Callable[[torch.nn.Module], "str | None"]
     key: Callable[[dict[str, Any]], "tuple[Any, int] | None"]
-    run: Callable[[torch.nn.Module, list[dict[str, Any]], str], list[Any]]
+    run: Callable[[torch.nn.Module, list[dict[str, Any]], str, list], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class ModelSupport:
         trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
         teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
         packing: how calls of different sizes share one packed call; None: only equal sizes merge.
+        teacache_forward: `forward(model, states, arguments)`: the call with one TeaCache state per row, as the
+            model returns it, or None where the call has arguments it can't reproduce.
     """
 
     row_lists: tuple[str, ...] = ()
@@ -57,6 +59,7 @@ class ModelSupport:
     trusted: bool = False
     teacache_coefficients: tuple[float, ...] | None = None
     packing: Packing | None = None
+    teacache_forward: Callable[[torch.nn.Module, list, dict[str, Any]], Any] | None = None
 
 
 DEFAULT_SUPPORT = ModelSupport()

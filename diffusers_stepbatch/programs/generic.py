@@ -30,7 +30,8 @@ from ..module_scan import diffusers_hooks, marked_modules
 from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
-from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, log_once
+from ..models import support_for
+from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once
 from .request_state import active_view
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
 
@@ -40,7 +41,7 @@ DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
 ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
-@register_program(DiffusionPipeline, features=("adapters",))
+@register_program(DiffusionPipeline, features=("adapters", "teacache"))
 def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
     _check_call(pipe, args)
@@ -52,15 +53,23 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
                         for name in ("guidance_scale", "true_cfg_scale")) else 1
     denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
     reason = _unbatchable_reason(pipe, denoisers, args)
+    if reason is None and context.options.teacache is not None:
+        models = [getattr(pipe, name) for name in denoisers]
+        if not any(support_for(model).teacache_forward for model in models):
+            raise ValueError(f"teacache= is not supported for {type(pipe).__name__}: its denoiser "
+                             f"({', '.join(type(model).__name__ for model in models)}) has no TeaCache forward")
     if reason is not None:
-        if context.adapters is not NOT_GIVEN:
-            raise ValueError(f"adapters= is not supported for {type(pipe).__name__} here: its calls run whole "
-                             f"({reason}); set the adapters on the pipeline with set_adapters instead")
+        for option, given in (("adapters=", context.adapters is not NOT_GIVEN),
+                              ("teacache=", context.options.teacache is not None)):
+            if given:
+                raise ValueError(f"{option} is not supported for {type(pipe).__name__} here: its calls run whole "
+                                 f"({reason})")
         log_once(type(pipe).__name__, f"whole calls, unbatched: {reason}")
         program = _whole_call_program(request_pipeline(pipe, context), positional, keywords, reason)
     else:
-        adapters = {name: _denoiser_adapters(getattr(pipe, name), args, context) for name in denoisers}
-        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, adapters,
+        per_row = {name: (_denoiser_adapters(getattr(pipe, name), args, context),
+                          context.options.teacache) for name in denoisers}
+        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, per_row,
                                   context.options.packed_attention)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
@@ -188,13 +197,18 @@ class _Handoff:
             raise _Aborted()
 
 
-def _install_proxies(pipe, view, handoff: _Handoff, denoisers: dict[str, AdapterState | None],
-                     packed_attention: str) -> None:
+def _install_proxies(pipe, view, handoff: _Handoff, denoisers: dict[str, tuple], packed_attention: str) -> None:
     """The request's view calls the engine for its denoisers, text encoders and VAE."""
     scheduler = getattr(view, "scheduler", None)
-    for name, adapters in denoisers.items():
-        view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "denoise"}, handoff.submit,
-                                         functools.partial(_step_index, scheduler), packed_attention, adapters)
+    for name, (adapters, teacache) in denoisers.items():
+        model = getattr(pipe, name)
+        if teacache is not None and support_for(model).teacache_forward is not None:
+            teacache = RequestTeaCache(teacache, model, lambda: len(scheduler.timesteps))
+        else:
+            teacache = None
+        view.__dict__[name] = ModelProxy(model, {"__call__": "denoise"}, handoff.submit,
+                                         functools.partial(_step_index, scheduler), packed_attention, adapters,
+                                         teacache)
     for name in ENCODER_NAMES:
         if isinstance(getattr(pipe, name, None), torch.nn.Module):
             view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "encode"}, handoff.submit)
@@ -202,9 +216,9 @@ def _install_proxies(pipe, view, handoff: _Handoff, denoisers: dict[str, Adapter
         view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, handoff.submit)
 
 
-def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, AdapterState | None],
+def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, tuple],
                     packed_attention: str = "auto") -> Generator[WorkItem, Any, Any]:
-    """`denoisers`: the request's LoRA state per denoiser name (None: that model has no LoRA layers)."""
+    """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config), either None."""
     handoff = _Handoff()
     _install_proxies(pipe, view, handoff, denoisers, packed_attention)
     # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.

@@ -8,6 +8,7 @@ are not proven have the first merge of each call structure checked against separ
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
+from ..cache.teacache import TeaCacheConfig, TeaCacheState
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..models import Packing, support_for
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
 LORA = "_lora"  # each row's LoRA state (None: no per-row LoRA)
+TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaCache forward)
 ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
 _not_rowwise: set[Any] = set()  # (model, call structure) pairs whose rows were not independent: they run alone
@@ -53,14 +56,16 @@ class ModelProxy:
 
     `methods` maps a method name ("__call__" for the model itself) to the work kind its calls become;
     `packed_attention` (None: never pack) is how packed calls of several sizes keep attention inside each row;
-    `adapters` is the request's LoRA, applied to its own rows (None: the model has no LoRA layers).
+    `adapters` is the request's LoRA, applied to its own rows (None: the model has no LoRA layers);
+    `teacache` the request's TeaCache states.
     """
 
     def __init__(self, module: torch.nn.Module, methods: dict[str, str], submit: Callable[[WorkItem], None],
                  step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
-                 adapters: AdapterState | None = None):
+                 adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None):
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
-                             _packed_attention=packed_attention, _packing_checked=False, _adapters=adapters)
+                             _packed_attention=packed_attention, _packing_checked=False, _adapters=adapters,
+                             _teacache=teacache)
 
     @property
     def __class__(self) -> type:  # NOTE: so that the pipeline's isinstance checks see the model's class
@@ -82,8 +87,11 @@ class ModelProxy:
         return self._intercept(kind, "forward", *args, **kwargs)
 
     def _intercept(self, kind: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing(), self._adapters)
-        item.step = self._step()
+        step = self._step()
+        teacache = self._teacache.state(step) if self._teacache is not None else None
+        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing(), self._adapters,
+                                  teacache)
+        item.step = step
         self._submit(item)
         return holder.output
 
@@ -98,8 +106,31 @@ class ModelProxy:
         return self._packed_attention
 
 
+class RequestTeaCache:
+    """One request's TeaCache states for one denoiser: one per call of a step (the CFG branches, in order)."""
+
+    def __init__(self, config: TeaCacheConfig, model: torch.nn.Module, num_steps: Callable[[], int]):
+        self.config, self.model, self.num_steps = config, model, num_steps
+        self.states: dict[int, TeaCacheState | None] = {}
+        self.step: int | None = None
+        self.calls = 0
+
+    def state(self, step: int | None) -> TeaCacheState | None:
+        if step != self.step:
+            self.step, self.calls = step, 0
+        branch, self.calls = self.calls, self.calls + 1
+        if branch not in self.states:
+            made = self.config.states(self.model, self.num_steps(), 1)
+            self.states[branch] = made[0] if made else None
+        state = self.states[branch]
+        if state is not None:
+            state.step = step or 0
+        return state
+
+
 def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
-               packed_attention: str | None = None, adapters: AdapterState | None = None) -> tuple[WorkItem, Holder]:
+               packed_attention: str | None = None, adapters: AdapterState | None = None,
+               teacache: TeaCacheState | None = None) -> tuple[WorkItem, Holder]:
     """One model call as a work item; its key holds everything but the rows, so equal keys can merge, and calls
     of other sizes with equal pack keys can share a packed call."""
     holder = Holder()
@@ -121,6 +152,9 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     inputs = {f"row{i}": value for i, value in enumerate(call.row_inputs)}
     inputs[HOLDERS] = [holder] * rows
     inputs[LORA] = [adapters] * rows if adapters is not None else None
+    # NOTE: a list for every call of a model with a TeaCache forward (None rows compute), so that calls with
+    # and without states merge
+    inputs[TEACACHE] = [teacache] * rows if call.support.teacache_forward is not None and kind == "denoise" else None
     item = WorkItem(kind, key, inputs, functools.partial(_merged_call, module, call), rows=rows)
     if reason is None and packed_attention is not None and adapters is None and method == "forward":
         item.pack = _packable(module, call, packed_attention)
@@ -140,8 +174,11 @@ def _packable(module, call: ModelCall, packed_attention: str) -> Packable | None
 def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> list:
     """One packed call for several shapes' batches; each holder gets its rows of its call's output."""
     holders = [inputs.pop(HOLDERS) for _, inputs in shapes]
+    teacache = [inputs.pop(TEACACHE) for _, inputs in shapes]
+    for _, inputs in shapes:
+        inputs.pop(LORA)  # NOTE: always None here: requests with per-row LoRA don't pack
     calls = [fill(call.template, inputs) for call, inputs in shapes]
-    outputs = packing.run(module, calls, packed_attention)
+    outputs = packing.run(module, calls, packed_attention, teacache)
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
@@ -210,10 +247,12 @@ def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
 def _run(module, call: ModelCall, inputs: dict) -> Any:
     """The model call on these rows, each row with its request's LoRA where it has one."""
     inputs = dict(inputs)
-    lora = inputs.pop(LORA)
-    if lora is None:
-        return run_call(module, call, inputs)
-    with lora_rows(module, lora):
+    lora, teacache = inputs.pop(LORA), inputs.pop(TEACACHE)
+    with lora_rows(module, lora) if lora is not None else contextlib.nullcontext():
+        if teacache is not None and any(state is not None for state in teacache):
+            output = call.support.teacache_forward(module, teacache, fill(call.template, inputs))
+            if output is not None:
+                return output
         return run_call(module, call, inputs)
 
 

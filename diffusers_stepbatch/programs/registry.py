@@ -64,8 +64,9 @@ def check_feature(pipe: Any, feature: str, option: str) -> None:
     plan = program_for(pipe)
     features = next((_FEATURES[cls] for cls, fn in _PROGRAMS.items() if fn is plan), frozenset())
     if feature not in features:
-        supporting = [cls.__name__ for cls, names in _FEATURES.items() if feature in names]
-        raise ValueError(f"{option} is not supported for {type(pipe).__name__}; supported: {supporting}")
+        supporting = [cls.__name__ for cls, names in _FEATURES.items() if feature in names and _own_call(cls)]
+        raise ValueError(f"{option} is not supported for {type(pipe).__name__}; supported: {supporting} and the "
+                         "pipelines the generic program serves")
 
 
 def program_for(pipe: Any) -> PlanFn | None:
