@@ -98,3 +98,26 @@ def test_teacache_in_shared_packed_forwards_equals_teacache_alone():
     assert stats["mixed"]["calls"] > 0
     assert max_diff(solo[1], exact[1]) <= TOLERANCE  # teacache=None: every step computed
     assert min(max_diff(solo[i], exact[i]) for i in (0, 2, 3)) > 10 * TOLERANCE, "TeaCache skipped no step"
+
+
+@pytest.mark.parametrize("config", ["qwen-tiny", "qwen-wide"])
+def test_qwenimage_img2img_requests_of_different_grids_and_prompt_lengths_pack(config):
+    from diffusers import QwenImageImg2ImgPipeline
+
+    from .references import family_pipe
+
+    base = family_pipe(config)
+    pipe = QwenImageImg2ImgPipeline(**base.components)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.prompt_template_encode = base.prompt_template_encode  # the tiny tokenizer's short template
+    pipe.prompt_template_encode_start_idx = base.prompt_template_encode_start_idx
+    requests = [dict(prompt="a red circle " * (i + 1), image=_image(height, width, i), height=height, width=width,
+                     strength=0.8, num_inference_steps=3 + i, true_cfg_scale=1.0 if i == 0 else 2.0 + i,
+                     negative_prompt="blurry", output_type="pt", seed=i)
+                for i, (height, width) in enumerate([(32, 32), (32, 48), (48, 32), (48, 48)])]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        results = submit_all(sb, requests)
+        stats = sb.stats()
+    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]

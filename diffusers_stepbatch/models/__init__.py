@@ -100,4 +100,4 @@ def _load_modules() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import flux, flux2, qwenimage, sd3, unet, z_image  # noqa: F401  (each registers its classes)
+    from . import flux, flux2, qwen2_5_vl, qwenimage, sd3, unet, z_image  # noqa: F401  (each registers its classes)
