@@ -10,8 +10,8 @@ module gets `DEFAULT_SUPPORT`, whose first merge of each call structure is check
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,10 @@ class ModelSupport:
     Args:
         row_lists: list arguments with one entry per row (Z-Image's per-image latents and captions).
         shared: tensors read as a whole or from row 0 only (FLUX.2's ids): calls merge only when they are equal.
+        row_dims: tensors whose rows lie on another dimension (HiDream's Llama states: layers first).
+        row_blocks: tensors with a whole number of entries per row along dim 0 (AnimateDiff's text per frame).
+        timestep_rows: numbers or 0-d tensors the model broadcasts over rows: made per-row vectors, so calls at
+            different timesteps merge.
         output_lists_are_rows: list outputs hold one entry per row (else a list is a tuple of outputs).
         refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
         trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
@@ -54,6 +58,9 @@ class ModelSupport:
 
     row_lists: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
+    row_dims: Mapping[str, int] = field(default_factory=dict)
+    row_blocks: tuple[str, ...] = ()
+    timestep_rows: tuple[str, ...] = ()
     output_lists_are_rows: bool = False
     refusal: Refusal | None = None
     trusted: bool = False
@@ -100,4 +107,6 @@ def _load_modules() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import flux, flux2, qwen2_5_vl, qwenimage, sd3, unet, z_image  # noqa: F401  (each registers its classes)
+    from . import (  # noqa: F401  (each registers its classes)
+        bria, chroma, flux, flux2, hidream, qwen2_5_vl, qwenimage, sd3, unet, unet_motion, wan, z_image,
+    )

@@ -28,7 +28,7 @@ from ..engine.split_reasons import named_key
 from ..engine.ownership import current_owner, run_for
 from ..module_scan import diffusers_hooks, marked_modules
 from .options import PlanContext
-from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
+from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ..models import support_for
 from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once
@@ -37,7 +37,7 @@ from .validation import as_list, check_generator, check_num_images_per_prompt, c
 
 logger = logging.getLogger(__name__)
 
-DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
+DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior", "decoder")
 ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -198,7 +198,15 @@ class _Handoff:
 
 
 def _install_proxies(pipe, view, handoff: _Handoff, denoisers: dict[str, tuple], packed_attention: str) -> None:
-    """The request's view calls the engine for its denoisers, text encoders and VAE."""
+    """The request's view calls the engine for its denoisers, text encoders and VAE, and so do the views of the
+    pipelines it calls (combined pipelines: prior then decoder)."""
+    for name, sub_pipeline in list(view.__dict__.items()):
+        if isinstance(sub_pipeline, DiffusionPipeline):
+            sub_view = request_view(sub_pipeline)
+            sub_denoisers = {n: (None, None) for n in DENOISER_NAMES if isinstance(getattr(sub_pipeline, n, None),
+                                                                                   torch.nn.Module)}
+            _install_proxies(sub_pipeline, sub_view, handoff, sub_denoisers, packed_attention)
+            view.__dict__[name] = sub_view
     scheduler = getattr(view, "scheduler", None)
     for name, (adapters, teacache) in denoisers.items():
         model = getattr(pipe, name)

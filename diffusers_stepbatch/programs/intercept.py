@@ -32,7 +32,7 @@ LORA = "_lora"  # each row's LoRA state (None: no per-row LoRA)
 TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaCache forward)
 ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
-_not_rowwise: set[Any] = set()  # (model, call structure) pairs whose rows were not independent: they run alone
+_not_rowwise: dict[Any, str] = {}  # (model, method, call structure) -> why its merged calls failed: run alone
 _verified: set[Any] = set()  # (model, call structure) pairs whose merged outputs matched separate calls
 
 
@@ -141,8 +141,8 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     reason = call.refusal
     if reason is None and call.rows is None:
         reason = "its inputs have no batch rows"
-    if reason is None and (id(module), method, call.structure) in _not_rowwise:
-        reason = "merged outputs of these calls were not row-wise"
+    if reason is None:
+        reason = _not_rowwise.get((id(module), method, call.structure))
     rows = call.rows or 1
     if reason is not None:
         key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
@@ -208,18 +208,24 @@ def _merged_call(module, call: ModelCall, **inputs):
     holders = inputs.pop(HOLDERS)
     total = len(holders)
     bounds = _bounds(holders)
-    output = _run(module, call, inputs)
     if len(bounds) == 1:  # one request: its output as the model returned it
-        holders[0].output = output
+        holders[0].output = _run(module, call, inputs)
         return torch.zeros(total)
     seen = (id(module), call.method, call.structure)
     try:
-        parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
-    except NotRowWise as exc:
-        parts = _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
+        output = _run(module, call, inputs)
+    except torch.OutOfMemoryError:
+        raise  # NOTE: the engine caps the rows of this key and retries
+    except Exception as exc:  # the merged call itself is what fails: these calls run alone from now on
+        parts = _apart(module, call, seen, inputs, bounds, f"a merged call raised {type(exc).__name__}: {exc}")
     else:
-        if not call.support.trusted and seen not in _verified:
-            parts = _checked(module, call, seen, inputs, bounds, parts)
+        try:
+            parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
+        except NotRowWise as exc:
+            parts = _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
+        else:
+            if not call.support.trusted and seen not in _verified:
+                parts = _checked(module, call, seen, inputs, bounds, parts)
     for (begin, _), part in zip(bounds, parts):
         holders[begin].output = part
     return torch.zeros(total)
@@ -231,15 +237,16 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
     alone = [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
-        _not_rowwise.add(seen)
-        log_once(type(module).__name__, f"merged outputs differed from separate calls by {difference:.2e}")
+        reason = f"merged outputs differed from separate calls by {difference:.2e}"
+        _not_rowwise[seen] = reason
+        log_once(type(module).__name__, reason)
         return alone
     _verified.add(seen)
     return parts
 
 
 def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
-    _not_rowwise.add(seen)
+    _not_rowwise[seen] = reason
     log_once(type(module).__name__, reason)
     return [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
 

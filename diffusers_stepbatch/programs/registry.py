@@ -100,22 +100,41 @@ def registered_pipelines() -> list[type]:
     return list(_PROGRAMS)
 
 
-def request_pipeline(pipe: Any, context: PlanContext) -> Any:
-    """A per-request view of `pipe`: shares its models, owns a scheduler copy and its per-call state.
+def _stateful_components(pipe: Any) -> list[tuple[str, Any]]:
+    """Components that keep per-call state: schedulers (step index, timesteps) and guiders (step, momentum)."""
+    from diffusers import SchedulerMixin
+    from diffusers.guiders.guider_utils import BaseGuidance
 
-    diffusers keeps per-call state on the pipeline (`_guidance_scale`, `_interrupt`, `_current_timestep`,
-    `_joint_attention_kwargs`) and schedulers are stateful (`_step_index`, `set_timesteps`), so concurrent
-    requests each need their own.
-    """
+    names = getattr(pipe, "_optional_components", [])  # NOTE: and every registered component, below
+    found = []
+    for name in dict.fromkeys([*pipe.config.keys(), *names]):
+        component = pipe.__dict__.get(name)
+        if isinstance(component, (SchedulerMixin, BaseGuidance)):
+            found.append((name, component))
+    return found
+
+
+def request_view(pipe: Any) -> Any:
+    """A view of `pipe` for one request: its models shared, its schedulers, guiders and per-call state its own."""
     view = copy.copy(pipe)
     view.__class__ = unhooked_class(pipe)  # in hook mode, the view's own __call__ is the pipeline's
     # NOTE: and it holds no engine: a caller's thread keeps its last call's view (`sb.num_timesteps`, ...), which
     # would keep a dropped hook-mode pipeline's engine and wrapper alive.
     view.__dict__.pop(HOOK_MODE_ENGINE, None)
     # NOTE: write the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config.
-    scheduler = getattr(pipe, "scheduler", None)
-    if scheduler is not None:  # NOTE: some pipelines have none (LTX latent upsampling runs no denoising loop)
-        view.__dict__["scheduler"] = copy.deepcopy(scheduler)
+    for name, component in _stateful_components(pipe):
+        view.__dict__[name] = copy.deepcopy(component)
+    return view
+
+
+def request_pipeline(pipe: Any, context: PlanContext) -> Any:
+    """The request's view of `pipe` (`request_view`), recorded in the planning context.
+
+    diffusers keeps per-call state on the pipeline (`_guidance_scale`, `_interrupt`, `_current_timestep`,
+    `_joint_attention_kwargs`) and schedulers and guiders are stateful (`_step_index`, momentum), so concurrent
+    requests each need their own.
+    """
+    view = request_view(pipe)
     record_view(pipe, view)
     context.views.append(view)
     return view
