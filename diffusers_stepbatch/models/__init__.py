@@ -52,6 +52,7 @@ class ModelSupport:
         trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
         teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
         packing: how calls of different sizes share one packed call; None: only equal sizes merge.
+        lora_rows: every LoRA layer sees rows (or packed tokens) on dim 0, so per-request LoRA can apply per row.
         teacache_forward: `forward(model, states, arguments)`: the call with one TeaCache state per row, as the
             model returns it, or None where the call has arguments it can't reproduce.
     """
@@ -66,6 +67,7 @@ class ModelSupport:
     trusted: bool = False
     teacache_coefficients: tuple[float, ...] | None = None
     packing: Packing | None = None
+    lora_rows: bool = False
     teacache_forward: Callable[[torch.nn.Module, list, dict[str, Any]], Any] | None = None
 
 

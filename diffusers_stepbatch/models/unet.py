@@ -13,4 +13,4 @@ from . import ModelSupport, register_model
 
 @register_model(UNet2DConditionModel)
 def _unet() -> ModelSupport:
-    return ModelSupport(timestep_rows=("timestep",), trusted=True)
+    return ModelSupport(timestep_rows=("timestep",), trusted=True, lora_rows=True)

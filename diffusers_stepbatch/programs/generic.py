@@ -151,7 +151,13 @@ def _unbatchable_reason(pipe, denoisers: list[str], args: dict[str, Any]) -> str
 
 
 def _denoiser_adapters(model, args: dict[str, Any], context: PlanContext) -> AdapterState | None:
-    """The request's LoRA for `model` (its `adapters=`, or the active adapters), times its attention kwargs' scale."""
+    """The request's LoRA for `model` (its `adapters=`, or the active adapters), times its attention kwargs' scale;
+    None where the model layer can't apply LoRA per row (calls then run with the model's own adapters)."""
+    if not support_for(model).lora_rows:
+        if context.adapters is not NOT_GIVEN:
+            raise ValueError(f"adapters= is not supported for {type(model).__name__}: per-request LoRA needs rows "
+                             "its layers can be mapped to; set the adapters on the pipeline with set_adapters")
+        return None
     scale = next((args[name].get("scale") for name in ATTENTION_KWARGS if isinstance(args.get(name), dict)), None)
     return request_adapters(model, context.adapters, lora_scale=scale)
 

@@ -19,4 +19,4 @@ from .teacache import FLUX_COEFFICIENTS, teacache_call
 def _flux() -> ModelSupport:
     return ModelSupport(shared=("img_ids", "txt_ids"), trusted=True, teacache_coefficients=FLUX_COEFFICIENTS,
                         packing=Packing(unsupported=flux_packing_unsupported, key=pack_key, run=pack_calls),
-                        teacache_forward=teacache_call)
+                        teacache_forward=teacache_call, lora_rows=True)

@@ -16,4 +16,4 @@ from .packing import pack_calls, pack_key, qwenimage_packing_unsupported
 @register_model(QwenImageTransformer2DModel)
 def _qwenimage() -> ModelSupport:
     return ModelSupport(trusted=True, packing=Packing(unsupported=qwenimage_packing_unsupported, key=pack_key,
-                                                      run=pack_calls))
+                                                      run=pack_calls), lora_rows=True)
