@@ -49,9 +49,8 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     steps = _num_steps(args)
     prompts = as_list(args["prompt"]) if isinstance(args.get("prompt"), (str, list)) else None
     images = (len(prompts) if prompts else 1) * check_num_images_per_prompt(args.get("num_images_per_prompt"))
-    branches = 2 if any(isinstance(args.get(name), (int, float)) and args[name] > 1
-                        for name in ("guidance_scale", "true_cfg_scale")) else 1
     denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
+    branches = _guidance_branches(args, [getattr(pipe, name) for name in denoisers])
     reason = _unbatchable_reason(pipe, denoisers, args)
     if reason is None and context.options.teacache is not None:
         models = [getattr(pipe, name) for name in denoisers]
@@ -76,6 +75,18 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
         tokens = (args["height"] // scale) * (args["width"] // scale)
     return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps, tokens_per_row=tokens)
+
+
+def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
+    """Rows per image: 2 under classifier-free guidance, as far as the call's arguments tell (an estimate)."""
+    def above_one(name: str) -> bool:
+        return isinstance(args.get(name), (int, float)) and args[name] > 1
+
+    distilled = any(getattr(getattr(model, "config", None), "guidance_embeds", False) for model in denoisers)
+    negative = any(args.get(name) is not None for name in ("negative_prompt", "negative_prompt_embeds"))
+    # NOTE: a guidance-distilled model takes guidance_scale as an input, not as a second branch (FLUX.1 dev);
+    # true CFG needs a negative prompt (FLUX.1, Qwen-Image)
+    return 2 if (above_one("guidance_scale") and not distilled) or (above_one("true_cfg_scale") and negative) else 1
 
 
 def _check_call(pipe, args: dict[str, Any]) -> None:
