@@ -14,18 +14,16 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import queue
-import threading
 from collections.abc import Generator
 from typing import Any
 
+import greenlet
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
-from ..engine.ownership import current_owner, run_for
 from ..module_scan import diffusers_hooks, marked_modules
 from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
@@ -197,24 +195,27 @@ def _run_whole_call(view, positional, keywords, _holders):
 
 # ------------------------------------------------------------------------------------------ intercepted calls
 class _Aborted(BaseException):
-    """Raised inside a helper thread to unwind the pipeline call of a request that was aborted or failed."""
+    """Raised inside a request's pipeline call to unwind it when the request was aborted or failed."""
 
 
-class _Handoff:
-    """The turn-taking between a request's step program (engine thread) and its helper thread."""
+class _Turns:
+    """The turn-taking between a request's step program and its pipeline call.
 
-    def __init__(self):
-        self.to_engine: queue.Queue = queue.Queue(maxsize=1)
-        self.to_helper: queue.Queue = queue.Queue(maxsize=1)
+    The pipeline's own `__call__` runs in a greenlet of the engine thread: at each intercepted model call it
+    switches back to the step program with the work item, and the program switches in again once the item's
+    result is in its holder. No other thread runs, so nothing waits for a thread switch or the GIL.
+    """
+
+    def __init__(self, view, positional: list, keywords: dict):
+        self.call = greenlet.greenlet(functools.partial(_run_call, view, positional, keywords))
 
     def submit(self, item: WorkItem) -> None:
-        """From the helper: hand `item` to the engine and wait until its result is in the item's holder."""
-        self.to_engine.put(("call", item))
-        if self.to_helper.get() is _Aborted:
+        """From the pipeline call: hand `item` to the step program and wait until its result is in its holder."""
+        if self.call.parent.switch(("call", item)) is _Aborted:
             raise _Aborted()
 
 
-def _install_proxies(pipe, view, handoff: _Handoff, denoisers: dict[str, tuple], packed_attention: str) -> None:
+def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str) -> None:
     """The request's view calls the engine for its denoisers, text encoders and VAE, and so do the views of the
     pipelines it calls (combined pipelines: prior then decoder)."""
     for name, sub_pipeline in list(view.__dict__.items()):
@@ -244,30 +245,19 @@ def _install_proxies(pipe, view, handoff: _Handoff, denoisers: dict[str, tuple],
 def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, tuple],
                     packed_attention: str = "auto") -> Generator[WorkItem, Any, Any]:
     """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config), either None."""
-    handoff = _Handoff()
-    _install_proxies(pipe, view, handoff, denoisers, packed_attention)
-    # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.
-    helper = threading.Thread(target=run_for(current_owner(), _run_in_helper), args=(view, positional, keywords,
-                                                                                      handoff), daemon=True,
-                              name=f"StepBatched-{type(pipe).__name__}-request")
-    helper.start()
-    kind = None
+    turns = _Turns(view, positional, keywords)
+    _install_proxies(pipe, view, turns, denoisers, packed_attention)
     try:
-        while True:
-            kind, payload = handoff.to_engine.get()
-            if kind == "call":
-                yield payload
-                handoff.to_helper.put(None)
-            elif kind == "done":
-                return payload
-            else:
-                raise payload
+        kind, payload = turns.call.switch()
+        while kind == "call":
+            yield payload
+            kind, payload = turns.call.switch(None)
+        if kind == "error":
+            raise payload
+        return payload
     finally:
-        if kind == "call":  # closed (aborted, or its batch failed) while the helper waits: unwind its call
-            handoff.to_helper.put(_Aborted)
-            while handoff.to_engine.get()[0] == "call":
-                handoff.to_helper.put(_Aborted)
-        helper.join()
+        while not turns.call.dead:  # closed (aborted, or its batch failed) at a model call: unwind the call
+            turns.call.switch(_Aborted)
 
 
 def _step_index(scheduler) -> int | None:
@@ -277,13 +267,13 @@ def _step_index(scheduler) -> int | None:
     return scheduler.step_index or 0  # None until the first scheduler.step: step 0
 
 
-def _run_in_helper(view, positional, keywords, handoff: _Handoff) -> None:
+def _run_call(view, positional, keywords) -> tuple[str, Any]:
+    """The request's pipeline call, in its greenlet: ("done", output), ("error", exception) or ("aborted", None)."""
     try:
         with torch.no_grad(), active_view(view):
             output = view(*positional, **keywords)
     except _Aborted:
-        handoff.to_engine.put(("aborted", None))
-    except BaseException as exc:  # the pipeline's own error: it becomes the request's error
-        handoff.to_engine.put(("error", exc))
-    else:
-        handoff.to_engine.put(("done", output))
+        return "aborted", None
+    except Exception as exc:  # the pipeline's own error: it becomes the request's error
+        return "error", exc
+    return "done", output
