@@ -24,7 +24,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
-from ..module_scan import diffusers_hooks, marked_modules
+from ..module_scan import diffusers_hooks, execution_device, marked_modules
 from .options import PlanContext
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
@@ -66,13 +66,35 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     else:
         per_row = {name: (_denoiser_adapters(getattr(pipe, name), args, context),
                           context.options.teacache) for name in denoisers}
-        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, per_row,
-                                  context.options.packed_attention)
+        view = request_pipeline(pipe, context)
+        _fix_execution_device(view, pipe)
+        program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
         tokens = (args["height"] // scale) * (args["width"] // scale)
     return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps, tokens_per_row=tokens)
+
+
+def _fix_execution_device(view, pipe) -> None:
+    """The view answers `_execution_device` with the device found at submit, as a plain call would find it
+    again: diffusers walks every module of every model for it."""
+    try:
+        device = execution_device(pipe)
+    except Exception:  # NOTE: a pipeline that can't answer at submit: its call asks (and fails) as it would plainly
+        return
+    view.__class__ = _with_fixed_device(type(view))
+    view.__dict__[_DEVICE] = device
+
+
+_DEVICE = "_stepbatch_execution_device"
+
+
+@functools.cache
+def _with_fixed_device(cls: type) -> type:
+    device = property(lambda self: self.__dict__[_DEVICE], doc="The execution device found at submit.")
+    return type(cls.__name__, (cls,), {"_execution_device": device, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
