@@ -4,9 +4,12 @@
     python benchmarks/generic.py --smoke      # a few seconds, for CI
 
 Each pair runs the same tiny components through a pipeline with a dedicated step program and through one that
-only the generic program serves (img2img at strength 1.0 runs the same denoising loop as text-to-image):
-- flux: `FluxPipeline` (dedicated) vs `FluxImg2ImgPipeline` (generic);
-- unet: `StableDiffusionPipeline` (dedicated) vs `StableDiffusionImg2ImgPipeline` (generic).
+only the generic program serves:
+- flux: `FluxPipeline` (dedicated) vs a `FluxPipeline` subclass with its own `__call__` (the same call, served
+  by the generic program: the same work on both sides);
+- flux-img2img: `FluxPipeline` vs `FluxImg2ImgPipeline` at strength 1.0 (the same denoising loop, plus a VAE
+  encode of the input image per request);
+- unet: `StableDiffusionPipeline` vs a subclass with its own `__call__` (generic).
 Per side: sequential plain calls and StepBatched with N concurrent requests (closed loop), in worker threads,
 rounds interleaved. Printed: images/s, StepBatched / sequential, and generic / dedicated StepBatched.
 """
@@ -31,25 +34,44 @@ from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.programs import generic, program_for  # noqa: E402
 
 
-def _flux_pair():
-    from diffusers import FluxImg2ImgPipeline
+def _generic_only(pipeline_class):
+    """A subclass with a `__call__` of its own: no dedicated program serves it, the generic program does."""
 
+    def __call__(self, *args, **kwargs):
+        return pipeline_class.__call__(self, *args, **kwargs)
+
+    return type(f"Generic{pipeline_class.__name__}", (pipeline_class,), {"__call__": __call__})
+
+
+def _tiny_flux():
     from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline
 
-    dedicated = tiny_flux_pipeline(guidance_embeds=True, size=FluxSize(), vae_blocks=4)
-    return dedicated, FluxImg2ImgPipeline(**dedicated.components), 256, dict(max_sequence_length=32, guidance_scale=3.5)
+    return tiny_flux_pipeline(guidance_embeds=True, size=FluxSize(), vae_blocks=4)
+
+
+def _flux_pair():
+    dedicated = _tiny_flux()
+    generic_pipe = _generic_only(type(dedicated))(**dedicated.components)
+    return dedicated, generic_pipe, 256, dict(max_sequence_length=32, guidance_scale=3.5), False
+
+
+def _flux_img2img_pair():
+    from diffusers import FluxImg2ImgPipeline
+
+    dedicated = _tiny_flux()
+    return (dedicated, FluxImg2ImgPipeline(**dedicated.components), 256,
+            dict(max_sequence_length=32, guidance_scale=3.5), True)
 
 
 def _unet_pair():
-    from diffusers import StableDiffusionImg2ImgPipeline
-
     from diffusers_stepbatch.testing import tiny_sd_pipeline
 
     dedicated = tiny_sd_pipeline()
-    return dedicated, StableDiffusionImg2ImgPipeline(**dedicated.components), 64, dict(guidance_scale=3.0)
+    generic_pipe = _generic_only(type(dedicated))(**dedicated.components)
+    return dedicated, generic_pipe, 64, dict(guidance_scale=3.0), False
 
 
-PAIRS = {"flux": _flux_pair, "unet": _unet_pair}
+PAIRS = {"flux": _flux_pair, "flux-img2img": _flux_img2img_pair, "unet": _unet_pair}
 
 
 def _kwargs(side: int, extra: dict, steps: int, image: torch.Tensor | None):
@@ -64,14 +86,14 @@ def _kwargs(side: int, extra: dict, steps: int, image: torch.Tensor | None):
 
 
 def bench_pair(name: str, n: int, steps: int, rounds: int) -> dict:
-    dedicated, generic_pipe, side, extra = PAIRS[name]()
+    dedicated, generic_pipe, side, extra, takes_image = PAIRS[name]()
     for pipe in (dedicated, generic_pipe):
         pipe.set_progress_bar_config(disable=True)
     if program_for(generic_pipe) is not generic.plan_generic or program_for(dedicated) is generic.plan_generic:
         raise RuntimeError(f"{name}: the pair must be one dedicated and one generic pipeline")
     image = torch.rand(1, 3, side, side, generator=torch.Generator().manual_seed(0))
     sides = {"dedicated": (dedicated, _kwargs(side, extra, steps, None)),
-             "generic": (generic_pipe, _kwargs(side, extra, steps, image))}
+             "generic": (generic_pipe, _kwargs(side, extra, steps, image if takes_image else None))}
     engines = {label: StepBatched(pipe, max_batch_size=n) for label, (pipe, _) in sides.items()}
     closed = [0.0] * n
     for label, (pipe, make) in sides.items():  # warm-up: first calls, and the engines' cost models

@@ -36,7 +36,7 @@ def _requests(pipeline_class, sizes):
         elif pipeline_class is FluxImg2ImgPipeline:
             kwargs.update(strength=0.7 + 0.1 * (i % 3))
         else:
-            kwargs.update(_auto_resize=False)
+            kwargs.update(_auto_resize=False, max_area=height * width)
         requests.append(kwargs)
     return requests
 
@@ -58,15 +58,66 @@ def test_requests_of_different_sizes_pack_and_equal_their_solo_runs(pipeline_cla
     assert max(stats["rows_histogram"]["encode"]) > 1, "the text encoders never ran several requests' prompts"
 
 
-def test_packing_off_keeps_sizes_apart_and_exact():
+def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    class OwnProcessor(FluxAttnProcessor):  # a custom processor: a packed call would bypass it
+        pass
+
     pipe = FluxKontextPipeline(**flux_pipe("dev-tiny").components)
     pipe.set_progress_bar_config(disable=True)
     requests = _requests(FluxKontextPipeline, SIZES[:3])
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
-    pipe.transformer.set_attn_processor(type(pipe.transformer.attn_processors[
-        next(iter(pipe.transformer.attn_processors))])())  # NOTE: a fresh processor object of the same class
+    pipe.transformer.set_attn_processor(OwnProcessor())
+    try:
+        with StepBatched(pipe, max_batch_size=8) as sb:
+            results = submit_all(sb, [dict(kwargs, joint_attention_kwargs={"scale": 1.0}) for kwargs in requests])
+            stats = sb.stats()
+    finally:
+        pipe.transformer.set_attn_processor(FluxAttnProcessor())
+    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] == 0
+
+
+def test_teacache_in_shared_packed_forwards_equals_teacache_alone():
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    pipe = FluxKontextPipeline(**flux_pipe("dev-tiny").components)
+    pipe.set_progress_bar_config(disable=True)
+    requests = [dict(kwargs, num_inference_steps=12 + i)
+                for i, kwargs in enumerate(_requests(FluxKontextPipeline, SIZES))]
+    requests[1]["teacache"] = None  # this one computes every step, beside the others
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    teacache = TeaCacheConfig(threshold=0.5)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache, max_batch_size=8) as sb:
+        batched = submit_all(sb, requests)
+        stats = sb.stats()
+    assert max(max_diff(got.images, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    assert stats["mixed"]["calls"] > 0
+    assert max_diff(solo[1], exact[1]) <= TOLERANCE  # teacache=None: every step computed
+    assert min(max_diff(solo[i], exact[i]) for i in (0, 2, 3)) > 10 * TOLERANCE, "TeaCache skipped no step"
+
+
+@pytest.mark.parametrize("config", ["qwen-tiny", "qwen-wide"])
+def test_qwenimage_img2img_requests_of_different_grids_and_prompt_lengths_pack(config):
+    from diffusers import QwenImageImg2ImgPipeline
+
+    from .references import family_pipe
+
+    base = family_pipe(config)
+    pipe = QwenImageImg2ImgPipeline(**base.components)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.prompt_template_encode = base.prompt_template_encode  # the tiny tokenizer's short template
+    pipe.prompt_template_encode_start_idx = base.prompt_template_encode_start_idx
+    requests = [dict(prompt="a red circle " * (i + 1), image=_image(height, width, i), height=height, width=width,
+                     strength=0.8, num_inference_steps=3 + i, true_cfg_scale=1.0 if i == 0 else 2.0 + i,
+                     negative_prompt="blurry", output_type="pt", seed=i)
+                for i, (height, width) in enumerate([(32, 32), (32, 48), (48, 32), (48, 48)])]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
     with StepBatched(pipe, max_batch_size=8) as sb:
-        results = submit_all(sb, [dict(kwargs, joint_attention_kwargs={"scale": 1.0}) for kwargs in requests])
+        results = submit_all(sb, requests)
         stats = sb.stats()
     assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
-    assert stats["mixed"]["calls"] > 0  # the LoRA scale alone doesn't keep sizes apart
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]

@@ -30,7 +30,20 @@ FAMILIES = {
                   dict(height=32, width=32, negative_prompt="blurry", true_cfg_scale=3.0)),
     "sdxl": (tiny_sdxl_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=32)),
     "sd": (tiny_sd_pipeline, "unet", "cross_attention_kwargs", dict(height=32, width=40, guidance_scale=1.0)),
+    # through the generic program: per-row LoRA on intercepted transformer calls
+    "kontext-generic": (lambda: _kontext(tiny_flux_pipeline(guidance_embeds=True)), "transformer",
+                        "joint_attention_kwargs",
+                        dict(height=32, width=32, max_sequence_length=16, _auto_resize=False, max_area=32 * 32,
+                             image=torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)))),
 }
+
+
+def _kontext(pipe):
+    from diffusers import FluxKontextPipeline
+
+    kontext = FluxKontextPipeline(**pipe.components)
+    kontext.set_progress_bar_config(disable=True)
+    return kontext
 ACTIVE = (["c"], [0.6])  # the pipeline's own set_adapters state when requests without adapters= are submitted
 
 # (adapters= or None for "the pipeline's active adapters", LoRA scale or None, prompt, seed)
@@ -162,12 +175,14 @@ def test_adapters_of_the_wrong_type_is_a_type_error():
             sb.submit(**seeded(call_kwargs("flux", 3, None, "a cat", 0)))
 
 
-def test_adapters_on_a_family_without_per_request_lora_is_an_error():
-    from .references import family_pipe
+def test_adapters_on_a_pipeline_that_runs_whole_calls_is_an_error():
+    from diffusers import StableDiffusionPAGPipeline
 
-    with StepBatched(family_pipe("pixart-tiny")) as sb:
-        with pytest.raises(ValueError, match="adapters= is not supported for PixArtSigmaPipeline"):
-            sb.submit(prompt="a cat", adapters={"a": 1.0})
+    pipe = StableDiffusionPAGPipeline(**tiny_sd_pipeline().components, pag_applied_layers=["mid"])
+    add_random_lora_adapters(pipe.unet)
+    with StepBatched(pipe) as sb:
+        with pytest.raises(ValueError, match="adapters= is not supported for StableDiffusionPAGPipeline"):
+            sb.submit(prompt="a cat", adapters={"a": 1.0}, pag_scale=2.0)
 
 
 def test_fused_lora_is_the_base_model_for_everyone():

@@ -170,4 +170,15 @@ def test_unproven_models_that_mix_rows_are_caught_and_run_alone(caplog):
         stats = sb.stats()
     assert all(max_diff(r, e) <= TOLERANCE for r, e in zip(results, expected))
     assert "differed from separate calls" in caplog.text
-    assert any("not row-wise" in reason for reason in stats["splits"])
+    assert any("differed from separate calls" in reason for reason in stats["splits"])
+
+
+def test_per_request_lora_on_a_model_without_row_mapped_layers_is_refused_in_the_caller():
+    from peft import LoraConfig
+
+    pipe = tiny_z_image_pipeline()
+    pipe.transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"], init_lora_weights=False), adapter_name="a")
+    with StepBatched(pipe) as sb:
+        with pytest.raises(ValueError, match="adapters= is not supported for ZImageTransformer2DModel"):
+            sb.submit(prompt="a cat", height=32, width=32, num_inference_steps=2, adapters={"a": 1.0})
+        assert sb.stats()["waiting"] == 0 and sb.stats()["running"] == 0

@@ -37,15 +37,13 @@ SELF = "tests/test_repo_text.py"  # holds the patterns and their examples
 
 # Paths still to clean, owned by work in progress elsewhere; each is checked again once it leaves this list.
 STILL_TO_CLEAN = (
-    "diffusers_stepbatch/programs/generic.py",
-    "diffusers_stepbatch/programs/options.py",
-    "diffusers_stepbatch/programs/registry.py",
     "diffusers_stepbatch/toy/",
     "model_cards/toy-shapes-pid.md",  # NOTE: a copy of toy/pid_adapter/README.md; a test keeps them equal
 )
 # Modules whose prose may exceed the budget, with the reason.
 LONG_PROSE_OK: dict[str, str] = {
     "diffusers_stepbatch/models/__init__.py": "the model layer's registration API: each ModelSupport field documented",
+    "diffusers_stepbatch/programs/options.py": "the planning context and reducer options: each field documented",
     "diffusers_stepbatch/programs/cfg.py": "CFGPolicy's fields documented (Args) in a module of 40 lines of code",
 }
 

@@ -10,8 +10,8 @@ module gets `DEFAULT_SUPPORT`, whose first merge of each call structure is check
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,13 +27,13 @@ class Packing:
     Args:
         unsupported: why the model can't run packed calls now (other attention processors, hooks), or None.
         key: (what must match for calls to pack, tokens per row), or None when this call can't pack.
-        run: `run(model, calls, packed_attention)`: one output per call (its arguments by name), as the model
-            returns it.
+        run: `run(model, calls, packed_attention, teacache)`: one output per call (its arguments by name), as the
+            model returns it; `teacache[i]` holds call i's per-row TeaCache states or None.
     """
 
     unsupported: Callable[[torch.nn.Module], "str | None"]
     key: Callable[[dict[str, Any]], "tuple[Any, int] | None"]
-    run: Callable[[torch.nn.Module, list[dict[str, Any]], str], list[Any]]
+    run: Callable[[torch.nn.Module, list[dict[str, Any]], str, list], list[Any]]
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,32 @@ class ModelSupport:
     Args:
         row_lists: list arguments with one entry per row (Z-Image's per-image latents and captions).
         shared: tensors read as a whole or from row 0 only (FLUX.2's ids): calls merge only when they are equal.
+        row_dims: tensors whose rows lie on another dimension (HiDream's Llama states: layers first).
+        row_blocks: tensors with a whole number of entries per row along dim 0 (AnimateDiff's text per frame).
+        timestep_rows: numbers or 0-d tensors the model broadcasts over rows: made per-row vectors, so calls at
+            different timesteps merge.
         output_lists_are_rows: list outputs hold one entry per row (else a list is a tuple of outputs).
         refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
         trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
         teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
         packing: how calls of different sizes share one packed call; None: only equal sizes merge.
+        lora_rows: every LoRA layer sees rows (or packed tokens) on dim 0, so per-request LoRA can apply per row.
+        teacache_forward: `forward(model, states, arguments)`: the call with one TeaCache state per row, as the
+            model returns it, or None where the call has arguments it can't reproduce.
     """
 
     row_lists: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
+    row_dims: Mapping[str, int] = field(default_factory=dict)
+    row_blocks: tuple[str, ...] = ()
+    timestep_rows: tuple[str, ...] = ()
     output_lists_are_rows: bool = False
     refusal: Refusal | None = None
     trusted: bool = False
     teacache_coefficients: tuple[float, ...] | None = None
     packing: Packing | None = None
+    lora_rows: bool = False
+    teacache_forward: Callable[[torch.nn.Module, list, dict[str, Any]], Any] | None = None
 
 
 DEFAULT_SUPPORT = ModelSupport()
@@ -97,4 +109,6 @@ def _load_modules() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import flux, flux2, qwenimage, sd3, unet, z_image  # noqa: F401  (each registers its classes)
+    from . import (  # noqa: F401  (each registers its classes)
+        bria, chroma, flux, flux2, hidream, qwen2_5_vl, qwenimage, sd3, unet, unet_motion, wan, z_image,
+    )

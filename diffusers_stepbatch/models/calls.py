@@ -86,10 +86,12 @@ def describe_call(model: torch.nn.Module, args: tuple, kwargs: dict, method: str
     row_inputs: list[Any] = []
     template, described = {}, []
     for name, value in named.items():
-        if name in support.row_lists and isinstance(value, (list, tuple)) and rows is not None and len(value) == rows:
-            row_inputs.append(list(value))
-            template[name] = _Row(len(row_inputs) - 1, type(value))
-            described.append((name, ("row list",)))  # NOTE: the model takes entries of any shape
+        declared = _declared_rows(support, name, value, rows)
+        if declared is not None:
+            row_input, template[name], part = declared
+            row_inputs.append(row_input)
+            template[name].index = len(row_inputs) - 1
+            described.append((name, part))
             continue
         template[name], part = _describe(value, None if name in support.shared else rows, row_inputs)
         described.append((name, part))
@@ -111,12 +113,38 @@ def _batch_size(named: dict[str, Any], support: ModelSupport, signature: inspect
     return None
 
 
-class _Row:
-    __slots__ = ("index", "container")
+def _declared_rows(support: ModelSupport, name: str, value: Any, rows: int | None) -> tuple | None:
+    """(row input, template marker, signature part) for an argument the model's support declares per row in a
+    form of its own; None for every other argument."""
+    if rows is None:
+        return None
+    if name in support.row_lists and isinstance(value, (list, tuple)) and len(value) == rows:
+        return list(value), _Row(0, container=type(value)), ("row list",)  # NOTE: entries of any shape
+    if not isinstance(value, torch.Tensor) and not (name in support.timestep_rows and isinstance(value, (int, float))):
+        return None
+    if name in support.row_dims and value.ndim > support.row_dims[name] and value.shape[support.row_dims[name]] == rows:
+        dim = support.row_dims[name]
+        moved = value.movedim(dim, 0)
+        return moved, _Row(0, dim=dim), ("rows on dim", dim, tuple(moved.shape[1:]), value.dtype, str(value.device))
+    if name in support.row_blocks and value.ndim >= 1 and value.shape[0] % rows == 0 and value.shape[0] > rows:
+        blocks = value.reshape(rows, value.shape[0] // rows, *value.shape[1:])
+        return blocks, _Row(0, blocks=True), ("row blocks", tuple(blocks.shape[1:]), value.dtype, str(value.device))
+    if name in support.timestep_rows and (not isinstance(value, torch.Tensor) or value.ndim == 0):
+        # NOTE: as the model makes a tensor of a number (UNet2DConditionModel: float64 / int64), then per row
+        scalar = value if isinstance(value, torch.Tensor) else torch.tensor(
+            value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+        return scalar.expand(rows), _Row(0), ("timestep rows", scalar.dtype, str(scalar.device))
+    return None
 
-    def __init__(self, index: int, container: type | None = None):
+
+class _Row:
+    __slots__ = ("index", "container", "dim", "blocks")
+
+    def __init__(self, index: int, container: type | None = None, dim: int = 0, blocks: bool = False):
         self.index = index
         self.container = container
+        self.dim = dim
+        self.blocks = blocks
 
 
 class Exact:
@@ -167,7 +195,13 @@ def fill(template: Any, rows: dict[str, Any]) -> Any:
     """The template with each `_Row` marker replaced by its (batched) row input `rows[f"row{i}"]`."""
     if isinstance(template, _Row):
         value = rows[f"row{template.index}"]
-        return template.container(value) if template.container is not None else value
+        if template.container is not None:
+            return template.container(value)
+        if template.dim:
+            return value.movedim(0, template.dim).contiguous()
+        if template.blocks:
+            return value.reshape(-1, *value.shape[2:])
+        return value
     if isinstance(template, (tuple, list)):
         return type(template)(fill(v, rows) for v in template)
     if isinstance(template, dict):

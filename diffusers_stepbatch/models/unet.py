@@ -1,6 +1,7 @@
 """UNets (`UNet2DConditionModel`: SD 1.x / 2.x, SDXL and their img2img, inpaint, ControlNet, adapters).
 
-Rows: sample, timestep (a [B] vector, or one scalar for every row), text and `added_cond_kwargs` are per row.
+Rows: sample, text and `added_cond_kwargs` are per row; a scalar timestep (the pipelines pass one per call) is
+made a per-row vector, as the model itself expands it, so calls at different timesteps share a forward.
 """
 
 from __future__ import annotations
@@ -12,4 +13,4 @@ from . import ModelSupport, register_model
 
 @register_model(UNet2DConditionModel)
 def _unet() -> ModelSupport:
-    return ModelSupport(trusted=True)
+    return ModelSupport(timestep_rows=("timestep",), trusted=True, lora_rows=True)

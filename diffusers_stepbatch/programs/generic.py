@@ -14,32 +14,32 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import queue
-import threading
 from collections.abc import Generator
 from typing import Any
 
+import greenlet
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
-from ..engine.ownership import current_owner, run_for
-from ..module_scan import diffusers_hooks, marked_modules
+from ..module_scan import diffusers_hooks, execution_device, marked_modules
 from .options import PlanContext
-from .registry import PlannedRequest, register_program, request_pipeline, unhooked_class
-from .intercept import HOLDERS, Holder, ModelProxy, log_once
+from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
+from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
+from ..models import support_for
+from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once
 from .request_state import active_view
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
 
 logger = logging.getLogger(__name__)
 
-DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior")
+DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior", "decoder")
 ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
-@register_program(DiffusionPipeline)
+@register_program(DiffusionPipeline, features=("adapters", "teacache"))
 def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
     _check_call(pipe, args)
@@ -47,21 +47,66 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     steps = _num_steps(args)
     prompts = as_list(args["prompt"]) if isinstance(args.get("prompt"), (str, list)) else None
     images = (len(prompts) if prompts else 1) * check_num_images_per_prompt(args.get("num_images_per_prompt"))
-    branches = 2 if any(isinstance(args.get(name), (int, float)) and args[name] > 1
-                        for name in ("guidance_scale", "true_cfg_scale")) else 1
     denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
+    branches = _guidance_branches(args, [getattr(pipe, name) for name in denoisers])
     reason = _unbatchable_reason(pipe, denoisers, args)
+    if reason is None and context.options.teacache is not None:
+        models = [getattr(pipe, name) for name in denoisers]
+        if not any(support_for(model).teacache_forward for model in models):
+            raise ValueError(f"teacache= is not supported for {type(pipe).__name__}: its denoiser "
+                             f"({', '.join(type(model).__name__ for model in models)}) has no TeaCache forward")
     if reason is not None:
+        for option, given in (("adapters=", context.adapters is not NOT_GIVEN),
+                              ("teacache=", context.options.teacache is not None)):
+            if given:
+                raise ValueError(f"{option} is not supported for {type(pipe).__name__} here: its calls run whole "
+                                 f"({reason})")
         log_once(type(pipe).__name__, f"whole calls, unbatched: {reason}")
         program = _whole_call_program(request_pipeline(pipe, context), positional, keywords, reason)
     else:
-        program = generic_program(pipe, request_pipeline(pipe, context), positional, keywords, denoisers,
-                                  context.options.packed_attention)
+        per_row = {name: (_denoiser_adapters(getattr(pipe, name), args, context),
+                          context.options.teacache) for name in denoisers}
+        view = request_pipeline(pipe, context)
+        _fix_execution_device(view, pipe)
+        program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
         tokens = (args["height"] // scale) * (args["width"] // scale)
     return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps, tokens_per_row=tokens)
+
+
+def _fix_execution_device(view, pipe) -> None:
+    """The view answers `_execution_device` with the device found at submit, as a plain call would find it
+    again: diffusers walks every module of every model for it."""
+    try:
+        device = execution_device(pipe)
+    except Exception:  # NOTE: a pipeline that can't answer at submit: its call asks (and fails) as it would plainly
+        return
+    view.__class__ = _with_fixed_device(type(view))
+    view.__dict__[_DEVICE] = device
+
+
+_DEVICE = "_stepbatch_execution_device"
+
+
+@functools.cache
+def _with_fixed_device(cls: type) -> type:
+    device = property(lambda self: self.__dict__[_DEVICE], doc="The execution device found at submit.")
+    return type(cls.__name__, (cls,), {"_execution_device": device, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
+    """Rows per image: 2 under classifier-free guidance, as far as the call's arguments tell (an estimate)."""
+    def above_one(name: str) -> bool:
+        return isinstance(args.get(name), (int, float)) and args[name] > 1
+
+    distilled = any(getattr(getattr(model, "config", None), "guidance_embeds", False) for model in denoisers)
+    negative = any(args.get(name) is not None for name in ("negative_prompt", "negative_prompt_embeds"))
+    # NOTE: a guidance-distilled model takes guidance_scale as an input, not as a second branch (FLUX.1 dev);
+    # true CFG needs a negative prompt (FLUX.1, Qwen-Image)
+    return 2 if (above_one("guidance_scale") and not distilled) or (above_one("true_cfg_scale") and negative) else 1
 
 
 def _check_call(pipe, args: dict[str, Any]) -> None:
@@ -136,6 +181,18 @@ def _unbatchable_reason(pipe, denoisers: list[str], args: dict[str, Any]) -> str
     return None
 
 
+def _denoiser_adapters(model, args: dict[str, Any], context: PlanContext) -> AdapterState | None:
+    """The request's LoRA for `model` (its `adapters=`, or the active adapters), times its attention kwargs' scale;
+    None where the model layer can't apply LoRA per row (calls then run with the model's own adapters)."""
+    if not support_for(model).lora_rows:
+        if context.adapters is not NOT_GIVEN:
+            raise ValueError(f"adapters= is not supported for {type(model).__name__}: per-request LoRA needs rows "
+                             "its layers can be mapped to; set the adapters on the pipeline with set_adapters")
+        return None
+    scale = next((args[name].get("scale") for name in ATTENTION_KWARGS if isinstance(args.get(name), dict)), None)
+    return request_adapters(model, context.adapters, lora_scale=scale)
+
+
 def _uses_pag(pipe, args: dict[str, Any]) -> bool:
     from diffusers.pipelines.pag.pag_utils import PAGMixin
 
@@ -160,29 +217,46 @@ def _run_whole_call(view, positional, keywords, _holders):
 
 # ------------------------------------------------------------------------------------------ intercepted calls
 class _Aborted(BaseException):
-    """Raised inside a helper thread to unwind the pipeline call of a request that was aborted or failed."""
+    """Raised inside a request's pipeline call to unwind it when the request was aborted or failed."""
 
 
-class _Handoff:
-    """The turn-taking between a request's step program (engine thread) and its helper thread."""
+class _Turns:
+    """The turn-taking between a request's step program and its pipeline call.
 
-    def __init__(self):
-        self.to_engine: queue.Queue = queue.Queue(maxsize=1)
-        self.to_helper: queue.Queue = queue.Queue(maxsize=1)
+    The pipeline's own `__call__` runs in a greenlet of the engine thread: at each intercepted model call it
+    switches back to the step program with the work item, and the program switches in again once the item's
+    result is in its holder. No other thread runs, so nothing waits for a thread switch or the GIL.
+    """
+
+    def __init__(self, view, positional: list, keywords: dict):
+        self.call = greenlet.greenlet(functools.partial(_run_call, view, positional, keywords))
 
     def submit(self, item: WorkItem) -> None:
-        """From the helper: hand `item` to the engine and wait until its result is in the item's holder."""
-        self.to_engine.put(("call", item))
-        if self.to_helper.get() is _Aborted:
+        """From the pipeline call: hand `item` to the step program and wait until its result is in its holder."""
+        if self.call.parent.switch(("call", item)) is _Aborted:
             raise _Aborted()
 
 
-def _install_proxies(pipe, view, handoff: _Handoff, denoisers: list[str], packed_attention: str) -> None:
-    """The request's view calls the engine for its denoisers, text encoders and VAE."""
+def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str) -> None:
+    """The request's view calls the engine for its denoisers, text encoders and VAE, and so do the views of the
+    pipelines it calls (combined pipelines: prior then decoder)."""
+    for name, sub_pipeline in list(view.__dict__.items()):
+        if isinstance(sub_pipeline, DiffusionPipeline):
+            sub_view = request_view(sub_pipeline)
+            sub_denoisers = {n: (None, None) for n in DENOISER_NAMES if isinstance(getattr(sub_pipeline, n, None),
+                                                                                   torch.nn.Module)}
+            _install_proxies(sub_pipeline, sub_view, handoff, sub_denoisers, packed_attention)
+            view.__dict__[name] = sub_view
     scheduler = getattr(view, "scheduler", None)
-    for name in denoisers:
-        view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "denoise"}, handoff.submit,
-                                         functools.partial(_step_index, scheduler), packed_attention)
+    for name, (adapters, teacache) in denoisers.items():
+        model = getattr(pipe, name)
+        if teacache is not None and support_for(model).teacache_forward is not None:
+            teacache = RequestTeaCache(teacache, model, lambda: len(scheduler.timesteps))
+        else:
+            teacache = None
+        view.__dict__[name] = ModelProxy(model, {"__call__": "denoise"}, handoff.submit,
+                                         functools.partial(_step_index, scheduler), packed_attention, adapters,
+                                         teacache)
     for name in ENCODER_NAMES:
         if isinstance(getattr(pipe, name, None), torch.nn.Module):
             view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "encode"}, handoff.submit)
@@ -190,32 +264,22 @@ def _install_proxies(pipe, view, handoff: _Handoff, denoisers: list[str], packed
         view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, handoff.submit)
 
 
-def generic_program(pipe, view, positional: list, keywords: dict, denoisers: list[str],
+def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, tuple],
                     packed_attention: str = "auto") -> Generator[WorkItem, Any, Any]:
-    handoff = _Handoff()
-    _install_proxies(pipe, view, handoff, denoisers, packed_attention)
-    # NOTE: the helper works for this engine: a synchronous call of the same StepBatched from a callback raises.
-    helper = threading.Thread(target=run_for(current_owner(), _run_in_helper), args=(view, positional, keywords,
-                                                                                      handoff), daemon=True,
-                              name=f"StepBatched-{type(pipe).__name__}-request")
-    helper.start()
-    kind = None
+    """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config), either None."""
+    turns = _Turns(view, positional, keywords)
+    _install_proxies(pipe, view, turns, denoisers, packed_attention)
     try:
-        while True:
-            kind, payload = handoff.to_engine.get()
-            if kind == "call":
-                yield payload
-                handoff.to_helper.put(None)
-            elif kind == "done":
-                return payload
-            else:
-                raise payload
+        kind, payload = turns.call.switch()
+        while kind == "call":
+            yield payload
+            kind, payload = turns.call.switch(None)
+        if kind == "error":
+            raise payload
+        return payload
     finally:
-        if kind == "call":  # closed (aborted, or its batch failed) while the helper waits: unwind its call
-            handoff.to_helper.put(_Aborted)
-            while handoff.to_engine.get()[0] == "call":
-                handoff.to_helper.put(_Aborted)
-        helper.join()
+        while not turns.call.dead:  # closed (aborted, or its batch failed) at a model call: unwind the call
+            turns.call.switch(_Aborted)
 
 
 def _step_index(scheduler) -> int | None:
@@ -225,13 +289,13 @@ def _step_index(scheduler) -> int | None:
     return scheduler.step_index or 0  # None until the first scheduler.step: step 0
 
 
-def _run_in_helper(view, positional, keywords, handoff: _Handoff) -> None:
+def _run_call(view, positional, keywords) -> tuple[str, Any]:
+    """The request's pipeline call, in its greenlet: ("done", output), ("error", exception) or ("aborted", None)."""
     try:
         with torch.no_grad(), active_view(view):
             output = view(*positional, **keywords)
     except _Aborted:
-        handoff.to_engine.put(("aborted", None))
-    except BaseException as exc:  # the pipeline's own error: it becomes the request's error
-        handoff.to_engine.put(("error", exc))
-    else:
-        handoff.to_engine.put(("done", output))
+        return "aborted", None
+    except Exception as exc:  # the pipeline's own error: it becomes the request's error
+        return "error", exc
+    return "done", output

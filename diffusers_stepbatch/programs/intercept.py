@@ -8,6 +8,7 @@ are not proven have the first merge of each call structure checked against separ
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -15,18 +16,23 @@ from typing import Any
 
 import torch
 
+from ..adapters.state import AdapterState, lora_rows, without_lora_scale
+from ..cache.teacache import TeaCacheConfig, TeaCacheState
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..models import Packing, support_for
 from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
-from ..models.calls import run_call, slice_rows
+from ..models.calls import run_call
 from ..models.packing.support import packing_refused
 
 logger = logging.getLogger(__name__)
 
 HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
+LORA = "_lora"  # each row's LoRA state (None: no per-row LoRA)
+TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaCache forward)
+ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
-_not_rowwise: set[Any] = set()  # (model, call structure) pairs whose rows were not independent: they run alone
+_not_rowwise: dict[Any, str] = {}  # (model, method, call structure) -> why its merged calls failed: run alone
 _verified: set[Any] = set()  # (model, call structure) pairs whose merged outputs matched separate calls
 
 
@@ -49,13 +55,17 @@ class ModelProxy:
     """Stands in for a model on a request's view: the intercepted calls go to `submit`, the rest to the model.
 
     `methods` maps a method name ("__call__" for the model itself) to the work kind its calls become;
-    `packed_attention` (None: never pack) is how packed calls of several sizes keep attention inside each row.
+    `packed_attention` (None: never pack) is how packed calls of several sizes keep attention inside each row;
+    `adapters` is the request's LoRA, applied to its own rows (None: the model has no LoRA layers);
+    `teacache` the request's TeaCache states.
     """
 
     def __init__(self, module: torch.nn.Module, methods: dict[str, str], submit: Callable[[WorkItem], None],
-                 step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None):
+                 step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
+                 adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None):
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
-                             _packed_attention=packed_attention, _packing_checked=False)
+                             _packed_attention=packed_attention, _packing_checked=False, _adapters=adapters,
+                             _teacache=teacache)
 
     @property
     def __class__(self) -> type:  # NOTE: so that the pipeline's isinstance checks see the model's class
@@ -77,8 +87,11 @@ class ModelProxy:
         return self._intercept(kind, "forward", *args, **kwargs)
 
     def _intercept(self, kind: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing())
-        item.step = self._step()
+        step = self._step()
+        teacache = self._teacache.state(step) if self._teacache is not None else None
+        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing(), self._adapters,
+                                  teacache)
+        item.step = step
         self._submit(item)
         return holder.output
 
@@ -93,27 +106,57 @@ class ModelProxy:
         return self._packed_attention
 
 
+class RequestTeaCache:
+    """One request's TeaCache states for one denoiser: one per call of a step (the CFG branches, in order)."""
+
+    def __init__(self, config: TeaCacheConfig, model: torch.nn.Module, num_steps: Callable[[], int]):
+        self.config, self.model, self.num_steps = config, model, num_steps
+        self.states: dict[int, TeaCacheState | None] = {}
+        self.step: int | None = None
+        self.calls = 0
+
+    def state(self, step: int | None) -> TeaCacheState | None:
+        if step != self.step:
+            self.step, self.calls = step, 0
+        branch, self.calls = self.calls, self.calls + 1
+        if branch not in self.states:
+            made = self.config.states(self.model, self.num_steps(), 1)
+            self.states[branch] = made[0] if made else None
+        state = self.states[branch]
+        if state is not None:
+            state.step = step or 0
+        return state
+
+
 def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
-               packed_attention: str | None = None) -> tuple[WorkItem, Holder]:
+               packed_attention: str | None = None, adapters: AdapterState | None = None,
+               teacache: TeaCacheState | None = None) -> tuple[WorkItem, Holder]:
     """One model call as a work item; its key holds everything but the rows, so equal keys can merge, and calls
     of other sizes with equal pack keys can share a packed call."""
     holder = Holder()
+    if adapters is not None:  # NOTE: the LoRA scale is in the request's per-row adapter weights
+        kwargs = {name: without_lora_scale(value) if name in ATTENTION_KWARGS and isinstance(value, dict) else value
+                  for name, value in kwargs.items()}
     call = describe_call(module, args, kwargs, method)
     reason = call.refusal
     if reason is None and call.rows is None:
         reason = "its inputs have no batch rows"
-    if reason is None and (id(module), method, call.structure) in _not_rowwise:
-        reason = "merged outputs of these calls were not row-wise"
+    if reason is None:
+        reason = _not_rowwise.get((id(module), method, call.structure))
     rows = call.rows or 1
     if reason is not None:
         key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
     else:  # NOTE: one key field per argument, so stats()["splits"] names the argument that kept calls apart
-        key = named_key(program=f"generic.{kind}", model=(id(module), method),
+        key = named_key(program=f"generic.{kind}", model=(id(module), method), lora=adapters is not None,
                         **{f"argument {name}": part for name, part in call.signature})
     inputs = {f"row{i}": value for i, value in enumerate(call.row_inputs)}
     inputs[HOLDERS] = [holder] * rows
+    inputs[LORA] = [adapters] * rows if adapters is not None else None
+    # NOTE: a list for every call of a model with a TeaCache forward (None rows compute), so that calls with
+    # and without states merge
+    inputs[TEACACHE] = [teacache] * rows if call.support.teacache_forward is not None and kind == "denoise" else None
     item = WorkItem(kind, key, inputs, functools.partial(_merged_call, module, call), rows=rows)
-    if reason is None and packed_attention is not None and method == "forward":
+    if reason is None and packed_attention is not None and adapters is None and method == "forward":
         item.pack = _packable(module, call, packed_attention)
     return item, holder
 
@@ -131,8 +174,11 @@ def _packable(module, call: ModelCall, packed_attention: str) -> Packable | None
 def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> list:
     """One packed call for several shapes' batches; each holder gets its rows of its call's output."""
     holders = [inputs.pop(HOLDERS) for _, inputs in shapes]
+    teacache = [inputs.pop(TEACACHE) for _, inputs in shapes]
+    for _, inputs in shapes:
+        inputs.pop(LORA)  # NOTE: always None here: requests with per-row LoRA don't pack
     calls = [fill(call.template, inputs) for call, inputs in shapes]
-    outputs = packing.run(module, calls, packed_attention)
+    outputs = packing.run(module, calls, packed_attention, teacache)
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
@@ -162,18 +208,24 @@ def _merged_call(module, call: ModelCall, **inputs):
     holders = inputs.pop(HOLDERS)
     total = len(holders)
     bounds = _bounds(holders)
-    output = run_call(module, call, inputs)
     if len(bounds) == 1:  # one request: its output as the model returned it
-        holders[0].output = output
+        holders[0].output = _run(module, call, inputs)
         return torch.zeros(total)
     seen = (id(module), call.method, call.structure)
     try:
-        parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
-    except NotRowWise as exc:
-        parts = _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
+        output = _run(module, call, inputs)
+    except torch.OutOfMemoryError:
+        raise  # NOTE: the engine caps the rows of this key and retries
+    except Exception as exc:  # the merged call itself is what fails: these calls run alone from now on
+        parts = _apart(module, call, seen, inputs, bounds, f"a merged call raised {type(exc).__name__}: {exc}")
     else:
-        if not call.support.trusted and seen not in _verified:
-            parts = _checked(module, call, seen, inputs, bounds, parts)
+        try:
+            parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
+        except NotRowWise as exc:
+            parts = _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
+        else:
+            if not call.support.trusted and seen not in _verified:
+                parts = _checked(module, call, seen, inputs, bounds, parts)
     for (begin, _), part in zip(bounds, parts):
         holders[begin].output = part
     return torch.zeros(total)
@@ -182,17 +234,34 @@ def _merged_call(module, call: ModelCall, **inputs):
 def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
     """The first merged call of a structure on a model without proven row rules, checked against the same calls
     run apart: where the rows were not independent, the separate outputs stand and such calls run alone."""
-    alone = [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
+    alone = [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
-        _not_rowwise.add(seen)
-        log_once(type(module).__name__, f"merged outputs differed from separate calls by {difference:.2e}")
+        reason = f"merged outputs differed from separate calls by {difference:.2e}"
+        _not_rowwise[seen] = reason
+        log_once(type(module).__name__, reason)
         return alone
     _verified.add(seen)
     return parts
 
 
 def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
-    _not_rowwise.add(seen)
+    _not_rowwise[seen] = reason
     log_once(type(module).__name__, reason)
-    return [run_call(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
+    return [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
+
+
+def _run(module, call: ModelCall, inputs: dict) -> Any:
+    """The model call on these rows, each row with its request's LoRA where it has one."""
+    inputs = dict(inputs)
+    lora, teacache = inputs.pop(LORA), inputs.pop(TEACACHE)
+    with lora_rows(module, lora) if lora is not None else contextlib.nullcontext():
+        if teacache is not None and any(state is not None for state in teacache):
+            output = call.support.teacache_forward(module, teacache, fill(call.template, inputs))
+            if output is not None:
+                return output
+        return run_call(module, call, inputs)
+
+
+def _rows_of(inputs: dict, begin: int, end: int) -> dict:
+    return {name: None if value is None else value[begin:end] for name, value in inputs.items()}

@@ -1,11 +1,6 @@
-"""What a call is planned with besides its arguments: the engine's reducers, PiD early exit, its adapters.
-
-`StepBatched.submit` passes a `PlanContext` to the plan function (`plan(pipe, call_args, context)`); the plan
-keeps what it needs in its program. The call arguments stay exactly the pipeline's, and a program that knows
-no reducers simply never asks.
+"""What a call is planned with besides its arguments: the engine's reducers, PiD early exit, its `adapters=`.
 
 >>> planned = plan(pipe, call_args, PlanContext(options=ProgramOptions(prompt_cache=PromptCache())))
->>> embeds = yield from cached_encode(context.options.prompt_cache, namespace, texts, make_item)
 """
 
 from __future__ import annotations

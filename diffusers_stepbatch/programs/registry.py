@@ -14,16 +14,8 @@ from .request_state import record_view
 
 @dataclass
 class PlannedRequest:
-    """A validated call, ready for the engine: its step program (not started) and its size.
-
-    Args:
-        program: the generator that yields work items and returns the pipeline output.
-        num_rows: the most rows it adds to one batch (images x CFG branches).
-        num_steps: denoising steps it will run.
-        tokens_per_row: image tokens per row, the size a row's per-step cost scales with (for scheduling).
-        starts_in_caller: whether the program's prologue (up to its first work item) may run in the caller's
-            thread at submit; it must then touch no state of the engine thread.
-    """
+    """A validated call: its step program, rows (images x CFG branches), steps, image tokens per row, and
+    whether its prologue may run in the caller's thread at submit (touching no engine state)."""
 
     program: Generator[WorkItem, Any, Any]
     num_rows: int
@@ -32,7 +24,6 @@ class PlannedRequest:
     starts_in_caller: bool = False
 
 
-# plan(pipe, call_args, context) validates a call in the caller's thread and returns its PlannedRequest.
 PlanFn = Callable[[Any, dict[str, Any], PlanContext], PlannedRequest]
 
 _PROGRAMS: dict[type, PlanFn] = {}
@@ -42,10 +33,7 @@ _FEATURES: dict[type, frozenset[str]] = {}
 
 
 def register_program(pipeline_class: type, features: tuple[str, ...] = ()) -> Callable[[PlanFn], PlanFn]:
-    """Register `plan` as the step program of `pipeline_class` (and of its subclasses).
-
-    `features` names the optional reducers the program implements (e.g. "teacache"); asking for one that a
-    family's program lacks is an error, not a silent no-op.
+    """Register `plan` for `pipeline_class` and its subclasses; `features` names the reducers it implements.
 
     >>> @register_program(FluxPipeline, features=("teacache",))
     ... def plan_flux(pipe, call_args, context): ...
@@ -64,16 +52,14 @@ def check_feature(pipe: Any, feature: str, option: str) -> None:
     plan = program_for(pipe)
     features = next((_FEATURES[cls] for cls, fn in _PROGRAMS.items() if fn is plan), frozenset())
     if feature not in features:
-        supporting = [cls.__name__ for cls, names in _FEATURES.items() if feature in names]
-        raise ValueError(f"{option} is not supported for {type(pipe).__name__}; supported: {supporting}")
+        supporting = [cls.__name__ for cls, names in _FEATURES.items() if feature in names and _own_call(cls)]
+        raise ValueError(f"{option} is not supported for {type(pipe).__name__}; supported: {supporting} and the "
+                         "pipelines the generic program serves")
 
 
 def program_for(pipe: Any) -> PlanFn | None:
-    """The plan function registered for the pipeline's class or its nearest registered base class.
-
-    A family's program mirrors its class's `__call__`, so it serves a subclass only if the subclass keeps that
-    `__call__`; one registered on a base without `__call__` (DiffusionPipeline: the generic fallback) serves all.
-    """
+    """The plan of the pipeline's class or nearest registered base whose `__call__` the class keeps (the generic
+    fallback, registered on DiffusionPipeline, has none and serves every class)."""
     pipeline_class = unhooked_class(pipe)
     call = _own_call(pipeline_class)
     for cls in pipeline_class.__mro__:
@@ -82,8 +68,7 @@ def program_for(pipe: Any) -> PlanFn | None:
     return None
 
 
-# NOTE: where hook mode (`enable_step_batching`) keeps the pipeline's engine, in its instance dict.
-HOOK_MODE_ENGINE = "_stepbatch_engine"
+HOOK_MODE_ENGINE = "_stepbatch_engine"  # hook mode keeps the pipeline's engine in its instance dict
 
 
 def unhooked_class(pipe: Any) -> type:
@@ -99,22 +84,34 @@ def registered_pipelines() -> list[type]:
     return list(_PROGRAMS)
 
 
-def request_pipeline(pipe: Any, context: PlanContext) -> Any:
-    """A per-request view of `pipe`: shares its models, owns a scheduler copy and its per-call state.
+def _stateful_components(pipe: Any) -> list[tuple[str, Any]]:
+    """Components that keep per-call state: schedulers (step index, timesteps) and guiders (step, momentum)."""
+    from diffusers import SchedulerMixin
+    from diffusers.guiders.guider_utils import BaseGuidance
 
-    diffusers keeps per-call state on the pipeline (`_guidance_scale`, `_interrupt`, `_current_timestep`,
-    `_joint_attention_kwargs`) and schedulers are stateful (`_step_index`, `set_timesteps`), so concurrent
-    requests each need their own.
-    """
+    found = []
+    for name in dict.fromkeys([*pipe.config.keys(), *getattr(pipe, "_optional_components", [])]):
+        component = pipe.__dict__.get(name)
+        if isinstance(component, (SchedulerMixin, BaseGuidance)):
+            found.append((name, component))
+    return found
+
+
+def request_view(pipe: Any) -> Any:
+    """A view of `pipe` for one request: its models shared, its schedulers, guiders and per-call state its own."""
     view = copy.copy(pipe)
     view.__class__ = unhooked_class(pipe)  # in hook mode, the view's own __call__ is the pipeline's
-    # NOTE: and it holds no engine: a caller's thread keeps its last call's view (`sb.num_timesteps`, ...), which
-    # would keep a dropped hook-mode pipeline's engine and wrapper alive.
+    # NOTE: a view holds no engine: a thread keeps its last call's view, which would keep a hook-mode engine alive
     view.__dict__.pop(HOOK_MODE_ENGINE, None)
-    # NOTE: write the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config.
-    scheduler = getattr(pipe, "scheduler", None)
-    if scheduler is not None:  # NOTE: some pipelines have none (LTX latent upsampling runs no denoising loop)
-        view.__dict__["scheduler"] = copy.deepcopy(scheduler)
+    # NOTE: the instance dict directly: DiffusionPipeline.__setattr__ would re-register the config
+    for name, component in _stateful_components(pipe):
+        view.__dict__[name] = copy.deepcopy(component)
+    return view
+
+
+def request_pipeline(pipe: Any, context: PlanContext) -> Any:
+    """The request's view of `pipe` (`request_view`), recorded in the planning context."""
+    view = request_view(pipe)
     record_view(pipe, view)
     context.views.append(view)
     return view

@@ -9,15 +9,16 @@ A step program keeps a call's state on the request's view, not the pipeline; the
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 # NOTE: a view's pipeline, held weakly: a dropped pipeline (and in hook mode its engine) must not outlive its views.
 _SOURCE = "_stepbatch_source"
-_active = threading.local()
+# NOTE: a context variable, not a thread-local: each generic-program call runs in a greenlet of its own
+_active: contextvars.ContextVar[Any] = contextvars.ContextVar("stepbatch_active_view", default=None)
 
 
 def record_view(pipe: Any, view: Any) -> None:
@@ -32,20 +33,17 @@ def view_source(view: Any) -> Any:
 
 @contextlib.contextmanager
 def active_view(view: Any) -> Iterator[None]:
-    stack = _active.__dict__.setdefault("stack", [])
-    stack.append(view)
+    token = _active.set(view)
     try:
         yield
     finally:
-        stack.pop()
+        _active.reset(token)
 
 
 def active_view_of(pipe: Any) -> Any:
-    """The view active in this thread (a callback or a hooked forward running), if it was made from `pipe`."""
-    stack = getattr(_active, "stack", None)
-    if stack and view_source(stack[-1]) is pipe:
-        return stack[-1]
-    return None
+    """The view active here (a callback or a hooked forward running), if it was made from `pipe`."""
+    view = _active.get()
+    return view if view is not None and view_source(view) is pipe else None
 
 
 def is_call_state(pipe: Any, view: Any, name: str) -> bool:

@@ -80,14 +80,15 @@ def pack_key(arguments: dict) -> tuple | None:
     return key, hidden.shape[1] + text.shape[1]
 
 
-def pack_calls(transformer, calls: Sequence[dict], packed_attention: str) -> list:
+def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
     """One packed forward for calls of different sizes; each call's output as the model would return it."""
     def ids(tensor):
         return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
 
     parts = [FluxPart(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
                       pooled_projections=c["pooled_projections"], timestep=c["timestep"], guidance=c.get("guidance"),
-                      txt_ids=ids(c["txt_ids"]), img_ids=ids(c["img_ids"])) for c in calls]
+                      txt_ids=ids(c["txt_ids"]), img_ids=ids(c["img_ids"]), teacache=states)
+             for c, states in zip(calls, teacache)]
     outputs = flux_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
     return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]

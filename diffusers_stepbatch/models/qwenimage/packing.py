@@ -24,6 +24,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenDoubleStreamAttnProcessor2_0,
     apply_rotary_emb_qwen,
 )
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
@@ -66,6 +67,34 @@ def qwenimage_packed_forward(transformer, parts: Sequence[QwenImagePart], attent
     >>> out = qwenimage_packed_forward(pipe.transformer, [QwenImagePart(x, t, text, mask, [(1, 4, 8)]), ...])
     """
     return _forward(transformer, parts, attention_kwargs=attention_kwargs, packed_attention=packed_attention)
+
+
+# the forward's arguments a packed call reproduces; a call with any other argument set runs unpacked
+_PACKED_ARGUMENTS = {"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
+                     "img_shapes", "attention_kwargs", "return_dict"}
+
+
+def pack_key(arguments: dict) -> tuple | None:
+    """(what must match for calls of `QwenImageTransformer2DModel.forward` to pack, tokens per row), or None."""
+    if any(value is not None for name, value in arguments.items() if name not in _PACKED_ARGUMENTS):
+        return None
+    attention_kwargs = arguments.get("attention_kwargs") or {}
+    hidden, text, shapes = arguments["hidden_states"], arguments["encoder_hidden_states"], arguments["img_shapes"]
+    if set(attention_kwargs) - {"scale"} or not shapes or text is None:
+        return None
+    key = (attention_kwargs.get("scale"), hidden.dtype, text.dtype, str(hidden.device),
+           arguments.get("return_dict", True))
+    return key, hidden.shape[1] + text.shape[1]
+
+
+def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
+    """One packed forward for calls of different grids and text lengths; each output as the model returns it."""
+    parts = [QwenImagePart(hidden_states=c["hidden_states"], timestep=c["timestep"], text=c["encoder_hidden_states"],
+                           text_mask=c.get("encoder_hidden_states_mask"), img_shapes=c["img_shapes"][0])
+             for c in calls]
+    outputs = qwenimage_packed_forward(transformer, parts, calls[0].get("attention_kwargs"), packed_attention)
+    return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
+            for c, out in zip(calls, outputs)]
 
 
 @dataclass

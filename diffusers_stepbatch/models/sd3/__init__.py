@@ -12,4 +12,4 @@ from .. import ModelSupport, register_model
 
 @register_model(SD3Transformer2DModel)
 def _sd3() -> ModelSupport:
-    return ModelSupport(trusted=True)
+    return ModelSupport(trusted=True, lora_rows=True)

@@ -1,0 +1,16 @@
+"""AnimateDiff (`UNetMotionModel`).
+
+The pipelines repeat each prompt's text states once per frame ([batch * frames, tokens, dim]) and pass one scalar
+timestep per call: text rows are blocks of `frames` entries, the timestep becomes a per-row vector.
+"""
+
+from __future__ import annotations
+
+from diffusers import UNetMotionModel
+
+from . import ModelSupport, register_model
+
+
+@register_model(UNetMotionModel)
+def _unet_motion() -> ModelSupport:
+    return ModelSupport(row_blocks=("encoder_hidden_states",), timestep_rows=("timestep",))

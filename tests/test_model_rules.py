@@ -1,0 +1,187 @@
+"""Row rules the model layer declares per denoiser class, and per-request copies of stateful components.
+
+Each test fails without its rule: AnimateDiff's per-frame text blocks and scalar timestep (merged calls used to
+fail), rows on another dimension (HiDream's Llama states: a merged call re-split one request's states), a
+guider's step state (HunyuanImage: one request's `set_state` changed another's), combined pipelines (their
+sub-pipelines' denoisers were never shared).
+"""
+
+import pytest
+import torch
+from diffusers import DDIMScheduler, DiffusionPipeline
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.models import ModelSupport, register_model
+
+from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _rows_per_forward(model):
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(int((args[0] if args else kwargs["sample"]).shape[0])),
+        with_kwargs=True)
+    return rows, hook
+
+
+def _animatediff(frames_channels: tuple[int, int]):
+    from diffusers import AnimateDiffPipeline, AutoencoderKL, MotionAdapter, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from diffusers_stepbatch.testing import tiny_clip_tokenizer
+
+    channels, heads = frames_channels
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(block_out_channels=(channels, channels), layers_per_block=1, sample_size=8,
+                                in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=8,
+                                norm_num_groups=2)
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(channels, channels), in_channels=3, out_channels=3,
+                        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                        latent_channels=4, norm_num_groups=2)
+    tokenizer = tiny_clip_tokenizer()
+    torch.manual_seed(0)
+    text_encoder = CLIPTextModel(CLIPTextConfig(hidden_size=8, intermediate_size=37, num_attention_heads=4,
+                                                num_hidden_layers=2, vocab_size=len(tokenizer)))
+    torch.manual_seed(0)
+    adapter = MotionAdapter(block_out_channels=(channels, channels), motion_layers_per_block=1,
+                            motion_norm_num_groups=2, motion_num_attention_heads=heads)
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="linear", clip_sample=False)
+    pipe = AnimateDiffPipeline(vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet,
+                               motion_adapter=adapter, scheduler=scheduler, feature_extractor=None,
+                               image_encoder=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("channels_heads", [(8, 4), (16, 2)])
+def test_animatediff_requests_share_forwards_across_steps_and_prompts(channels_heads):
+    pipe = _animatediff(channels_heads)
+    requests = [dict(prompt=f"a squirrel {'eating ' * i}", num_frames=4, height=16, width=16,
+                     num_inference_steps=2 + i % 2, guidance_scale=1.0 + 2 * i, output_type="pt", seed=i)
+                for i in range(4)]
+    expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
+    rows, hook = _rows_per_forward(pipe.unet)
+    try:
+        with StepBatched(pipe, max_batch_size=16) as sb:
+            results = submit_all(sb, requests)
+            stats = sb.stats()
+    finally:
+        hook.remove()
+    assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert max(rows) > 2, f"no forward held several requests' rows: {rows}"
+    assert not any("raised" in reason for reason in stats["splits"]), stats["splits"]
+
+
+class _LayersFirst(torch.nn.Module):
+    """Text states [layers, batch, tokens, dim], flattened per row with `.view`, as HiDream's forward does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states, timestep, text_states):
+        batch = hidden_states.shape[0]
+        text = text_states.sum(0).view(batch, -1, 4).mean(1)
+        return self.proj(hidden_states) * timestep[:, None] + text
+
+
+class _ToyPipeline(DiffusionPipeline):
+    def __init__(self, unet, scheduler):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler)
+
+    @torch.no_grad()
+    def __call__(self, prompt_seed: int = 0, num_inference_steps: int = 3, generator=None):
+        self.scheduler.set_timesteps(num_inference_steps)
+        text = torch.randn(3, 1, 6, 4, generator=torch.Generator().manual_seed(prompt_seed))
+        x = torch.randn(1, 4, generator=generator)
+        for t in self.scheduler.timesteps:
+            x = x - 0.1 * self.unet(x, t.float().reshape(1) / 1000, text)
+        return x
+
+
+@register_model(_LayersFirst)
+def _layers_first() -> ModelSupport:
+    return ModelSupport(row_dims={"text_states": 1}, trusted=True)
+
+
+def test_rows_on_another_dimension_merge_by_that_dimension():
+    pipe = _ToyPipeline(_LayersFirst(), DDIMScheduler())
+    requests = [dict(prompt_seed=i % 2, num_inference_steps=3, seed=i) for i in range(4)]
+    expected = [pipe(**seeded(kwargs)) for kwargs in requests]
+    rows, hook = _rows_per_forward(pipe.unet)
+    try:
+        with StepBatched(pipe) as sb:
+            results = submit_all(sb, requests)
+    finally:
+        hook.remove()
+    assert all(max_diff(got, want) <= TOLERANCE for got, want in zip(results, expected))
+    assert max(rows) > 2  # requests with different text states share forwards
+
+
+class _GuidedPipeline(DiffusionPipeline):
+    """Guidance switched on for the first half of the steps by a diffusers guider, which keeps the step."""
+
+    def __init__(self, unet, scheduler, guider):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler, guider=guider)
+
+    @torch.no_grad()
+    def __call__(self, num_inference_steps: int = 4, generator=None):
+        self.scheduler.set_timesteps(num_inference_steps)
+        x = torch.randn(1, 4, generator=generator)
+        for i, t in enumerate(self.scheduler.timesteps):
+            self.guider.set_state(step=i, num_inference_steps=num_inference_steps, timestep=t)
+            out = self.unet(x, t.float().reshape(1) / 1000, torch.zeros(1, 1, 1, 4))
+            scale = self.guider.guidance_scale if self.guider._is_cfg_enabled() else 1.0  # reads its own step
+            x = x - 0.1 * scale * out
+        return x
+
+
+def test_every_request_has_its_own_guider_state():
+    from diffusers import ClassifierFreeGuidance
+
+    pipe = _GuidedPipeline(_LayersFirst(), DDIMScheduler(), ClassifierFreeGuidance(guidance_scale=5.0, stop=0.5))
+    requests = [dict(num_inference_steps=4 + 2 * i, seed=i) for i in range(4)]
+    expected = [pipe(**seeded(kwargs)) for kwargs in requests]
+    with StepBatched(pipe) as sb:
+        results = submit_all(sb, requests)
+    assert all(max_diff(got, want) <= TOLERANCE for got, want in zip(results, expected))
+
+
+def test_combined_pipelines_share_their_sub_pipelines_forwards():
+    from diffusers import FluxImg2ImgPipeline
+
+    from .references import flux_pipe
+
+    class TwoStage(DiffusionPipeline):  # a text-to-image pass, then an img2img pass on its output
+        def __init__(self, first, second):
+            super().__init__()
+            self.register_modules(transformer=first.transformer, scheduler=first.scheduler)
+            self.first, self.second = first, second
+
+        def __call__(self, prompt: str = "a cat", first_seed: int = 0, **kwargs):
+            image = self.first(prompt, generator=torch.Generator().manual_seed(first_seed), output_type="pt",
+                               **kwargs)
+            return self.second(prompt, image=image.images, strength=0.6, output_type="pt",
+                               generator=torch.Generator().manual_seed(first_seed + 1), **kwargs).images
+
+    base = flux_pipe("dev-tiny")
+    pipe = TwoStage(base, FluxImg2ImgPipeline(**base.components))
+    pipe.second.set_progress_bar_config(disable=True)
+    common = dict(height=32, width=32, max_sequence_length=16)
+    requests = [dict(prompt=f"a shape {i}", first_seed=i, num_inference_steps=3 + i % 2, **common) for i in range(3)]
+    expected = [pipe(**kwargs) for kwargs in requests]
+    rows, hook = _rows_per_forward(base.transformer)
+    try:
+        with StepBatched(pipe) as sb:
+            results = submit_all(sb, requests)
+    finally:
+        hook.remove()
+    assert all(max_diff(got, want) <= TOLERANCE for got, want in zip(results, expected))
+    assert max(rows) > 1
