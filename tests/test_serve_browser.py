@@ -92,7 +92,7 @@ def test_three_tabs_stream_partial_images_share_batches_and_the_live_panel_shows
         assert "60 steps" in page.text_content("#gallery .card .meta")
         images.append(card_image(page))
     # the live panel (polled every 0.5 s) showed a forward holding rows of at least two tabs
-    pages[0].wait_for_function("window.liveMaxUsers >= 2", timeout=10_000)
+    pages[0].wait_for_function("window.liveMaxUsers >= 2", timeout=30_000)
     shared = pages[0].locator("#live-shared .shared-forward").first
     tabs = {page.evaluate("window.tabId") for page in pages}
     users = shared.get_attribute("data-users").split()
