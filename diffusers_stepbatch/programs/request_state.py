@@ -1,6 +1,4 @@
-"""Per-call pipeline state (`guidance_scale`, `num_timesteps`, `current_timestep`, ...) seen from the wrapper.
-
-A step program keeps a call's state on the request's view, not the pipeline; the wrapper reads it from there.
+"""Per-call pipeline state (`guidance_scale`, `current_timestep`, ...) kept on the request's view, not the pipeline.
 
 >>> with active_view(view):
 ...     noise = transformer(...)             # sb.current_timestep is this request's timestep here
