@@ -27,11 +27,7 @@ __all__ = ["DEFAULT_GUIDANCE", "DEFAULT_STEPS", "MAX_SEQUENCE_LENGTH", "NATIVE_S
 
 
 def load_pipeline(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> FluxPipeline:
-    """Load the shipped toy pipeline from `WEIGHTS_DIR`, fully offline.
-
-    The returned object is a `ToyFluxPipeline` (a FluxPipeline whose T5 length stops at the trained 16 tokens, so
-    FluxPipeline's defaults work); its `default_sample_size` is set so that height and width default to 64x64.
-    """
+    """Load the shipped `ToyFluxPipeline` (`toy.pipeline`) from `WEIGHTS_DIR`, offline; sizes default to 64 x 64."""
     from .pipeline import ToyFluxPipeline
 
     if not (WEIGHTS_DIR / "model_index.json").is_file():

@@ -19,8 +19,8 @@ import math
 import os
 import time
 
-# NOTE: on a shared 2-core machine OpenMP's default spin-waiting makes every step ~5x slower; must be set
-# before torch starts its thread pool.
+# NOTE: OpenMP's default spin-waiting slows every step badly when other processes share the cores; it must be
+# set before torch starts its thread pool.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
@@ -92,7 +92,7 @@ def train_vae(cfg: TrainConfig, start: float):
         x, mask = render_batch(rng, captions, cfg.vae_batch)
         posterior = vae.encode(x).latent_dist
         rec = vae.decode(posterior.sample(generator=noise)).sample
-        # NOTE: weight the object and its rim: they are ~8% of pixels but carry the caption (and the edges).
+        # NOTE: weight the object and its rim: they are few pixels but carry the caption (and the edges).
         weight = 1 + cfg.object_weight * F.max_pool2d(mask, 3, 1, 1)
         err = rec - x
         pixel = (weight * (err.abs() + err.square())).mean() / weight.mean()
