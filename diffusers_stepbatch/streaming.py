@@ -49,7 +49,24 @@ def stream_call(sb: StepBatched, args: tuple, kwargs: dict, preview_every: int, 
                   callback_on_step_end_tensor_inputs=sorted(set(user_inputs) | {"latents"}))
     handle = sb.submit(*args, **submit_options, **kwargs)
     handle.add_done_callback(lambda _: previews.put(_DONE))
-    return _iterate(handle, previews)
+    return RequestStream(handle, previews)
+
+
+class RequestStream:
+    """A request's previews, then its output; closing it early aborts the request."""
+
+    def __init__(self, handle: Any, previews: queue.Queue):
+        self.request_id = handle.request_id
+        self._items = _iterate(handle, previews)
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._items)
+
+    def close(self) -> None:
+        self._items.close()
 
 
 def _iterate(handle, previews: queue.Queue) -> Iterator[Any]:

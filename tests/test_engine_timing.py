@@ -106,7 +106,7 @@ def test_calls_timed_on_the_device_warm_up_every_row_count(no_sync, device_outpu
     engine.costs.observe = lambda key, rows, seconds, new_size_warms_up: seen.append((rows, new_size_warms_up))
     engine._deliver = lambda *args, **kwargs: None
     item = WorkItem("denoise", "k", {"x": [torch.zeros(1), torch.zeros(1)]}, lambda x: torch.stack(x), rows=2)
-    request = SimpleNamespace(pending=item)
+    request = SimpleNamespace(pending=item, request_id=1)
     engine._execute([request])
     engine.timer.poll()
     assert seen == [(2, device_output)]

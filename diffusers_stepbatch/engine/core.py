@@ -355,7 +355,7 @@ class EngineCore:
         observe = functools.partial(self.costs.observe, (kind, batch.key), batch.num_rows,
                                     new_size_warms_up=self.timer.device_timed(timing, output))
         elapsed = self.timer.stop(timing, output, observe)
-        self._record_call(kind, batch.num_rows, elapsed, members[0].pending.immediate)
+        self._record_call(kind, batch.num_rows, elapsed, members, members[0].pending.immediate)
         self._deliver(members, batch, output, elapsed)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
@@ -384,16 +384,17 @@ class EngineCore:
         elapsed = self.timer.stop(timing, outputs, functools.partial(self.packing.observe, call.pack_key, parts))
         rows = sum(batch.num_rows for batch in batches)
         tokens = sum(request.pending.rows * request.pending.pack.tokens for members in shapes for request in members)
-        self._record_call(first.kind, rows, elapsed)
+        self._record_call(first.kind, rows, elapsed, [request for members in shapes for request in members])
         self.metrics.record_packed(rows, tokens, len(shapes))
         for members, batch, output in zip(shapes, batches, outputs):
             self._deliver(members, batch, output, elapsed, call_rows=rows)
         self.metrics.record_overhead(time.perf_counter() - started - elapsed)
 
-    def _record_call(self, kind: str, rows: int, seconds: float, immediate: bool = False) -> None:
+    def _record_call(self, kind: str, rows: int, seconds: float, members: list[Request],
+                     immediate: bool = False) -> None:
         if not immediate:  # NOTE: immediate items are the engine's arithmetic between model calls
             self._step_model_seconds += seconds
-        self.metrics.record_call(kind, rows, seconds)
+        self.metrics.record_call(kind, rows, seconds, tuple(request.request_id for request in members))
 
     def _deliver(self, members: list[Request], batch: Any, output: Any, elapsed: float,
                  call_rows: int | None = None) -> None:

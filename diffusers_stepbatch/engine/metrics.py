@@ -19,6 +19,7 @@ class CallRecord:
     kind: str
     rows: int
     seconds: float
+    request_ids: tuple[int, ...] = ()  # the requests whose rows the call held
 
 
 class EngineMetrics:
@@ -52,9 +53,9 @@ class EngineMetrics:
         self.packed_total = 0
         self.splits = SplitCounter()  # why calls of one program ran apart (engine/split_reasons.py)
 
-    def record_call(self, kind: str, rows: int, seconds: float) -> None:
+    def record_call(self, kind: str, rows: int, seconds: float, request_ids: tuple[int, ...] = ()) -> None:
         with self._lock:
-            self.calls.append(CallRecord(time.time(), kind, rows, seconds))
+            self.calls.append(CallRecord(time.time(), kind, rows, seconds, request_ids))
             self.rows_histogram.setdefault(kind, Counter())[rows] += 1
             self.busy_seconds += seconds
 

@@ -12,7 +12,7 @@ import inspect
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import PIL.Image
@@ -67,6 +67,7 @@ class Generation:
     user: str | None = None
     stream: bool = False
     overlay: tuple[Any, Any] | None = None  # (mask, original): an inpainting edit keeps the unmasked pixels
+    request_ids: list[int] = field(default_factory=list)  # the engine requests it submitted (the live panel)
 
     def finish(self, images: list[Any]) -> list[Any]:
         """The answer's images: an inpainting edit's outside its mask are the original's (as OpenAI's edits)."""
@@ -220,6 +221,7 @@ async def generate(model: ServingModel, generation: Generation, watch: Disconnec
     """Run one request to its PIL images; a disconnect (or a cancelled task) aborts it in the engine."""
     # NOTE: submit only validates and plans (no model call): inline, a thread hop per request cost more here
     handle = generation.sb.submit(priority=generation.priority, deadline=generation.deadline, **generation.kwargs)
+    generation.request_ids.append(handle.request_id)
     try:
         output = await watch.race(asyncio.wrap_future(handle))
     except (ClientDisconnected, RequestFailed):
@@ -274,6 +276,7 @@ async def open_stream(model: ServingModel, generation: Generation) -> StreamPump
     """Submit a streaming request (bad input raises here, before anything is sent) and start its pump."""
     iterator = generation.sb.stream(preview_every=1, priority=generation.priority, deadline=generation.deadline,
                                **generation.kwargs)
+    generation.request_ids.append(iterator.request_id)
     return StreamPump(iterator, asyncio.get_running_loop())
 
 

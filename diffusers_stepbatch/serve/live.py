@@ -1,8 +1,8 @@
 """`LiveRequests`: what the engine is doing now, for the web page's live panel (`GET /v1/engine/live`).
 
-The engine records every batched model call (time, kind, rows); the server knows which HTTP requests were in
-flight and who sent them (`user`, the web page's tab id). A forward is shown with the users whose requests
-were in flight when it ran.
+The engine records every batched model call (time, kind, rows, the engine requests in it); the server knows
+which engine requests each HTTP request submitted and who sent it (`user`, the web page's tab id). A forward is
+shown with the users whose rows it held.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class LiveRequest:
     size: str
     steps: int
     started: float
+    request_ids: list[int]  # the engine requests it submitted
     finished: float | None = None
     status: str = "running"
 
@@ -39,7 +40,7 @@ class LiveRequests:
     def start(self, generation: Any) -> LiveRequest:
         entry = LiveRequest(id=f"r{next(self._ids)}", user=generation.user, kind=generation.kind,
                             task=generation.task, size=f"{generation.width}x{generation.height}",
-                            steps=generation.num_steps, started=time.time())
+                            steps=generation.num_steps, started=time.time(), request_ids=generation.request_ids)
         with self._lock:
             self._recent.append(entry)
         return entry
@@ -56,12 +57,10 @@ class LiveRequests:
         calls = [c for c in list(metrics.calls) if c.kind == "denoise" and c.time >= since]
         with self._lock:
             window = [r for r in self._recent if r.finished is None or r.finished >= since]
+        owners = {request_id: r.user or r.id for r in window for request_id in r.request_ids}
         forwards = []
         for call in calls:
-            # NOTE: a call is recorded when it ends; a request that started after its start wasn't in it
-            began = call.time - call.seconds
-            users = sorted({r.user or r.id for r in window
-                            if r.started <= began and (r.finished is None or r.finished >= call.time)})
+            users = sorted({owners[i] for i in call.request_ids if i in owners})
             forwards.append({"ago_s": round(now - call.time, 3), "rows": call.rows,
                              "ms": round(1000 * call.seconds, 1), "users": users})
         return {
