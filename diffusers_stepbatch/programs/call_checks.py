@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidArgument, InvalidArgumentType
+
 _PROMPTS = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
 _SCALES = ("guidance_scale", "true_cfg_scale", "guidance_rescale", "skip_layer_guidance_scale", "eta")
 _EMBEDS = ("prompt_embeds", "negative_prompt_embeds")
@@ -39,7 +41,7 @@ def check_call_inputs(pipe: Any, args: dict[str, Any], max_pixels: int | None, f
         check_generator_type(args["generator"])
     callback = args.get("callback_on_step_end")
     if callback is not None and not callable(callback):
-        raise TypeError(f"callback_on_step_end={callback!r} must be callable (pipe, step, timestep, kwargs) -> dict, "
+        raise InvalidArgumentType("callback_on_step_end", f"callback_on_step_end={callback!r} must be callable (pipe, step, timestep, kwargs) -> dict, "
                         "a diffusers PipelineCallback or MultiPipelineCallbacks")
     if args.get("max_sequence_length") is not None:
         check_positive_int("max_sequence_length", args["max_sequence_length"])
@@ -48,10 +50,10 @@ def check_call_inputs(pipe: Any, args: dict[str, Any], max_pixels: int | None, f
             check_schedule(name, args[name])
     for name, value in args.items():
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
-            raise ValueError(f"{name} is on the meta device (a tensor without data); pass a tensor with values")
+            raise InvalidArgument(name, f"{name} is on the meta device (a tensor without data); pass a tensor with values")
     if args.get("latents") is not None and isinstance(args["latents"], torch.Tensor):
         if not args["latents"].is_floating_point():
-            raise ValueError(f"latents have dtype {args['latents'].dtype}; pass floating-point latents")
+            raise InvalidArgument("latents", f"latents have dtype {args['latents'].dtype}; pass floating-point latents")
     if family_program:
         check_text_embeddings(pipe, args)
 
@@ -63,13 +65,13 @@ def check_image_size(args: dict[str, Any], max_pixels: int | None) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name}={value!r} must be an int (pixels), got {type(value).__name__}")
+            raise InvalidArgumentType(name, f"{name}={value!r} must be an int (pixels), got {type(value).__name__}")
         if not float(value).is_integer() or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive whole number of pixels")
+            raise InvalidArgument(name, f"{name}={value!r} must be a positive whole number of pixels")
     height, width = args.get("height"), args.get("width")
     if max_pixels is not None and height is not None and width is not None and height * width > max_pixels:
-        raise ValueError(
-            f"height={height} x width={width} = {int(height * width)} pixels is more than this engine's limit of "
+        raise InvalidArgument(
+            "height", f"height={height} x width={width} = {int(height * width)} pixels is more than this engine's limit of "
             f"{max_pixels} (SchedulerConfig(max_pixels=...)); ask for a smaller image or raise the limit"
         )
 
@@ -79,45 +81,45 @@ def check_prompt(name: str, value: Any, allow_empty: bool = False) -> None:
     if not isinstance(value, list):
         return
     if not value and not allow_empty:
-        raise ValueError(f"{name}=[] is empty; pass at least one prompt")
+        raise InvalidArgument(name, f"{name}=[] is empty; pass at least one prompt")
     wrong = [entry for entry in value if not isinstance(entry, str)]
     if wrong:
-        raise ValueError(f"{name} must be a str or a list of str, but holds {wrong[0]!r} ({type(wrong[0]).__name__})")
+        raise InvalidArgument(name, f"{name} must be a str or a list of str, but holds {wrong[0]!r} ({type(wrong[0]).__name__})")
 
 
 def check_finite_number(name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}={value!r} must be a number, got {type(value).__name__}")
+        raise InvalidArgumentType(name, f"{name}={value!r} must be a number, got {type(value).__name__}")
     if not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
+        raise InvalidArgument(name, f"{name}={value!r} must be a finite number")
 
 
 def check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+        raise InvalidArgumentType(name, f"{name}={value!r} must be an int, got {type(value).__name__}")
     if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1")
+        raise InvalidArgument(name, f"{name}={value} must be >= 1")
 
 
 def check_generator_type(generator: Any) -> None:
     generators = generator if isinstance(generator, list) else [generator]
     wrong = [g for g in generators if g is not None and not isinstance(g, torch.Generator)]
     if wrong:
-        raise TypeError(f"generator={wrong[0]!r} must be a torch.Generator or a list of them "
+        raise InvalidArgumentType("generator", f"generator={wrong[0]!r} must be a torch.Generator or a list of them "
                         "(e.g. torch.Generator().manual_seed(5))")
 
 
 def check_schedule(name: str, value: Any) -> None:
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)) and not hasattr(value,
                                                                                                           "__array__"):
-        raise TypeError(f"{name}={value!r} must be a list of numbers")
+        raise InvalidArgumentType(name, f"{name}={value!r} must be a list of numbers")
     for entry in list(value):
         if isinstance(entry, torch.Tensor) and entry.numel() == 1:
             entry = entry.item()
         if isinstance(entry, bool) or not isinstance(entry, numbers.Real) or not math.isfinite(entry):
-            raise ValueError(f"{name} must be a list of finite numbers, but holds {entry!r}")
+            raise InvalidArgument(name, f"{name} must be a list of finite numbers, but holds {entry!r}")
 
 
 def _text_width(pipe: Any) -> tuple[int | None, int | None]:
@@ -145,12 +147,12 @@ def check_text_embeddings(pipe: Any, args: dict[str, Any]) -> None:
             if value is None:
                 continue
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+                raise InvalidArgumentType(name, f"{name} must be a torch.Tensor, got {type(value).__name__}")
             if not value.is_floating_point():
-                raise ValueError(f"{name} has dtype {value.dtype}; pass floating-point embeddings")
+                raise InvalidArgument(name, f"{name} has dtype {value.dtype}; pass floating-point embeddings")
             if value.ndim != rank:
                 layout = "[batch, tokens, width]" if rank == 3 else "[batch, width]"
-                raise ValueError(f"{name} has shape {tuple(value.shape)}; it must be {layout}")
+                raise InvalidArgument(name, f"{name} has shape {tuple(value.shape)}; it must be {layout}")
             if expected is not None and value.shape[-1] != expected:
-                raise ValueError(f"{name} has width {value.shape[-1]} but the denoiser takes {expected} "
+                raise InvalidArgument(name, f"{name} has width {value.shape[-1]} but the denoiser takes {expected} "
                                  f"(shape {tuple(value.shape)})")

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class CallSize:
@@ -55,12 +57,12 @@ def check_num_inference_steps(num_inference_steps: Any, sigmas: Sequence[float] 
     """The number of denoising steps a call will run (diffusers uses len(sigmas) when they are given)."""
     if sigmas is not None:
         if len(sigmas) < 1:
-            raise ValueError(f"sigmas={list(sigmas)} must hold at least one value")
+            raise InvalidArgument("sigmas", f"sigmas={list(sigmas)} must hold at least one value")
         return len(sigmas)
     if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, numbers.Integral):
-        raise ValueError(f"num_inference_steps={num_inference_steps!r} must be an int >= 1")
+        raise InvalidArgument("num_inference_steps", f"num_inference_steps={num_inference_steps!r} must be an int >= 1")
     if num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps={num_inference_steps} must be >= 1")
+        raise InvalidArgument("num_inference_steps", f"num_inference_steps={num_inference_steps} must be >= 1")
     return int(num_inference_steps)
 
 
@@ -68,16 +70,16 @@ def check_num_images_per_prompt(num_images_per_prompt: Any) -> int:
     if num_images_per_prompt is None:
         return 1
     if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, numbers.Integral):
-        raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r} must be an int >= 1")
+        raise InvalidArgument("num_images_per_prompt", f"num_images_per_prompt={num_images_per_prompt!r} must be an int >= 1")
     if num_images_per_prompt < 1:
-        raise ValueError(f"num_images_per_prompt={num_images_per_prompt} must be >= 1")
+        raise InvalidArgument("num_images_per_prompt", f"num_images_per_prompt={num_images_per_prompt} must be >= 1")
     return int(num_images_per_prompt)
 
 
 def check_generator(generator: Any, num_images: int) -> None:
     if isinstance(generator, list) and len(generator) != num_images:
-        raise ValueError(
-            f"got a list of {len(generator)} generators for {num_images} images (prompts x num_images_per_prompt); "
+        raise InvalidArgument(
+            "generator", f"got a list of {len(generator)} generators for {num_images} images (prompts x num_images_per_prompt); "
             f"pass one generator or a list of {num_images}"
         )
 
@@ -89,8 +91,8 @@ def check_latent_patches(height: int, width: int, pipe: Any) -> None:
     multiple = pipe.vae_scale_factor * 2
     for name, value in (("height", height), ("width", width)):
         if int(value) < multiple:
-            raise ValueError(
-                f"{name}={value} is below {type(pipe).__name__}'s smallest image side, {multiple} pixels "
+            raise InvalidArgument(
+                name, f"{name}={value} is below {type(pipe).__name__}'s smallest image side, {multiple} pixels "
                 f"(vae_scale_factor {pipe.vae_scale_factor} x 2x2 latent patches); pass {name} >= {multiple}"
             )
 
@@ -99,14 +101,14 @@ def check_latents(latents: torch.Tensor | None, expected_shape: tuple[int, ...])
     if latents is None:
         return
     if not isinstance(latents, torch.Tensor):
-        raise ValueError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
+        raise InvalidArgument("latents", f"latents must be a torch.Tensor, got {type(latents).__name__}")
     if tuple(latents.shape) != tuple(expected_shape):
-        raise ValueError(
-            f"latents have shape {tuple(latents.shape)} but this call needs {tuple(expected_shape)} "
+        raise InvalidArgument(
+            "latents", f"latents have shape {tuple(latents.shape)} but this call needs {tuple(expected_shape)} "
             "(images, then the pipeline's latent layout for the requested height and width)"
         )
     if not torch.isfinite(latents).all():
-        raise ValueError("latents contain NaN or infinite values")
+        raise InvalidArgument("latents", "latents contain NaN or infinite values")
 
 
 def check_output_type(output_type: Any, allowed: Sequence[str] = ("pil", "np", "pt", "latent")) -> Any:

@@ -40,18 +40,7 @@ def engine_error(exc: BaseException, config: ServeConfig, arguments: dict[str, A
 
 
 def param_of(exc: BaseException, arguments: dict[str, Any]) -> str | None:
-    """The request field a `submit` error is about.
-
-    An error that names its argument (an `argument` attribute) is mapped through `FIELD_OF_ARGUMENT`. The
-    pipeline's own `check_inputs` raises plain ValueErrors, which name the argument only in their text
-    ("`height` and `width` have to be ...", "num_inference_steps=0 ..."): for those, the first of this request's
-    own arguments that the message names.
-    """
+    """The request field a `submit` error is about: StepBatched's checks raise `InvalidArgument` /
+    `InvalidArgumentType`, which name the argument; a pipeline's own `check_inputs` errors name none."""
     argument = getattr(exc, "argument", None)
-    if argument is not None:
-        return FIELD_OF_ARGUMENT.get(argument)
-    message = str(exc)
-    for name in arguments:
-        if name in FIELD_OF_ARGUMENT and (f"{name}=" in message or f"`{name}`" in message):
-            return FIELD_OF_ARGUMENT[name]
-    return None
+    return FIELD_OF_ARGUMENT.get(argument) if argument is not None else None
