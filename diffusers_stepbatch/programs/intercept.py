@@ -33,7 +33,7 @@ TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaC
 ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
 _not_rowwise: dict[Any, str] = {}  # (model, method, call structure) -> why its merged calls failed: run alone
-_verified: set[Any] = set()  # (model, call structure) pairs whose merged outputs matched separate calls
+_verified: set[Any] = set()  # (model, method, call structure): merged outputs matched separate calls
 
 
 class Holder:

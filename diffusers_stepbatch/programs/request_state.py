@@ -48,7 +48,7 @@ def is_call_state(pipe: Any, view: Any, name: str) -> bool:
     """Whether `name` is per-call state: a family's property (not DiffusionPipeline's) or a private one on the view."""
     from diffusers import DiffusionPipeline
 
-    if name.startswith("__") or name == _SOURCE:
+    if name.startswith(("__", "_stepbatch")):  # NOTE: our own bookkeeping on a view (its source, its device)
         return False
     if name.startswith("_"):
         own, shared = view.__dict__, pipe.__dict__
