@@ -121,3 +121,16 @@ def test_qwenimage_img2img_requests_of_different_grids_and_prompt_lengths_pack(c
         stats = sb.stats()
     assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
     assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
+
+
+def test_teacache_with_model_offload_is_refused_in_the_caller():
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    pipe = FluxKontextPipeline(**flux_pipe("dev-tiny").components)
+    pipe.transformer._hf_hook = object()  # NOTE: what enable_model_cpu_offload leaves on the model
+    try:
+        with StepBatched(pipe) as sb, pytest.raises(ValueError, match="bypasses its model offload hook"):
+            sb.submit(**seeded(dict(_requests(FluxKontextPipeline, SIZES[:1])[0], num_inference_steps=12,
+                                    teacache=TeaCacheConfig(threshold=0.4))))
+    finally:
+        del pipe.transformer._hf_hook

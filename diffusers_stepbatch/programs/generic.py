@@ -55,6 +55,9 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
         if not any(support_for(model).teacache_forward for model in models):
             raise ValueError(f"teacache= is not supported for {type(pipe).__name__}: its denoiser "
                              f"({', '.join(type(model).__name__ for model in models)}) has no TeaCache forward")
+        if any(getattr(model, "_hf_hook", None) is not None for model in models):
+            raise ValueError("TeaCache calls the denoiser's blocks directly, which bypasses its model offload hook; "
+                             "call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None")
     if reason is not None:
         for option, given in (("adapters=", context.adapters is not NOT_GIVEN),
                               ("teacache=", context.options.teacache is not None)):
