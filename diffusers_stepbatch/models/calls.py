@@ -7,6 +7,7 @@ inputs; everything else goes into the call's signature, and only calls with equa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ class ModelCall:
     refusal: str | None
     arguments: dict[str, Any]  # the call's arguments by name, as given
 
-    @property
+    @functools.cached_property
     def structure(self) -> Any:
         """The signature without the values of its shared tensors: what a check of row independence covers."""
         return _structure(self.signature)
@@ -249,8 +250,8 @@ def cut(output: Any, begin: int, end: int, total: int, lists_are_rows: bool = Fa
 
 
 def slice_rows(rows: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
-    """The row inputs of rows [begin, end) (tensors along dim 0, lists by entry)."""
-    return {name: value[begin:end] for name, value in rows.items()}
+    """The row inputs of rows [begin, end) (tensors along dim 0, lists by entry; None stays None)."""
+    return {name: None if value is None else value[begin:end] for name, value in rows.items()}
 
 
 def max_difference(merged: Any, alone: Any) -> float:

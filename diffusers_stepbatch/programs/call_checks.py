@@ -41,8 +41,10 @@ def check_call_inputs(pipe: Any, args: dict[str, Any], max_pixels: int | None, f
         check_generator_type(args["generator"])
     callback = args.get("callback_on_step_end")
     if callback is not None and not callable(callback):
-        raise InvalidArgumentType("callback_on_step_end", f"callback_on_step_end={callback!r} must be callable (pipe, step, timestep, kwargs) -> dict, "
-                        "a diffusers PipelineCallback or MultiPipelineCallbacks")
+        raise InvalidArgumentType(
+            "callback_on_step_end",
+            f"callback_on_step_end={callback!r} must be callable (pipe, step, timestep, kwargs) -> dict, "
+            "a diffusers PipelineCallback or MultiPipelineCallbacks")
     if args.get("max_sequence_length") is not None:
         check_positive_int("max_sequence_length", args["max_sequence_length"])
     for name in ("sigmas", "timesteps"):
@@ -50,7 +52,9 @@ def check_call_inputs(pipe: Any, args: dict[str, Any], max_pixels: int | None, f
             check_schedule(name, args[name])
     for name, value in args.items():
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
-            raise InvalidArgument(name, f"{name} is on the meta device (a tensor without data); pass a tensor with values")
+            raise InvalidArgument(
+                name,
+                f"{name} is on the meta device (a tensor without data); pass a tensor with values")
     if args.get("latents") is not None and isinstance(args["latents"], torch.Tensor):
         if not args["latents"].is_floating_point():
             raise InvalidArgument("latents", f"latents have dtype {args['latents'].dtype}; pass floating-point latents")
@@ -71,7 +75,8 @@ def check_image_size(args: dict[str, Any], max_pixels: int | None) -> None:
     height, width = args.get("height"), args.get("width")
     if max_pixels is not None and height is not None and width is not None and height * width > max_pixels:
         raise InvalidArgument(
-            "height", f"height={height} x width={width} = {int(height * width)} pixels is more than this engine's limit of "
+            "height",
+            f"height={height} x width={width} = {int(height * width)} pixels is more than this engine's limit of "
             f"{max_pixels} (SchedulerConfig(max_pixels=...)); ask for a smaller image or raise the limit"
         )
 
@@ -84,7 +89,9 @@ def check_prompt(name: str, value: Any, allow_empty: bool = False) -> None:
         raise InvalidArgument(name, f"{name}=[] is empty; pass at least one prompt")
     wrong = [entry for entry in value if not isinstance(entry, str)]
     if wrong:
-        raise InvalidArgument(name, f"{name} must be a str or a list of str, but holds {wrong[0]!r} ({type(wrong[0]).__name__})")
+        raise InvalidArgument(
+            name,
+            f"{name} must be a str or a list of str, but holds {wrong[0]!r} ({type(wrong[0]).__name__})")
 
 
 def check_finite_number(name: str, value: Any) -> None:

@@ -47,7 +47,7 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     steps = _num_steps(args)
     prompts = as_list(args["prompt"]) if isinstance(args.get("prompt"), (str, list)) else None
     images = (len(prompts) if prompts else 1) * check_num_images_per_prompt(args.get("num_images_per_prompt"))
-    denoisers = [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
+    denoisers = _denoiser_names(pipe)
     branches = _guidance_branches(args, [getattr(pipe, name) for name in denoisers])
     reason = _unbatchable_reason(pipe, denoisers, args)
     if reason is None and context.options.teacache is not None:
@@ -77,6 +77,10 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
         tokens = (args["height"] // scale) * (args["width"] // scale)
     return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps, tokens_per_row=tokens)
+
+
+def _denoiser_names(pipe) -> list[str]:
+    return [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
 
 
 def _fix_execution_device(view, pipe) -> None:
@@ -246,8 +250,7 @@ def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], p
     for name, sub_pipeline in list(view.__dict__.items()):
         if isinstance(sub_pipeline, DiffusionPipeline):
             sub_view = request_view(sub_pipeline)
-            sub_denoisers = {n: (None, None) for n in DENOISER_NAMES if isinstance(getattr(sub_pipeline, n, None),
-                                                                                   torch.nn.Module)}
+            sub_denoisers = dict.fromkeys(_denoiser_names(sub_pipeline), (None, None))
             _install_proxies(sub_pipeline, sub_view, handoff, sub_denoisers, packed_attention)
             view.__dict__[name] = sub_view
     scheduler = getattr(view, "scheduler", None)

@@ -22,7 +22,7 @@ from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..models import Packing, support_for
 from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
-from ..models.calls import run_call
+from ..models.calls import run_call, slice_rows
 from ..models.packing.support import packing_refused
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ def _merged_call(module, call: ModelCall, **inputs):
 def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
     """The first merged call of a structure on a model without proven row rules, checked against the same calls
     run apart: where the rows were not independent, the separate outputs stand and such calls run alone."""
-    alone = [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
+    alone = [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
         reason = f"merged outputs differed from separate calls by {difference:.2e}"
@@ -248,7 +248,7 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
 def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
     _not_rowwise[seen] = reason
     log_once(type(module).__name__, reason)
-    return [_run(module, call, _rows_of(inputs, begin, end)) for begin, end in bounds]
+    return [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
 
 
 def _run(module, call: ModelCall, inputs: dict) -> Any:
@@ -262,6 +262,3 @@ def _run(module, call: ModelCall, inputs: dict) -> Any:
                 return output
         return run_call(module, call, inputs)
 
-
-def _rows_of(inputs: dict, begin: int, end: int) -> dict:
-    return {name: None if value is None else value[begin:end] for name, value in inputs.items()}

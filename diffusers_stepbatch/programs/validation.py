@@ -70,7 +70,9 @@ def check_num_images_per_prompt(num_images_per_prompt: Any) -> int:
     if num_images_per_prompt is None:
         return 1
     if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, numbers.Integral):
-        raise InvalidArgument("num_images_per_prompt", f"num_images_per_prompt={num_images_per_prompt!r} must be an int >= 1")
+        raise InvalidArgument(
+            "num_images_per_prompt",
+            f"num_images_per_prompt={num_images_per_prompt!r} must be an int >= 1")
     if num_images_per_prompt < 1:
         raise InvalidArgument("num_images_per_prompt", f"num_images_per_prompt={num_images_per_prompt} must be >= 1")
     return int(num_images_per_prompt)
@@ -79,7 +81,8 @@ def check_num_images_per_prompt(num_images_per_prompt: Any) -> int:
 def check_generator(generator: Any, num_images: int) -> None:
     if isinstance(generator, list) and len(generator) != num_images:
         raise InvalidArgument(
-            "generator", f"got a list of {len(generator)} generators for {num_images} images (prompts x num_images_per_prompt); "
+            "generator",
+            f"got a list of {len(generator)} generators for {num_images} images (prompts x num_images_per_prompt); "
             f"pass one generator or a list of {num_images}"
         )
 

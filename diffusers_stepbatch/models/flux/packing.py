@@ -27,7 +27,7 @@ from ...adapters.lora import lora_layers
 from ...cache.teacache import TeaCacheState, row_groups
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
-from ..packing.support import unsupported_reason
+from ..packing.support import reproduces_call, unsupported_reason
 
 TEXT, IMAGE = 0, 1
 
@@ -61,18 +61,16 @@ def flux_packed_forward(transformer, parts: Sequence[FluxPart], joint_attention_
                     packed_attention=packed_attention)
 
 
-# the forward's arguments a packed call reproduces; a call with any other argument set runs unpacked
-_PACKED_ARGUMENTS = {"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance",
-                     "txt_ids", "img_ids", "joint_attention_kwargs", "return_dict"}
+# the forward's arguments that the packed and TeaCache forwards reproduce; a call with any other set runs as is
+REPRODUCED_ARGUMENTS = frozenset({"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+                                  "guidance", "txt_ids", "img_ids", "joint_attention_kwargs", "return_dict"})
 
 
 def pack_key(arguments: dict) -> tuple | None:
     """(what must match for calls of `FluxTransformer2DModel.forward` to pack, tokens per row), or None."""
-    if any(value is not None for name, value in arguments.items() if name not in _PACKED_ARGUMENTS):
+    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "joint_attention_kwargs"):
         return None
     attention_kwargs = arguments.get("joint_attention_kwargs") or {}
-    if set(attention_kwargs) - {"scale"}:
-        return None  # NOTE: other attention kwargs go to the attention processor, which a packed call bypasses
     hidden, text = arguments["hidden_states"], arguments["encoder_hidden_states"]
     key = (arguments.get("guidance") is None, attention_kwargs.get("scale"),
            tuple(arguments["pooled_projections"].shape[1:]), hidden.dtype, text.dtype, str(hidden.device),

@@ -15,20 +15,16 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
 from ...cache.teacache import TeaCacheState, relative_l1, row_groups
+from ..packing.support import reproduces_call
+from .packing import REPRODUCED_ARGUMENTS
 
 FLUX_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
-
-
-_TEACACHE_ARGUMENTS = {"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance",
-                       "txt_ids", "img_ids", "joint_attention_kwargs", "return_dict"}
 
 
 def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:
     """A `FluxTransformer2DModel` call (its arguments by name) with per-row TeaCache decisions, as the model
     returns it; None when the call has arguments this forward doesn't reproduce (ControlNet residuals, ...)."""
-    if any(value is not None for name, value in arguments.items() if name not in _TEACACHE_ARGUMENTS):
-        return None
-    if set(arguments.get("joint_attention_kwargs") or {}) - {"scale"}:
+    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "joint_attention_kwargs"):
         return None  # NOTE: e.g. IP-Adapter image embeddings, which the model's own forward turns into tokens
     ids = {name: arguments[name][0] if arguments[name].ndim == 3 else arguments[name]
            for name in ("txt_ids", "img_ids")}

@@ -11,12 +11,8 @@ _logged: set[tuple[str, str]] = set()
 
 
 def unsupported_reason(transformer, processor_class: type) -> str | None:
-    """Why driving `transformer`'s submodules directly could differ from its forward, or None.
-
-    A packed forward re-implements the model's forward around its submodules, so anything that changes that
-    forward from outside is a reason to keep to per-size batches: another attention processor (IP-Adapter,
-    custom kernels), fused projections, diffusers hooks (caches, layer skipping) or a model-level offload hook.
-    """
+    """Why driving `transformer`'s submodules directly could differ from its forward (another attention
+    processor, fused projections, diffusers hooks, a model offload hook), or None."""
     if own_attribute(transformer, "_hf_hook") is not None:
         return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
     for name, module in marked_modules(transformer):
@@ -36,6 +32,13 @@ def extra_attention_kwargs(kwargs: dict | None, name: str) -> str | None:
     attention processor, which the packed forward does not call)."""
     extra = set(kwargs or {}) - {"scale"}
     return f"{name} {sorted(extra)} go to the attention processor" if extra else None
+
+
+def reproduces_call(arguments: dict, reproduced: frozenset[str], attention_kwargs_name: str) -> bool:
+    """No argument outside `reproduced` set and no attention kwargs beyond the LoRA `scale`."""
+    if any(value is not None for name, value in arguments.items() if name not in reproduced):
+        return False
+    return extra_attention_kwargs(arguments.get(attention_kwargs_name), attention_kwargs_name) is None
 
 
 def packing_refused(family: str, reason: str | None) -> bool:

@@ -30,7 +30,7 @@ from diffusers.utils import apply_lora_scale
 from ...adapters.lora import lora_layers
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
-from ..packing.support import unsupported_reason
+from ..packing.support import reproduces_call, unsupported_reason
 
 TEXT, IMAGE = 0, 1
 
@@ -70,17 +70,17 @@ def qwenimage_packed_forward(transformer, parts: Sequence[QwenImagePart], attent
 
 
 # the forward's arguments a packed call reproduces; a call with any other argument set runs unpacked
-_PACKED_ARGUMENTS = {"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
-                     "img_shapes", "attention_kwargs", "return_dict"}
+_PACKED_ARGUMENTS = frozenset({"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
+                               "img_shapes", "attention_kwargs", "return_dict"})
 
 
 def pack_key(arguments: dict) -> tuple | None:
     """(what must match for calls of `QwenImageTransformer2DModel.forward` to pack, tokens per row), or None."""
-    if any(value is not None for name, value in arguments.items() if name not in _PACKED_ARGUMENTS):
+    if not reproduces_call(arguments, _PACKED_ARGUMENTS, "attention_kwargs"):
         return None
     attention_kwargs = arguments.get("attention_kwargs") or {}
     hidden, text, shapes = arguments["hidden_states"], arguments["encoder_hidden_states"], arguments["img_shapes"]
-    if set(attention_kwargs) - {"scale"} or not shapes or text is None:
+    if not shapes or text is None:
         return None
     key = (attention_kwargs.get("scale"), hidden.dtype, text.dtype, str(hidden.device),
            arguments.get("return_dict", True))
