@@ -24,3 +24,24 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The default served model (the toy), for one test module."""
+    from diffusers_stepbatch.serve import ServeConfig, load_model
+
+    model = load_model(ServeConfig(max_batch_size=8))
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(served):
+    """A server around `served` on a free loopback port, for one test module."""
+    from diffusers_stepbatch.serve import ServeConfig, create_app
+
+    from .serve_helpers import ServerThread
+
+    with ServerThread(create_app(ServeConfig(), model=served)) as url:
+        yield url

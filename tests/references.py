@@ -6,6 +6,7 @@ import threading
 import time
 
 import torch
+from diffusers import DiffusionPipeline
 
 from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline
 
@@ -50,12 +51,13 @@ def max_diff(a, b) -> float:
 
 
 def count_forwards(module: torch.nn.Module):
-    """Record the batch size of every forward of `module`; returns (list, hook handle)."""
+    """Record the batch size of every forward of `module` (rows of its latents: a tensor's dim 0, or a list's
+    entries for models that take one entry per image); returns (list, hook handle)."""
     sizes: list[int] = []
 
     def hook(_module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        sizes.append(int(hidden.shape[0]))
+        hidden = kwargs.get("hidden_states", args[0] if args else kwargs.get("sample", kwargs.get("x")))
+        sizes.append(len(hidden) if isinstance(hidden, list) else int(hidden.shape[0]))
 
     return sizes, module.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -191,3 +193,22 @@ def engine_held(sb, blocker_kwargs: dict):
     finally:
         released.set()
         blocker.result(300)
+
+
+class ToyLoopPipeline(DiffusionPipeline):
+    """A tiny denoising loop around any `unet(x, t)` for the generic program's tests; a model may also return
+    (rows, a scalar), which the loop folds in."""
+
+    def __init__(self, unet, scheduler):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler)
+
+    @torch.no_grad()
+    def __call__(self, batch_size: int = 1, num_inference_steps: int = 3, generator=None):
+        self.scheduler.set_timesteps(num_inference_steps)
+        x = torch.randn(batch_size, 4, generator=generator)
+        for t in self.scheduler.timesteps:
+            out = self.unet(x, t.float().expand(batch_size) / 1000)
+            out, extra = out if isinstance(out, tuple) else (out, 0.0)
+            x = x - 0.1 * out + 0.01 * extra
+        return x

@@ -1,8 +1,9 @@
 """The generic fallback: any DiffusionPipeline without a family program equals its solo unwrapped run.
 
-PixArt-Sigma (DPM-Solver, per-row timesteps) batches across requests at different steps; so does an SD subclass
-that overrides __call__ (its scalar timestep becomes a per-row vector through the model layer); a model whose
-output is not row-wise and a model with diffusers hooks run unbatched. Aborts and errors unwind the request's pipeline call.
+PixArt-Sigma (DPM-Solver, per-row timesteps) batches across requests at different steps; so does an SD
+subclass that overrides __call__ (its scalar timestep becomes a per-row vector through the model layer); a
+model whose output is not row-wise and a model with diffusers hooks run unbatched. Aborts and errors unwind the
+request's pipeline call.
 """
 
 import copy
@@ -11,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from diffusers import DDIMScheduler, DiffusionPipeline, StableDiffusionPipeline
+from diffusers import DDIMScheduler, StableDiffusionPipeline
 from diffusers.hooks import HookRegistry, ModelHook
 
 from diffusers_stepbatch import StepBatched
@@ -19,7 +20,7 @@ from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing import tiny_pixart_or_sana_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, count_forwards, family_pipe, family_size, max_diff, seeded, single_thread, submit_all,
+    TOLERANCE, ToyLoopPipeline, count_forwards, family_pipe, family_size, max_diff, seeded, single_thread, submit_all,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -168,23 +169,8 @@ class _Toy(torch.nn.Module):
         return self.linear(x) * t[:, None], t.sum()  # the second output is not row-wise
 
 
-class _ToyPipeline(DiffusionPipeline):
-    def __init__(self, unet, scheduler):
-        super().__init__()
-        self.register_modules(unet=unet, scheduler=scheduler)
-
-    @torch.no_grad()
-    def __call__(self, batch_size: int = 1, num_inference_steps: int = 3, generator=None):
-        self.scheduler.set_timesteps(num_inference_steps)
-        x = torch.randn(batch_size, 4, generator=generator)
-        for t in self.scheduler.timesteps:
-            out, total = self.unet(x, t.float().expand(batch_size) / 1000)
-            x = x - 0.1 * out + 0.01 * total
-        return x
-
-
 def test_calls_with_outputs_that_are_not_row_wise_run_alone(caplog):
-    pipe = _ToyPipeline(_Toy(), DDIMScheduler())
+    pipe = ToyLoopPipeline(_Toy(), DDIMScheduler())
     requests = [dict(batch_size=1 + i % 2, num_inference_steps=3 + i, seed=i) for i in range(3)]
     expected = [pipe(**seeded(kwargs)) for kwargs in requests]
     with caplog.at_level(logging.INFO), StepBatched(pipe) as sb:

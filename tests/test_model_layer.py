@@ -17,16 +17,16 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import DEFAULT_SUPPORT, support_for
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
 
-from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import (  # noqa: F401  (single_thread is a fixture)
+    TOLERANCE, ToyLoopPipeline, count_forwards, max_diff, seeded, single_thread, submit_all,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _run(pipe, requests, denoiser, max_batch_size=16):
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
-    calls: list[int] = []
-    hook = denoiser.register_forward_pre_hook(lambda module, args, kwargs: calls.append(_rows(args, kwargs)),
-                                              with_kwargs=True)
+    calls, hook = count_forwards(denoiser)
     try:
         with StepBatched(pipe, max_batch_size=max_batch_size) as sb:
             results = submit_all(sb, requests)
@@ -35,11 +35,6 @@ def _run(pipe, requests, denoiser, max_batch_size=16):
         hook.remove()
     differences = [max_diff(got.images, want) for got, want in zip(results, expected)]
     return differences, calls, stats
-
-
-def _rows(args, kwargs):
-    first = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
-    return len(first) if isinstance(first, list) else int(first.shape[0])
 
 
 Z_IMAGE_CONFIGS = {"tiny": {}, "wide": dict(dim=48, heads=3, axes_dims=(8, 4, 4)),
@@ -146,22 +141,9 @@ class _BatchMixing(torch.nn.Module):
 
 
 def test_unproven_models_that_mix_rows_are_caught_and_run_alone(caplog):
-    from diffusers import DDIMScheduler, DiffusionPipeline
+    from diffusers import DDIMScheduler
 
-    class Pipeline(DiffusionPipeline):
-        def __init__(self, unet, scheduler):
-            super().__init__()
-            self.register_modules(unet=unet, scheduler=scheduler)
-
-        @torch.no_grad()
-        def __call__(self, batch_size: int = 1, num_inference_steps: int = 3, generator=None):
-            self.scheduler.set_timesteps(num_inference_steps)
-            x = torch.randn(batch_size, 4, generator=generator)
-            for t in self.scheduler.timesteps:
-                x = x - 0.1 * self.unet(x, t.float().expand(batch_size) / 1000)
-            return x
-
-    pipe = Pipeline(_BatchMixing(), DDIMScheduler())
+    pipe = ToyLoopPipeline(_BatchMixing(), DDIMScheduler())
     assert support_for(pipe.unet) is DEFAULT_SUPPORT
     requests = [dict(batch_size=2, num_inference_steps=3, seed=i) for i in range(4)]
     expected = [pipe(**seeded(kwargs)) for kwargs in requests]

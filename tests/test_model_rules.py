@@ -13,17 +13,19 @@ from diffusers import DDIMScheduler, DiffusionPipeline
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import ModelSupport, register_model
 
-from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, count_forwards, max_diff, seeded, single_thread, submit_all  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _rows_per_forward(model):
-    rows: list[int] = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: rows.append(int((args[0] if args else kwargs["sample"]).shape[0])),
-        with_kwargs=True)
-    return rows, hook
+def _batched(pipe, requests, model):
+    """The requests submitted together; (their results, the batch size of every forward of `model`)."""
+    rows, hook = count_forwards(model)
+    try:
+        with StepBatched(pipe) as sb:
+            return submit_all(sb, requests), rows
+    finally:
+        hook.remove()
 
 
 def _animatediff(frames_channels: tuple[int, int]):
@@ -64,7 +66,7 @@ def test_animatediff_requests_share_forwards_across_steps_and_prompts(channels_h
                      num_inference_steps=2 + i % 2, guidance_scale=1.0 + 2 * i, output_type="pt", seed=i)
                 for i in range(4)]
     expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
-    rows, hook = _rows_per_forward(pipe.unet)
+    rows, hook = count_forwards(pipe.unet)
     try:
         with StepBatched(pipe, max_batch_size=16) as sb:
             results = submit_all(sb, requests)
@@ -114,12 +116,7 @@ def test_rows_on_another_dimension_merge_by_that_dimension():
     pipe = _ToyPipeline(_LayersFirst(), DDIMScheduler())
     requests = [dict(prompt_seed=i % 2, num_inference_steps=3, seed=i) for i in range(4)]
     expected = [pipe(**seeded(kwargs)) for kwargs in requests]
-    rows, hook = _rows_per_forward(pipe.unet)
-    try:
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, requests)
-    finally:
-        hook.remove()
+    results, rows = _batched(pipe, requests, pipe.unet)
     assert all(max_diff(got, want) <= TOLERANCE for got, want in zip(results, expected))
     assert max(rows) > 2  # requests with different text states share forwards
 
@@ -177,11 +174,6 @@ def test_combined_pipelines_share_their_sub_pipelines_forwards():
     common = dict(height=32, width=32, max_sequence_length=16)
     requests = [dict(prompt=f"a shape {i}", first_seed=i, num_inference_steps=3 + i % 2, **common) for i in range(3)]
     expected = [pipe(**kwargs) for kwargs in requests]
-    rows, hook = _rows_per_forward(base.transformer)
-    try:
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, requests)
-    finally:
-        hook.remove()
+    results, rows = _batched(pipe, requests, base.transformer)
     assert all(max_diff(got, want) <= TOLERANCE for got, want in zip(results, expected))
     assert max(rows) > 1

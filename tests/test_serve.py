@@ -30,19 +30,6 @@ MODEL = "toy-shapes"
 
 
 @pytest.fixture(scope="module")
-def served():
-    model = load_model(ServeConfig(max_batch_size=8))
-    yield model
-    model.close()
-
-
-@pytest.fixture(scope="module")
-def base_url(served):
-    with ServerThread(create_app(ServeConfig(), model=served)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 

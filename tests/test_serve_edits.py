@@ -20,7 +20,7 @@ from PIL import Image
 openai = pytest.importorskip("openai", reason="the server tests need `pip install -e .[serve,test]`")
 pytest.importorskip("multipart", reason="edits need python-multipart (`pip install -e .[serve]`)")
 
-from diffusers_stepbatch.serve import ServeConfig, ServingModel, create_app, load_model
+from diffusers_stepbatch.serve import ServeConfig, ServingModel, create_app
 from diffusers_stepbatch.toy import load_pipeline
 from diffusers_stepbatch.toy.judge import judge_image
 from diffusers_stepbatch.toy.pipeline import ToyFluxImg2ImgPipeline, ToyFluxInpaintPipeline
@@ -30,19 +30,6 @@ from .serve_helpers import TOY_CALL, ServerThread, decode_b64, pixels
 
 MODEL = "toy-shapes"
 RED_TOP_LEFT = "a red circle at the top left on a white background"
-
-
-@pytest.fixture(scope="module")
-def served():
-    model = load_model(ServeConfig(max_batch_size=8))
-    yield model
-    model.close()
-
-
-@pytest.fixture(scope="module")
-def base_url(served):
-    with ServerThread(create_app(ServeConfig(), model=served)) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
