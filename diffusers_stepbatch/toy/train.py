@@ -194,6 +194,20 @@ def train_flow(cfg: TrainConfig, pipe, latents, index, embeds, pooled, start: fl
     return ema.copy_to(model).eval().requires_grad_(False)
 
 
+def guided_velocity(teacher, xt, t, g, enc, pool, embeds, pooled, txt_ids, img_ids, guidance=None):
+    """The teacher's true-CFG velocity v_u + g (v_c - v_u), the unconditional branch on the empty caption (the
+    last row of `embeds` / `pooled`); `guidance` is the teacher's own guidance input where it takes one."""
+    with torch.no_grad():
+        both = teacher(
+            hidden_states=torch.cat([xt, xt]), timestep=torch.cat([t, t]), guidance=guidance,
+            pooled_projections=torch.cat([pool, pooled[-1:].expand_as(pool)]),
+            encoder_hidden_states=torch.cat([enc, embeds[-1:].expand_as(enc)]),
+            txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
+        )[0]  # fmt: skip
+        cond, uncond = both.chunk(2)
+        return uncond + g[:, None, None] * (cond - uncond)
+
+
 def distill_guidance(cfg: TrainConfig, pipe, teacher, latents, index, embeds, pooled, start: float):
     from diffusers import FluxTransformer2DModel
 
@@ -218,15 +232,7 @@ def distill_guidance(cfg: TrainConfig, pipe, teacher, latents, index, embeds, po
             group["lr"] = cfg.distill_lr * _lr_factor(step, cfg.distill_steps)
         xt, t, enc, pool, _ = _flow_inputs(cfg, pipe, latents, index, embeds, pooled, rng, 0.0)
         g = low + (high - low) * torch.rand(cfg.flow_batch, generator=rng)
-        with torch.no_grad():
-            both = teacher(
-                hidden_states=torch.cat([xt, xt]), timestep=torch.cat([t, t]),
-                pooled_projections=torch.cat([pool, pooled[-1:].expand_as(pool)]),
-                encoder_hidden_states=torch.cat([enc, embeds[-1:].expand_as(enc)]),
-                txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
-            )[0]  # fmt: skip
-            cond, uncond = both.chunk(2)
-            target = uncond + g[:, None, None] * (cond - uncond)
+        target = guided_velocity(teacher, xt, t, g, enc, pool, embeds, pooled, txt_ids, img_ids)
         pred = student(
             hidden_states=xt, timestep=t, guidance=g, pooled_projections=pool, encoder_hidden_states=enc,
             txt_ids=txt_ids, img_ids=img_ids, return_dict=False,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from diffusers_stepbatch.toy import WEIGHTS_DIR, build
 from diffusers_stepbatch.toy.judge import evaluate_pipeline, images_to_tensor
 from diffusers_stepbatch.toy.scenes import render_scene, sample_scene, train_captions
-from diffusers_stepbatch.toy.train import _EMA, _log, _lr_factor, encode_captions
+from diffusers_stepbatch.toy.train import _EMA, _log, _lr_factor, encode_captions, guided_velocity
 
 
 @dataclasses.dataclass
@@ -132,15 +132,8 @@ def distill(cfg: SizesConfig, pipe, teacher, embeds, pooled, start: float):
         xt, t, _ = _noised(x0, rng)
         g = low + (high - low) * torch.rand(len(t), generator=rng)
         enc, pool = embeds[text], pooled[text]
-        with torch.no_grad():
-            both = teacher(
-                hidden_states=torch.cat([xt, xt]), timestep=torch.cat([t, t]), guidance=torch.ones(2 * len(t)),
-                pooled_projections=torch.cat([pool, pooled[-1:].expand_as(pool)]),
-                encoder_hidden_states=torch.cat([enc, embeds[-1:].expand_as(enc)]),
-                txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
-            )[0]  # fmt: skip
-            cond, uncond = both.chunk(2)
-            target = uncond + g[:, None, None] * (cond - uncond)
+        target = guided_velocity(teacher, xt, t, g, enc, pool, embeds, pooled, txt_ids, img_ids,
+                                 guidance=torch.ones(2 * len(t)))
         pred = student(
             hidden_states=xt, timestep=t, guidance=g, pooled_projections=pool, encoder_hidden_states=enc,
             txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
