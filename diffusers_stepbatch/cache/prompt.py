@@ -60,6 +60,7 @@ class PromptCache:
             raise ValueError(f"max_bytes={max_bytes!r} must be an int >= 0 (0 stores nothing)")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
+        self._structures: dict[Hashable, Any] = {}  # how an entry's tensors nest in the output it came from
         self._lock = threading.Lock()
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
@@ -69,8 +70,16 @@ class PromptCache:
         stored = self._lookup(key)
         return None if stored is None else tuple(t.clone() for t in stored)
 
-    def put(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> None:
-        """Store copies of `tensors` under `key`; an entry larger than `max_bytes` is not stored."""
+    def get_entry(self, key: Hashable) -> tuple[tuple[torch.Tensor, ...], Any] | None:
+        """(fresh copies of the entry under `key`, the structure stored with it), or None (a miss)."""
+        with self._lock:
+            structure = self._structures.get(key)
+        stored = self._lookup(key)
+        return None if stored is None else (tuple(t.clone() for t in stored), structure)
+
+    def put(self, key: Hashable, tensors: Sequence[torch.Tensor], structure: Any = None) -> None:
+        """Store copies of `tensors` (and `structure`, e.g. a pytree spec) under `key`; an entry larger than
+        `max_bytes` is not stored."""
         # NOTE: own contiguous copies: a sliced row would keep its whole batch alive, beyond the byte count.
         stored = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in tensors)
         size = sum(t.numel() * t.element_size() for t in stored)
@@ -81,9 +90,11 @@ class PromptCache:
             if old is not None:
                 self._bytes -= _nbytes(old)
             self._entries[key] = stored
+            self._structures[key] = structure
             self._bytes += size
             while self._bytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                evicted_key, evicted = self._entries.popitem(last=False)
+                self._structures.pop(evicted_key, None)
                 self._bytes -= _nbytes(evicted)
                 self._evictions += 1
 
@@ -96,6 +107,7 @@ class PromptCache:
         """Drop every entry (the hit/miss counters stay)."""
         with self._lock:
             self._entries.clear()
+            self._structures.clear()
             self._bytes = 0
 
     def keys(self) -> list[Hashable]:

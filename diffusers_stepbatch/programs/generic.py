@@ -22,6 +22,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
+from ..cache.prompt import PromptCache
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import diffusers_hooks, execution_device, marked_modules
@@ -36,7 +37,7 @@ from .validation import as_list, check_generator, check_num_images_per_prompt, c
 logger = logging.getLogger(__name__)
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior", "decoder")
-ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
+ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 
 
 @register_program(DiffusionPipeline, features=("adapters", "teacache"))
@@ -71,7 +72,8 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
                           context.options.teacache) for name in denoisers}
         view = request_pipeline(pipe, context)
         _fix_execution_device(view, pipe)
-        program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention)
+        program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention,
+                                  context.options.prompt_cache)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
@@ -244,14 +246,15 @@ class _Turns:
             raise _Aborted()
 
 
-def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str) -> None:
+def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str,
+                     prompt_cache: PromptCache | None) -> None:
     """The request's view calls the engine for its denoisers, text encoders and VAE, and so do the views of the
     pipelines it calls (combined pipelines: prior then decoder)."""
     for name, sub_pipeline in list(view.__dict__.items()):
         if isinstance(sub_pipeline, DiffusionPipeline):
             sub_view = request_view(sub_pipeline)
             sub_denoisers = dict.fromkeys(_denoiser_names(sub_pipeline), (None, None))
-            _install_proxies(sub_pipeline, sub_view, handoff, sub_denoisers, packed_attention)
+            _install_proxies(sub_pipeline, sub_view, handoff, sub_denoisers, packed_attention, prompt_cache)
             view.__dict__[name] = sub_view
     scheduler = getattr(view, "scheduler", None)
     for name, (adapters, teacache) in denoisers.items():
@@ -265,16 +268,19 @@ def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], p
                                          teacache)
     for name in ENCODER_NAMES:
         if isinstance(getattr(pipe, name, None), torch.nn.Module):
-            view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "encode"}, handoff.submit)
+            view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "encode"}, handoff.submit,
+                                             cache=prompt_cache)
     if isinstance(getattr(pipe, "vae", None), torch.nn.Module):
         view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, handoff.submit)
 
 
 def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, tuple],
-                    packed_attention: str = "auto") -> Generator[WorkItem, Any, Any]:
-    """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config), either None."""
+                    packed_attention: str = "auto", prompt_cache: PromptCache | None = None
+                    ) -> Generator[WorkItem, Any, Any]:
+    """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config), either None; `prompt_cache`
+    answers text-encoder calls identical to earlier ones."""
     turns = _Turns(view, positional, keywords)
-    _install_proxies(pipe, view, turns, denoisers, packed_attention)
+    _install_proxies(pipe, view, turns, denoisers, packed_attention, prompt_cache)
     try:
         kind, payload = turns.call.switch()
         while kind == "call":

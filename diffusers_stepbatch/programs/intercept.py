@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
+from ..cache import encoder_calls
+from ..cache.prompt import PromptCache
 from ..cache.teacache import TeaCacheConfig, TeaCacheState
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
@@ -57,15 +59,17 @@ class ModelProxy:
     `methods` maps a method name ("__call__" for the model itself) to the work kind its calls become;
     `packed_attention` (None: never pack) is how packed calls of several sizes keep attention inside each row;
     `adapters` is the request's LoRA, applied to its own rows (None: the model has no LoRA layers);
-    `teacache` the request's TeaCache states.
+    `teacache` the request's TeaCache states; `cache` a `PromptCache` that answers calls identical to earlier ones
+    (text encoders).
     """
 
     def __init__(self, module: torch.nn.Module, methods: dict[str, str], submit: Callable[[WorkItem], None],
                  step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
-                 adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None):
+                 adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None,
+                 cache: PromptCache | None = None):
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
                              _packed_attention=packed_attention, _packing_checked=False, _adapters=adapters,
-                             _teacache=teacache)
+                             _teacache=teacache, _cache=cache if cache is not None and cache.max_bytes else None)
 
     @property
     def __class__(self) -> type:  # NOTE: so that the pipeline's isinstance checks see the model's class
@@ -87,6 +91,17 @@ class ModelProxy:
         return self._intercept(kind, "forward", *args, **kwargs)
 
     def _intercept(self, kind: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        key = None if self._cache is None else encoder_calls.call_key(self._module, method, args, kwargs)
+        if key is not None:
+            output = encoder_calls.lookup(self._cache, key)
+            if output is not None:
+                return output
+        output = self._submitted(kind, method, args, kwargs)
+        if key is not None:
+            encoder_calls.store(self._cache, key, output)
+        return output
+
+    def _submitted(self, kind: str, method: str, args: tuple, kwargs: dict) -> Any:
         step = self._step()
         teacache = self._teacache.state(step) if self._teacache is not None else None
         item, holder = model_item(self._module, kind, method, args, kwargs, self._packing(), self._adapters,
