@@ -1,0 +1,45 @@
+"""Video VAE work through the generic program: decodes of requests that finish together run as one call, with
+diffusers' tiling too (a decode that would not fit at once), and equal the plain pipeline. Tiny Wan 2.1."""
+
+import pytest
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+
+from .references import TOLERANCE, count_forwards, max_diff, seeded, submit_all, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _video(seed: int, frames: int, height: int, width: int) -> dict:
+    return dict(prompt=f"a ball {seed}", negative_prompt="blur", num_frames=frames, height=height, width=width,
+                num_inference_steps=2, guidance_scale=4.0 + seed, output_type="pt", max_sequence_length=16,
+                seed=seed)
+
+
+@pytest.mark.parametrize("tiling", [False, True])
+@pytest.mark.parametrize("frames, height, width", [(5, 32, 48), (9, 48, 32)])
+def test_decodes_of_requests_that_finish_together_share_one_call(tiling, frames, height, width):
+    pipe = tiny_wan_pipeline(layers=1)
+    if tiling:  # tiles of 16 px with overlap: several tiles per frame
+        pipe.vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8,
+                               tile_sample_stride_width=8)
+    requests = [_video(seed, frames, height, width) for seed in range(3)]
+    try:
+        expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
+        decodes, original = [], pipe.vae.decode
+
+        def counting_decode(z, *args, **kwargs):
+            decodes.append(z.shape[0])
+            return original(z, *args, **kwargs)
+
+        pipe.vae.decode = counting_decode
+        try:
+            with StepBatched(pipe, max_batch_size=8) as sb:
+                results = submit_all(sb, requests)
+        finally:
+            del pipe.vae.decode
+    finally:
+        pipe.vae.disable_tiling()
+    assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert decodes == [3], decodes  # one merged decode, no separate check calls: the Wan VAE is trusted
