@@ -11,7 +11,9 @@ only the generic program serves:
   encode of the input image per request);
 - unet: `StableDiffusionPipeline` vs a subclass with its own `__call__` (generic).
 Per side: sequential plain calls and StepBatched with N concurrent requests (closed loop), in worker threads,
-rounds interleaved. Printed: images/s, StepBatched / sequential, and generic / dedicated StepBatched.
+rounds interleaved. Printed: images/s, StepBatched / sequential, and generic / dedicated StepBatched; for the
+flux pair also the batched ceiling (`throughput.measure_ceiling`: encode + steps x forward + decode at each
+stage's best rows per call), which bounds any batching's gain over sequential on this config.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import command_line, in_worker_thread, run_sequential, run_stepbatched, write_report  # noqa: E402
+from throughput import WORKLOADS, command_line, in_worker_thread, measure_ceiling, run_sequential  # noqa: E402
+from throughput import run_stepbatched, write_report  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.programs import generic, program_for  # noqa: E402
@@ -118,6 +121,11 @@ def bench_pair(name: str, n: int, steps: int, rounds: int) -> dict:
                           "rounds": runs}
     summary["generic_vs_dedicated"] = (summary["generic"]["stepbatched_images_per_s"]
                                        / summary["dedicated"]["stepbatched_images_per_s"])
+    if name == "flux":  # NOTE: the same tiny FLUX.1 and side as throughput.py's overhead-bound workload
+        ceiling = in_worker_thread(measure_ceiling, dedicated, WORKLOADS["overhead-bound"], n, steps, 5)
+        summary["ceiling_images_per_s"] = ceiling["throughput_images_per_s"]
+        summary["ceiling_vs_sequential"] = ceiling["throughput_images_per_s"] / summary["dedicated"][
+            "sequential_images_per_s"]
     return summary
 
 
@@ -145,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {label:9s} {side['sequential_images_per_s']:7.2f} / {side['stepbatched_images_per_s']:7.2f} "
                   f"({side['speedup_vs_sequential']:.2f}x)  rows per call: {side['rows_per_call_last_round']}")
         print(f"  generic / dedicated StepBatched: {result['generic_vs_dedicated']:.2f}")
+        if "ceiling_images_per_s" in result:
+            print(f"  batched ceiling {result['ceiling_images_per_s']:.2f} images/s "
+                  f"({result['ceiling_vs_sequential']:.2f}x sequential)")
     write_report(args.out, report)
 
 
