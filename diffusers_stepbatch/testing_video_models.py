@@ -12,9 +12,11 @@ from .testing import tiny_t5_encoder, tiny_t5_tokenizer
 
 
 def tiny_wan_transformer(in_channels: int = 16, heads: int = 2, head_dim: int = 12, layers: int = 2,
-                         image_dim: int | None = None, seed: int = 0, image_kv: bool = False):
+                         image_dim: int | None = None, seed: int = 0, image_kv: bool = False,
+                         pos_embed_seq_len: int | None = None):
     """A tiny WanTransformer3DModel; `image_kv` gives cross-attention its own image key/value projections
-    (`added_kv_proj_dim`, as the real Wan 2.1 I2V has), which split each context before its last 512 tokens."""
+    (`added_kv_proj_dim`, as the real Wan 2.1 I2V has), which split each context before its last 512 tokens;
+    `pos_embed_seq_len` (first-last-frame-to-video) folds each video's two image embeddings into one."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
@@ -22,7 +24,7 @@ def tiny_wan_transformer(in_channels: int = 16, heads: int = 2, head_dim: int = 
         patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=in_channels,
         out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=layers, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=image_dim,
-        added_kv_proj_dim=heads * head_dim if image_kv else None,
+        added_kv_proj_dim=heads * head_dim if image_kv else None, pos_embed_seq_len=pos_embed_seq_len,
     ).eval()
 
 

@@ -76,7 +76,7 @@ def test_wan21_image_to_video_requests_of_different_images_and_sizes_pack(config
     # NOTE: with image key/value projections the model takes the last 512 context tokens as text
     pipe = _pipe(config, image_to_video=True, image_kv=image_kv)
     assert (pipe.transformer.blocks[0].attn2.add_k_proj is not None) == image_kv
-    stats = _packed_equals_solo(pipe, _requests(SHAPES[:4], image=True,
+    stats = _packed_equals_solo(pipe, _requests(SHAPES, image=True,
                                                 max_sequence_length=512 if image_kv else 16))
     assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
 
@@ -134,27 +134,30 @@ def test_wan22_experts_run_in_one_engine_step_with_rows_grouped_per_expert(confi
     assert stats["mixed"]["calls"] > 0
 
 
-def _parts(model, shapes, generator, per_token=False, image_tokens=None, text_lengths=None):
+def _parts(model, shapes, generator, per_token=False, image_tokens=None, text_lengths=None, image_blocks=1):
     parts = []
     for i, (rows, frames, height, width) in enumerate(shapes):
         tokens = frames * (height // 2) * (width // 2)
         timestep = torch.rand(rows, tokens if per_token else 1, generator=generator) * 1000
         text = torch.randn(rows, text_lengths[i] if text_lengths else 16, 32, generator=generator)
-        image = None if image_tokens is None else torch.randn(rows, image_tokens, 4, generator=generator)
+        image = None if image_tokens is None else torch.randn(rows * image_blocks, image_tokens, 4,
+                                                              generator=generator)
         video = torch.randn(rows, model.config.in_channels, frames, height, width, generator=generator)
         parts.append(WanPart(video, timestep if per_token else timestep[:, 0], text, image))
     return parts
 
 
-@pytest.mark.parametrize("case", ["t2v", "t2v-flex", "text-lengths", "per-token", "i2v", "i2v-image-kv"])
+@pytest.mark.parametrize("case", ["t2v", "t2v-flex", "text-lengths", "per-token", "i2v", "i2v-image-kv", "flf2v"])
 def test_packed_forward_equals_the_model_forward_per_shape(case):
-    image_dim = 4 if case.startswith("i2v") else None
+    image_dim = 4 if case.startswith(("i2v", "flf2v")) else None
+    # NOTE: first-last-frame-to-video: two image embeddings per video, folded by the model's image pos_embed
     model = tiny_wan_transformer(36 if image_dim else 16, heads=3, head_dim=8, layers=2, image_dim=image_dim,
-                                 image_kv=case == "i2v-image-kv")
+                                 image_kv=case == "i2v-image-kv", pos_embed_seq_len=10 if case == "flf2v" else None)
     shapes = [(2, 3, 4, 4), (1, 2, 4, 6), (1, 3, 6, 4), (2, 1, 8, 8)]  # rows, frames, height, width (latent)
     text_lengths = {"text-lengths": [16, 8, 16, 24], "i2v-image-kv": [512] * 4}.get(case)
     parts = _parts(model, shapes, torch.Generator().manual_seed(0), per_token=case == "per-token",
-                   image_tokens=5 if image_dim else None, text_lengths=text_lengths)
+                   image_tokens=5 if image_dim else None, text_lengths=text_lengths,
+                   image_blocks=2 if case == "flf2v" else 1)
     with torch.no_grad():
         packed = wan_packed_forward(model, parts, packed_attention="flex" if case == "t2v-flex" else "auto")
         own = [model(part.hidden_states, part.timestep, part.encoder_hidden_states,
