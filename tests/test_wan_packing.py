@@ -182,3 +182,40 @@ def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
         stats = sb.stats()
     assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
     assert stats["mixed"]["calls"] == 0
+
+
+def test_teacache_in_shared_packed_forwards_equals_teacache_alone():
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    pipe = _pipe("wan-tiny")
+    requests = [dict(kwargs, num_inference_steps=12 + i) for i, kwargs in enumerate(_requests(SHAPES[:4]))]
+    requests[1]["teacache"] = None  # this one computes every step, beside the others
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).frames for kwargs in requests]
+    # NOTE: the published Wan polynomials are fitted to the real models' timestep-projection changes; the tiny
+    # model's are far larger, so the test rescales by the identity
+    teacache = TeaCacheConfig(threshold=0.5, coefficients=(1.0, 0.0))
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).frames for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+        batched = submit_all(sb, requests)
+        stats = sb.stats()
+    assert max(max_diff(got.frames, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
+    assert max_diff(solo[1], exact[1]) <= TOLERANCE  # teacache=None: every step computed
+    assert min(max_diff(solo[i], exact[i]) for i in (0, 2, 3)) > 10 * TOLERANCE, "TeaCache skipped no step"
+
+
+def test_teacache_forward_with_every_row_computing_equals_the_model_forward():
+    from diffusers_stepbatch.cache.teacache import TeaCacheState
+    from diffusers_stepbatch.models.wan.teacache import WAN_COEFFICIENTS, teacache_call
+
+    model = tiny_wan_transformer(heads=3, head_dim=8)
+    (part,) = _parts(model, [(2, 3, 4, 4)], torch.Generator().manual_seed(1))
+    arguments = dict(hidden_states=part.hidden_states, timestep=part.timestep,
+                     encoder_hidden_states=part.encoder_hidden_states, return_dict=False)
+    states = [TeaCacheState(0.4, WAN_COEFFICIENTS, num_steps=10)] * 2  # step 0: computes
+    with torch.no_grad():
+        (got,) = teacache_call(model, states, arguments)
+        (want,) = model(**arguments)
+    assert max_diff(got, want) <= 1e-5
+    assert states[0].computed_steps == 1 and states[0].residual.shape == (2, 3 * 2 * 2, 24)

@@ -50,13 +50,15 @@ def wan_packing_unsupported(transformer) -> str | None:
 
 
 def wan_packed_forward(transformer, parts: Sequence[WanPart], attention_kwargs: dict | None = None,
-                       packed_attention: str = "auto") -> list[torch.Tensor]:
+                       packed_attention: str = "auto", teacache: Sequence | None = None) -> list[torch.Tensor]:
     """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
-    `packed_attention` picks how self-attention stays inside each row (`models/packing/attention.py`).
+    `packed_attention` picks how self-attention stays inside each row (`models/packing/attention.py`);
+    `teacache[i]` holds part i's per-row TeaCache states or None (`models/wan/teacache.py`).
 
     >>> out = wan_packed_forward(pipe.transformer, [WanPart(video_a, t_a, text_a), WanPart(video_b, t_b, text_b)])
     """
-    return _forward(transformer, parts, attention_kwargs=attention_kwargs, packed_attention=packed_attention)
+    return _forward(transformer, parts, attention_kwargs=attention_kwargs, packed_attention=packed_attention,
+                    teacache=teacache)
 
 
 # the forward's arguments a packed call reproduces; a call with any other argument set runs unpacked
@@ -86,7 +88,7 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
     parts = [WanPart(hidden_states=c["hidden_states"], timestep=c["timestep"],
                      encoder_hidden_states=c["encoder_hidden_states"],
                      encoder_hidden_states_image=c.get("encoder_hidden_states_image")) for c in calls]
-    outputs = wan_packed_forward(transformer, parts, calls[0].get("attention_kwargs"), packed_attention)
+    outputs = wan_packed_forward(transformer, parts, calls[0].get("attention_kwargs"), packed_attention, teacache)
     return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]
 
@@ -138,7 +140,7 @@ def _layouts(ordered: Sequence[_Row], device) -> tuple[PackedLayout, PackedLayou
 
 
 @apply_lora_scale("attention_kwargs")
-def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto"):
+def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto", teacache=None):
     context, temb_rows, timestep_proj = _conditions(transformer, parts)  # per part, in part row order
     rows = _rows(transformer, parts, [c.shape[1] for c in context])
     order = packed_row_order(rows)
@@ -149,14 +151,20 @@ def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto")
     hidden = _patch_embed(transformer, parts, ordered)
     method = resolve(packed_attention, hidden.device, hidden.dtype)
     rotary = _packed_rotary(transformer, parts, ordered)
-    context_parts = contexts.unpack(0, torch.cat([context[row.part][row.index] for row in ordered]))
+    context = torch.cat([context[row.part][row.index] for row in ordered])
     per_token = parts[0].timestep.ndim == 2
     temb = _in_order(temb_rows, ordered, per_token)  # [rows, dim], or [tokens, dim] with per-token timesteps
     proj = _in_order(timestep_proj, ordered, per_token).unflatten(1, (6, -1))
 
-    split = not lora_layers(transformer)  # NOTE: as in models/flux/packing.py: per-row LoRA maps inputs by token count
-    for block in transformer.blocks:
-        hidden = _block(block, video, hidden, context_parts, proj, per_token, rotary, method, split)
+    states = [None if teacache is None or teacache[row.part] is None else teacache[row.part][row.index]
+              for row in ordered]
+    inputs = PackedInputs(video, contexts, context, proj, per_token, rotary, method)
+    if all(state is None for state in states):
+        hidden = packed_blocks(transformer, inputs, hidden)
+    else:
+        from .teacache import teacache_blocks  # NOTE: teacache.py builds on this module
+
+        hidden = teacache_blocks(transformer, inputs, hidden, states)
 
     values = transformer.scale_shift_table[0].to(temb.device) + temb.unsqueeze(1)  # [rows or tokens, 2, dim]
     shift, scale1 = values[:, 0], 1 + values[:, 1]
@@ -166,6 +174,38 @@ def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto")
         scale, shift = video.row_values(0, torch.cat([scale1, shift], dim=1), 2)
     hidden = video.modulate(0, transformer.norm_out(hidden.float()), scale, shift).type_as(hidden)
     return _unpatchify(transformer, parts, ordered, transformer.proj_out(hidden))
+
+
+@dataclass
+class PackedInputs:
+    """What the blocks read besides the video tokens, in packed row order."""
+
+    video: PackedLayout  # the video tokens' layout
+    contexts: PackedLayout  # the context tokens' layout (same parts)
+    context: torch.Tensor  # [context tokens, dim]: each row's image then text tokens
+    proj: torch.Tensor  # the timestep projection: [rows, 6, dim], or [video tokens, 6, dim] when per_token
+    per_token: bool
+    rotary: tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [video tokens, 1, head_dim]
+    method: str  # the packed attention backend
+
+    def select(self, rows: list[int]) -> tuple[PackedInputs, torch.Tensor]:
+        """The inputs of only `rows` (ascending) and the index of their video tokens."""
+        video, (index,) = self.video.select_rows(rows)
+        contexts, (context_index,) = self.contexts.select_rows(rows)
+        proj = self.proj.index_select(0, index if self.per_token else torch.tensor(rows, device=index.device))
+        rotary = tuple(r.index_select(0, index) for r in self.rotary)
+        return PackedInputs(video, contexts, self.context.index_select(0, context_index), proj, self.per_token,
+                            rotary, self.method), index
+
+
+def packed_blocks(transformer, inputs: PackedInputs, hidden: torch.Tensor) -> torch.Tensor:
+    """The transformer blocks over packed video tokens [tokens, dim]."""
+    context_parts = inputs.contexts.unpack(0, inputs.context)
+    split = not lora_layers(transformer)  # NOTE: as in models/flux/packing.py: per-row LoRA maps inputs by token count
+    for block in transformer.blocks:
+        hidden = _block(block, inputs.video, hidden, context_parts, inputs.proj, inputs.per_token, inputs.rotary,
+                        inputs.method, split)
+    return hidden
 
 
 def _in_order(per_part, ordered, per_token):
