@@ -118,7 +118,7 @@ def _rows(transformer, parts: Sequence[WanPart], context_lengths: Sequence[int])
     return rows
 
 
-def packed_row_order(rows: Sequence[_Row]) -> list[int]:
+def _order(rows: Sequence[_Row]) -> list[int]:
     # NOTE: rows of equal token counts (video, context) form one part of the layout, so they attend as one batch.
     return sorted(range(len(rows)), key=lambda r: (rows[r].tokens, rows[r].context))
 
@@ -143,7 +143,7 @@ def _layouts(ordered: Sequence[_Row], device) -> tuple[PackedLayout, PackedLayou
 def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto", teacache=None):
     context, temb_rows, timestep_proj = _conditions(transformer, parts)  # per part, in part row order
     rows = _rows(transformer, parts, [c.shape[1] for c in context])
-    order = packed_row_order(rows)
+    order = _order(rows)
     ordered = [rows[r] for r in order]
     device = parts[0].hidden_states.device
     video, contexts = _layouts(ordered, device)
