@@ -219,3 +219,15 @@ def test_teacache_forward_with_every_row_computing_equals_the_model_forward():
         (want,) = model(**arguments)
     assert max_diff(got, want) <= 1e-5
     assert states[0].computed_steps == 1 and states[0].residual.shape == (2, 3 * 2 * 2, 24)
+
+
+def test_threshold_zero_never_skips_even_where_the_published_polynomial_is_negative():
+    from diffusers_stepbatch.cache import TeaCacheConfig
+    from diffusers_stepbatch.models.wan.teacache import WAN_COEFFICIENTS
+
+    assert WAN_COEFFICIENTS[-1] < 0  # the polynomial at 0: a step that barely changes counts as negative
+    pipe = _pipe("wan-tiny")
+    kwargs = dict(_requests(SHAPES[:1])[0], num_inference_steps=8)
+    exact = pipe(**seeded(kwargs)).frames
+    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.0, coefficients=WAN_COEFFICIENTS)) as sb:
+        assert max_diff(sb(**seeded(kwargs)).frames, exact) <= TOLERANCE
