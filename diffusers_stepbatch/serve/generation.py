@@ -111,8 +111,11 @@ def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prom
         width, height = parse_size(body.size, first.size)
         if model.sizes is not None:
             model.sizes.check(width, height, model.name)
-    images = [image if image.size == (width, height) else image.resize((width, height), PIL.Image.Resampling.LANCZOS)
-              for image in inputs.images]
+    if task == "reference":  # NOTE: reference-edit pipelines size (and crop) their input images themselves
+        images = list(inputs.images)
+    else:
+        images = [image if image.size == (width, height) else
+                  image.resize((width, height), PIL.Image.Resampling.LANCZOS) for image in inputs.images]
     if len(images) > 1 and not takes_several_images(type(sb.pipe)):
         raise bad_request(f"image: {len(images)} images sent, but {type(sb.pipe).__name__} edits one image "
                           f"({task}); send one", "image", code="too_many_images")
