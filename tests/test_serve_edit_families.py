@@ -9,7 +9,6 @@ several reference images (FLUX.2 Klein) gets them all, each at its own size. Eve
 from __future__ import annotations
 
 import io
-from typing import Self
 
 import numpy as np
 import pytest
@@ -20,9 +19,8 @@ openai = pytest.importorskip("openai", reason="the server tests need `pip instal
 pytest.importorskip("multipart", reason="edits need python-multipart (`pip install -e .[serve]`)")
 
 from diffusers_stepbatch import testing
-from diffusers_stepbatch.serve import ServeConfig, create_app, serve_pipeline
 
-from .serve_helpers import ServerThread, decode_b64, pixels
+from .serve_helpers import Served, decode_b64, pixels
 
 PROMPT = "a red circle"
 FAMILIES = {
@@ -41,28 +39,6 @@ def png(image: Image.Image) -> bytes:
 
 def noise_image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-class Served:
-    """A server over `pipe` on a free loopback port, with an `openai` client for it."""
-
-    def __init__(self, pipe, name: str, call_defaults: dict | None = None):
-        config = ServeConfig(served_model_name=name, max_batch_size=8)
-        self.name = name
-        self.model = serve_pipeline(pipe, config, call_defaults=call_defaults)
-        self.server = ServerThread(create_app(config, model=self.model))
-
-    def __enter__(self) -> Self:
-        url = self.server.__enter__()
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.server.__exit__(*exc_info)
-        self.model.close()
-
-    def finished(self) -> int:
-        return sum(self.model.sb.stats()["requests_finished"].values())
 
 
 # ------------------------------------------------------------------------------ several reference images

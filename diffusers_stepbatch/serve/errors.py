@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 from ..engine.core import EngineClosedError
@@ -40,7 +41,26 @@ def engine_error(exc: BaseException, config: ServeConfig, arguments: dict[str, A
 
 
 def param_of(exc: BaseException, arguments: dict[str, Any]) -> str | None:
-    """The request field a `submit` error is about: StepBatched's checks raise `InvalidArgument` /
-    `InvalidArgumentType`, which name the argument; a pipeline's own `check_inputs` errors name none."""
+    """The request field a `submit` error is about.
+
+    StepBatched's checks raise `InvalidArgument` / `InvalidArgumentType`, and a pipeline's own `check_inputs`
+    error comes as `InvalidArgument` when one argument explains it: `.argument` names it. Otherwise (a size the
+    model can't take, an error raised past `check_inputs`), the first of the request's arguments the message names.
+    """
     argument = getattr(exc, "argument", None)
-    return FIELD_OF_ARGUMENT.get(argument) if argument is not None else None
+    if argument is not None:
+        return FIELD_OF_ARGUMENT.get(argument)
+    return mentioned_field(str(exc), arguments)
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def mentioned_field(message: str, arguments: dict[str, Any]) -> str | None:
+    """The field of the first argument of the request that `message` names as a word (`height` in "`height` and
+    `width` have to be divisible by 8"); a name in backticks first."""
+    quoted = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", message)
+    for word in [*quoted, *_IDENTIFIER.findall(message)]:
+        if word in arguments and word in FIELD_OF_ARGUMENT:
+            return FIELD_OF_ARGUMENT[word]
+    return None
