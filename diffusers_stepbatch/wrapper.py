@@ -266,11 +266,7 @@ class StepBatched:
         return {"running": len(scheduler.running), "waiting": len(scheduler.waiting)}
 
     def recent_calls(self, seconds: float, kind: str | None = None) -> list[CallRecord]:
-        """The engine's batched model calls of the last `seconds` (time, kind, rows, seconds, request ids),
-        oldest first; only `kind` ("denoise", "encode", "decode", ...) if given.
-
-        >>> rows = [call.rows for call in sb.recent_calls(10.0, "denoise")]
-        """
+        """The engine's batched calls of the last `seconds`, oldest first: `sb.recent_calls(10.0, "denoise")`."""
         return self.engine.metrics.recent_calls(time.time() - seconds, kind)
 
     def register_prometheus(self, registry: Any = None) -> Any:

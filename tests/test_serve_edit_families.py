@@ -72,6 +72,19 @@ def test_several_reference_images_of_different_sizes_reach_the_pipeline_as_sent(
     assert np.abs(pixels(swapped) - pixels(want)).max() > 0
 
 
+def test_a_reference_image_the_pipeline_refuses_is_a_400_before_queueing(klein):
+    _, served = klein
+    before = served.finished()
+    with pytest.raises(openai.BadRequestError) as caught:
+        served.client.images.edit(model=served.name, prompt=PROMPT,
+                                  image=[("a.png", png(noise_image(64, 64, 1)), "image/png"),
+                                         ("b.png", png(noise_image(48, 64, 2)), "image/png")])
+    assert served.finished() == before
+    error = caught.value.body
+    assert error["param"] == "image[1]" and error["code"] == "invalid_image", error
+    assert "48" in error["message"] and "64px" in error["message"]  # FLUX.2's own words: sides of at least 64px
+
+
 def test_a_one_image_reference_pipeline_refuses_several_images():
     from diffusers import FluxKontextPipeline
 

@@ -1,10 +1,7 @@
-"""A pipeline's own `check_inputs`, with the argument its error is about.
+"""A pipeline's own `check_inputs`, its error naming the argument it is about (`InvalidArgument.argument`).
 
-diffusers' checks raise a plain `ValueError` that names no argument in code. `run_check_inputs` finds it by
-what the check does, not by its words: the argument whose value, put back to the pipeline's `__call__` default,
-makes the check pass. The error is then re-raised as `InvalidArgument` (a `ValueError` with `.argument`) with
-the pipeline's message; one no single argument explains (a size not divisible by the model's multiple, whose
-default is derived) stays the pipeline's own `ValueError`.
+Found by what the check does, not by its words: the one argument that, put back to the pipeline's `__call__`
+default, makes the check pass. An error no single argument explains (a size) stays the pipeline's `ValueError`.
 
 >>> run_check_inputs(pipe, prompt, strength, None, negative_prompt=None)  # as pipe.check_inputs(...)
 """

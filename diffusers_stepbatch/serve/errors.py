@@ -41,12 +41,8 @@ def engine_error(exc: BaseException, config: ServeConfig, arguments: dict[str, A
 
 
 def param_of(exc: BaseException, arguments: dict[str, Any]) -> str | None:
-    """The request field a `submit` error is about.
-
-    StepBatched's checks raise `InvalidArgument` / `InvalidArgumentType`, and a pipeline's own `check_inputs`
-    error comes as `InvalidArgument` when one argument explains it: `.argument` names it. Otherwise (a size the
-    model can't take, an error raised past `check_inputs`), the first of the request's arguments the message names.
-    """
+    """The request field a `submit` error is about: its `.argument` (`InvalidArgument`, also from a pipeline's
+    `check_inputs`), else the first of the request's arguments its message names (a size the model can't take)."""
     argument = getattr(exc, "argument", None)
     if argument is not None:
         return FIELD_OF_ARGUMENT.get(argument)
@@ -57,8 +53,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def mentioned_field(message: str, arguments: dict[str, Any]) -> str | None:
-    """The field of the first argument of the request that `message` names as a word (`height` in "`height` and
-    `width` have to be divisible by 8"); a name in backticks first."""
+    """The field of the request argument `message` names first, in backticks first ("`height` and `width` ...")."""
     quoted = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", message)
     for word in [*quoted, *_IDENTIFIER.findall(message)]:
         if word in arguments and word in FIELD_OF_ARGUMENT:

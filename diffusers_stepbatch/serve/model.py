@@ -104,12 +104,9 @@ def load_model(config: ServeConfig) -> ServingModel:
 
 def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, Any] | None = None,
                    sizes: SizeRange | None = None) -> ServingModel:
-    """A pipeline already built (on its device and dtype) as the model of a server: wrapped in a `StepBatched`
-    engine with `config`'s scheduling, decoder and edit pipelines, named `config.model_name`.
+    """A pipeline already built as a server's model (its engine as `config` says, with its edit pipelines).
 
-    >>> config = ServeConfig(served_model_name="my-model")
-    >>> app = create_app(config, model=serve_pipeline(pipe, config, call_defaults={"num_inference_steps": 8}))
-    """
+    >>> app = create_app(config, model=serve_pipeline(pipe, config, call_defaults={"num_inference_steps": 8}))"""
     import time
 
     from ..cache.teacache import TeaCacheConfig
