@@ -91,13 +91,6 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
             for c, out in zip(calls, outputs)]
 
 
-def flux2_token_streams(parts: Sequence[Flux2Part]) -> list[torch.Tensor]:
-    """The row of every token in each packed stream the forward runs layers on: text, image, and the single
-    blocks' joint stream (each row's text then image tokens)."""
-    layout = _layout(parts)
-    return [*layout.token_rows, _joint_layout(layout).token_rows[0]]
-
-
 def _layout(parts):
     return _cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
                           tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
