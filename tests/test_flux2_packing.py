@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+from diffusers import Flux2Transformer2DModel
 from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
 from PIL import Image
 
@@ -23,7 +23,13 @@ from diffusers_stepbatch.testing import add_random_lora_adapters
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, count_forwards, engine_held, max_diff, seeded, single_thread, submit_all,
+    TOLERANCE,
+    count_forwards,
+    engine_held,
+    max_diff,
+    seeded,
+    single_thread,
+    submit_all,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
