@@ -238,3 +238,22 @@ def test_requests_with_their_own_adapters_share_forwards_and_equal_plain_runs(mo
     assert max_diff(expected[0], expected[3]) > 1e-3 and max_diff(expected[0], expected[1]) > 1e-3
     # one forward held the rows of every 32x32 request, each with its own weights
     assert max(len(set(rows)) for rows in recorded) == len(LORA_REQUESTS), recorded
+
+
+def test_pack_key_lets_sizes_and_references_pack_and_refuses_what_the_packed_forward_does_not_reproduce():
+    from diffusers_stepbatch.models.flux2.packing import pack_key
+
+    small, edit = _token_shapes([(1, (4, 4), [], 8), (2, (2, 6), [(3, 3), (4, 2)], 12)])
+
+    def arguments(part, **extra):
+        return dict(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
+                    timestep=part.timestep, guidance=None, img_ids=part.img_ids[None], txt_ids=part.txt_ids[None],
+                    return_dict=False, **extra)
+
+    key, tokens = pack_key(arguments(small))
+    assert pack_key(arguments(edit))[0] == key and tokens == 16 + 8
+    assert pack_key(arguments(edit))[1] == 12 + 9 + 8 + 12
+    assert pack_key(dict(arguments(small), guidance=torch.ones(1)))[0] != key  # guidance rows never join klein's
+    for refused in (dict(kv_cache_mode="extract", num_ref_tokens=9), dict(joint_attention_kwargs={"mask": 1}),
+                    dict(timestep=torch.tensor(0.5))):
+        assert pack_key({**arguments(small), **refused}) is None, refused

@@ -68,9 +68,14 @@ def pack_key(arguments: dict) -> tuple | None:
     if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "joint_attention_kwargs"):
         return None
     hidden, text = arguments["hidden_states"], arguments.get("encoder_hidden_states")
-    if text is None or arguments.get("timestep") is None or any(
-            not isinstance(arguments.get(name), torch.Tensor) for name in ("img_ids", "txt_ids")):
+    if text is None or any(not isinstance(arguments.get(name), torch.Tensor) for name in ("img_ids", "txt_ids")):
         return None
+    # NOTE: timestep and guidance are joined per row: one value per row, as the FLUX.2 pipelines pass them
+    for name in ("timestep", "guidance"):
+        value = arguments.get(name)
+        if (value is not None or name == "timestep") and not (
+                isinstance(value, torch.Tensor) and value.ndim == 1 and value.shape[0] == hidden.shape[0]):
+            return None
     attention_kwargs = arguments.get("joint_attention_kwargs") or {}
     key = (arguments.get("guidance") is None, attention_kwargs.get("scale"), hidden.dtype, text.dtype,
            str(hidden.device), arguments.get("return_dict", True))
