@@ -90,7 +90,8 @@ def tiny_ltx2_pipeline(size: LTX2Size = LTX2Size(), seed: int = 0):
         caption_channels=text_config.hidden_size, text_proj_in_factor=text_config.num_hidden_layers + 1,
         video_connector_num_attention_heads=4, video_connector_attention_head_dim=8, video_connector_num_layers=1,
         video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=4,
-        audio_connector_attention_head_dim=8, audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None,
         connector_rope_base_seq_len=32, rope_theta=10000.0, rope_double_precision=False,
         causal_temporal_positioning=False, rope_type="split",
     ).eval()

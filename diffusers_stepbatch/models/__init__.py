@@ -110,5 +110,6 @@ def _load_modules() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401  (each registers its classes)
-        bria, chroma, flux, flux2, hidream, ltx2, qwen2_5_vl, qwenimage, sd3, unet, unet_motion, wan, z_image,
+        bria, chroma, flux, flux2, hidream, hunyuan_video15, ltx2, qwen2_5_vl, qwenimage, sd3, unet, unet_motion, wan,
+        z_image,
     )

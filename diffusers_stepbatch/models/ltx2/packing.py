@@ -86,8 +86,9 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
     """One packed forward for calls of different sizes; each output as the model returns it."""
     first = calls[0]
     videos, audios = ltx2_packed_forward(transformer, calls, first.get("attention_kwargs"), packed_attention)
-    return [(video, audio) if not call.get("return_dict", True) else
-            AudioVisualModelOutput(sample=video, audio_sample=audio) for call, video, audio in zip(calls, videos, audios)]
+    return [(video, audio) if not call.get("return_dict", True) else AudioVisualModelOutput(sample=video,
+                                                                                            audio_sample=audio)
+            for call, video, audio in zip(calls, videos, audios)]
 
 
 def ltx2_packed_forward(transformer, calls: Sequence[dict], attention_kwargs: dict | None = None,
