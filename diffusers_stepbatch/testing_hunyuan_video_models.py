@@ -73,7 +73,8 @@ def tiny_hunyuan_video15_pipeline(size: HunyuanVideo15Size = HunyuanVideo15Size(
     text_encoder_2 = tiny_t5_encoder(tokenizer_2, d_model=32, seed=seed + 3)
     pipe = HunyuanVideo15Pipeline(transformer=transformer, vae=vae,
                                   scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder=text_encoder,
-                                  text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+                                  text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer_2,
+                                  guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
     pipe.system_message = _SYSTEM
     prefix = tokenizer.apply_chat_template([[{"role": "system", "content": _SYSTEM}]], tokenize=True,
                                            return_dict=True)["input_ids"][0]
