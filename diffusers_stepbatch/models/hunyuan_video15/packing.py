@@ -40,7 +40,8 @@ _PACKED_ARGUMENTS = frozenset({
 
 def hunyuan_video15_packing_unsupported(transformer) -> str | None:
     """Why `hunyuan_video15_packed_forward` can't stand in for this transformer's forward, or None when it can."""
-    return unsupported_reason(transformer, HunyuanVideo15AttnProcessor2_0)
+    # NOTE: the text refiner runs as the model runs it, whatever its attention processor
+    return unsupported_reason(transformer, HunyuanVideo15AttnProcessor2_0, called_whole=("context_embedder",))
 
 
 def pack_key(arguments: dict) -> tuple | None:
