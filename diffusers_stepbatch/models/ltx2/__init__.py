@@ -3,7 +3,8 @@
 Rows: video and audio latents, both prompts with their masks, the timesteps and the RoPE coordinates
 (`video_coords`, `audio_coords`) are per row; `num_frames`, `height`, `width`, `fps` and `audio_num_frames` are
 numbers for the whole call, so plain forwards merge only when they are equal (the call's signature holds them);
-`packing.py` packs rows of other frame counts, sizes, audio lengths and prompt lengths into one call.
+`packing.py` packs rows of other frame counts, sizes, audio lengths and prompt lengths into one call (video
+timesteps per row or per token, as image-to-video passes them).
 """
 
 from __future__ import annotations

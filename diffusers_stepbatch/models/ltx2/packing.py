@@ -11,8 +11,9 @@ see `layout.py`). What keeps each row's result its own:
   video-to-audio attend per part (rows of equal token counts in all four streams) as one batch, the prompt
   attention with the row's own mask exactly as the model applies it (its -10000 bias, padding kept).
 
-Per-token timesteps (image-to-video's conditioning frames), spatio-temporal guidance, self-attention masks and
-keyframe markers are not reproduced: such calls don't pack (`pack_key` is None) and run as the model's own call.
+A video `timestep` per token (image-to-video's conditioning frames: [rows, video tokens]) modulates each token
+with its own value, as in the model. Spatio-temporal guidance, self-attention masks and keyframe markers are not
+reproduced: such calls don't pack (`pack_key` is None) and run as the model's own call.
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ def pack_key(arguments: dict) -> tuple | None:
     if any(not isinstance(t, torch.Tensor) or t.ndim != 3 for t in (video, audio, text, audio_text)):
         return None
     rows = video.shape[0]
-    for name in _TIMESTEPS:  # NOTE: one value per row; per-token timesteps are not reproduced
+    timestep = arguments.get("timestep")
+    if not isinstance(timestep, torch.Tensor) or timestep.numel() not in (rows, rows * video.shape[1]):
+        return None
+    if timestep.numel() != rows and arguments.get("audio_timestep") is None:
+        return None  # NOTE: the model would modulate audio tokens by video tokens' timesteps
+    for name in _TIMESTEPS[1:]:  # NOTE: one value per row
         value = arguments.get(name)
         if value is not None and (not isinstance(value, torch.Tensor) or value.numel() != rows):
             return None
@@ -106,7 +112,8 @@ class _Row:
     call: int
     streams: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # video, audio, text, audio text
     masks: tuple[torch.Tensor | None, torch.Tensor | None]  # [text tokens] per prompt, or None
-    timesteps: tuple[torch.Tensor, ...]  # timestep, audio_timestep, sigma, audio_sigma: [1] each (sigma may be None)
+    timesteps: tuple[torch.Tensor, ...]  # timestep ([1] or [video tokens]), audio_timestep, sigma, audio_sigma ([1];
+    # sigma may be None)
     video_coords: torch.Tensor  # [3, video tokens, 2]
     audio_coords: torch.Tensor  # [1, audio tokens, 2]
 
@@ -132,7 +139,7 @@ def _rows(transformer, calls: Sequence[dict]) -> list[_Row]:
         audio_timestep = call.get("audio_timestep") if call.get("audio_timestep") is not None else timestep
         sigma = call.get("sigma")
         audio_sigma = call.get("audio_sigma") if call.get("audio_sigma") is not None else sigma
-        per_row = [None if t is None else t.reshape(count, 1) for t in (timestep, audio_timestep, sigma, audio_sigma)]
+        per_row = [None if t is None else t.reshape(count, -1) for t in (timestep, audio_timestep, sigma, audio_sigma)]
         masks = [call.get(name) for name in _MASKS]
         for r in range(count):
             rows.append(_Row(index, (video[r], call["audio_hidden_states"][r], call["encoder_hidden_states"][r],
@@ -178,7 +185,9 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto")
     timestep, audio_timestep, sigma, audio_sigma = (
         None if ordered[0].timesteps[i] is None else torch.cat([row.timesteps[i] for row in ordered])
         for i in range(4))
-    temb, embedded = transformer.time_embed(timestep, batch_size=count, hidden_dtype=hidden.dtype)
+    if timestep.numel() != count:  # NOTE: some row has a timestep per video token: every row gets one per token
+        timestep = torch.cat([row.timesteps[0].expand(row.streams[VIDEO].shape[0]) for row in ordered])
+    temb, embedded = transformer.time_embed(timestep, batch_size=timestep.numel(), hidden_dtype=hidden.dtype)
     temb_audio, audio_embedded = transformer.audio_time_embed(audio_timestep, batch_size=count,
                                                               hidden_dtype=audio.dtype)
     temb_prompt = temb_prompt_audio = None
@@ -191,9 +200,10 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto")
     audio_ca_timestep = sigma if cross_timestep else audio_timestep
     modulation = _Modulation(
         temb=temb, temb_audio=temb_audio, temb_prompt=temb_prompt, temb_prompt_audio=temb_prompt_audio,
-        video_ca=transformer.av_cross_attn_video_scale_shift(video_ca_timestep, batch_size=count,
+        video_ca=transformer.av_cross_attn_video_scale_shift(video_ca_timestep, batch_size=video_ca_timestep.numel(),
                                                              hidden_dtype=hidden.dtype)[0],
-        video_ca_gate=transformer.av_cross_attn_video_a2v_gate(video_ca_timestep * gate_factor, batch_size=count,
+        video_ca_gate=transformer.av_cross_attn_video_a2v_gate(video_ca_timestep * gate_factor,
+                                                               batch_size=video_ca_timestep.numel(),
                                                                hidden_dtype=hidden.dtype)[0],
         audio_ca=transformer.av_cross_attn_audio_scale_shift(audio_ca_timestep, batch_size=count,
                                                              hidden_dtype=audio.dtype)[0],
@@ -216,8 +226,8 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto")
             (VIDEO, hidden, embedded, transformer.scale_shift_table, transformer.norm_out, transformer.proj_out),
             (AUDIO, audio, audio_embedded, transformer.audio_scale_shift_table, transformer.audio_norm_out,
              transformer.audio_proj_out)):
-        values = table[None] + emb[:, None]  # [rows, 2, dim]: shift, scale
-        shift, scale1 = layout.row_values(stream, torch.cat([values[:, 0], 1 + values[:, 1]], dim=1), 2)
+        values = table[None] + emb[:, None]  # [rows or tokens, 2, dim]: shift, scale
+        shift, scale1 = _values(layout, stream, values[:, 0], values[:, 1], scales=(1,))
         outputs.append(_unpack(layout, stream, proj(layout.modulate(stream, norm(x), scale1, shift)), order,
                                rows, len(calls)))
     return outputs[0], outputs[1]
@@ -246,7 +256,8 @@ def _mask_bias(layout, ordered, which, dtype) -> list[torch.Tensor | None]:
 
 @dataclass
 class _Modulation:
-    """Per-row embeddings of the timesteps: [rows, k * dim] each (the model's `temb`, `temb_ca_*`, ...)."""
+    """Per-row embeddings of the timesteps: [rows, k * dim] each (the model's `temb`, `temb_ca_*`, ...); `temb`,
+    `video_ca` and `video_ca_gate` are [video tokens, k * dim] where the video timestep is per token."""
 
     temb: torch.Tensor
     temb_audio: torch.Tensor
@@ -277,10 +288,13 @@ def _params(table: torch.Tensor, emb: torch.Tensor | None) -> list[torch.Tensor]
 
 
 def _values(layout, stream, *values: torch.Tensor, scales: Sequence[int] = ()) -> list[RowValues]:
-    """Row values as `stream`'s tokens see them, entries at `scales` as 1 + scale (for `modulate`)."""
+    """Row values (or one per token of `stream`) as `stream`'s tokens see them, entries at `scales` as 1 + scale
+    (for `modulate`)."""
     rows = layout.num_rows
     pieces = [(1 + v if i in scales else v).expand(rows, -1) if v.ndim == 1 else (1 + v if i in scales else v)
               for i, v in enumerate(values)]
+    if pieces[0].shape[0] != rows:  # NOTE: a value per token (a row has as many tokens as values only if it's 1)
+        return [RowValues(None, piece) for piece in pieces]
     return layout.row_values(stream, torch.cat(pieces, dim=1), len(pieces))
 
 
