@@ -1,4 +1,4 @@
-"""Tiny offline HunyuanVideo 1.5 pipelines (text to video), for tests and benchmarks.
+"""Tiny offline HunyuanVideo 1.5 pipelines (text and image to video), for tests and benchmarks.
 
 Built from configs, seeded, as diffusers' own fast tests build them, with local tokenizers: the character-level
 Qwen2 tokenizer of `testing.py` (with a short chat template and system message, so prompts stay a few dozen
@@ -47,9 +47,11 @@ def tiny_hunyuan_video15_transformer(size: HunyuanVideo15Size = HunyuanVideo15Si
 
 
 def tiny_hunyuan_video15_pipeline(size: HunyuanVideo15Size = HunyuanVideo15Size(), guidance_scale: float = 1.0,
-                                  seed: int = 0):
-    """A HunyuanVideo15Pipeline; `guidance_scale` > 1 sets its guider to classifier-free guidance."""
+                                  image_to_video: bool = False, seed: int = 0):
+    """A HunyuanVideo15Pipeline, or with `image_to_video` a HunyuanVideo15ImageToVideoPipeline (a tiny SigLIP
+    image encoder); `guidance_scale` > 1 sets its guider to classifier-free guidance."""
     from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
     from diffusers.guiders import ClassifierFreeGuidance
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
@@ -71,10 +73,14 @@ def tiny_hunyuan_video15_pipeline(size: HunyuanVideo15Size = HunyuanVideo15Size(
         pad_token_id=end, bos_token_id=end, eos_token_id=end)).eval()
     tokenizer_2 = ByT5Tokenizer()
     text_encoder_2 = tiny_t5_encoder(tokenizer_2, d_model=32, seed=seed + 3)
-    pipe = HunyuanVideo15Pipeline(transformer=transformer, vae=vae,
-                                  scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder=text_encoder,
-                                  text_encoder_2=text_encoder_2, tokenizer=tokenizer, tokenizer_2=tokenizer_2,
-                                  guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+    components = dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+                      text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+                      tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+    if image_to_video:
+        components.update(_tiny_siglip(transformer.config.image_embed_dim, seed + 4))
+        pipe = HunyuanVideo15ImageToVideoPipeline(**components)
+    else:
+        pipe = HunyuanVideo15Pipeline(**components)
     pipe.system_message = _SYSTEM
     prefix = tokenizer.apply_chat_template([[{"role": "system", "content": _SYSTEM}]], tokenize=True,
                                            return_dict=True)["input_ids"][0]
@@ -84,3 +90,14 @@ def tiny_hunyuan_video15_pipeline(size: HunyuanVideo15Size = HunyuanVideo15Size(
     pipe.vision_num_semantic_tokens = 4
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _tiny_siglip(hidden: int, seed: int) -> dict:
+    """A SigLIP vision encoder of `hidden` channels: 4 tokens per image (16 px, patches of 8)."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(seed)
+    config = SiglipVisionConfig(hidden_size=hidden, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=16, patch_size=8)
+    return dict(image_encoder=SiglipVisionModel(config).eval(),
+                feature_extractor=SiglipImageProcessor(size={"height": 16, "width": 16}))

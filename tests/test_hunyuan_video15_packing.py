@@ -1,17 +1,21 @@
 """HunyuanVideo 1.5 requests of different frame counts and sizes share packed transformer calls, exactly.
 
-HunyuanVideo15Pipeline runs through the generic program; its transformer calls merge by rows at equal sizes and
-pack through `models/hunyuan_video15/packing.py` at other sizes. Each request must equal its solo unwrapped run.
+HunyuanVideo15Pipeline and HunyuanVideo15ImageToVideoPipeline run through the generic program; their transformer
+calls merge by rows at equal sizes and pack through `models/hunyuan_video15/packing.py` at other sizes. Each
+request must equal its solo unwrapped run.
 """
 
 import functools
 
+import numpy as np
+import PIL.Image
 import pytest
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import support_for
+from diffusers_stepbatch.models.calls import describe_call
 from diffusers_stepbatch.models.hunyuan_video15.packing import hunyuan_video15_packing_unsupported, pack_calls
 from diffusers_stepbatch.models.hunyuan_video15.packing import pack_key
 from diffusers_stepbatch.programs import generic, program_for
@@ -119,9 +123,28 @@ def test_packed_forward_equals_the_models_forward_per_call(config, method):
     assert [got.shape for got in packed] == [want.shape for want in expected]
 
 
-def test_image_conditioned_calls_run_alone():
+def test_text_to_video_and_image_conditioned_calls_never_merge_by_rows():
+    # NOTE: the model reads text-to-video from all image embeds of a call at once
     model = tiny_hunyuan_video15_transformer()
-    support = support_for(model)
-    assert support.refusal(model, _call(2, (1, 2, 2), [3, 3], [1, 1], 0)) is None
-    assert "image embeds" in support.refusal(model, _call(2, (1, 2, 2), [3, 3], [1, 1], 0, image=True))
+    text_only = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 0))
+    with_image = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 1, image=True))
+    other_image = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 2, image=True))
+    assert text_only.signature != with_image.signature and with_image.signature == other_image.signature
+    assert support_for(model).refusal is None
     assert pack_key(dict(_call(1, (1, 2, 2), [3], [1], 0), attention_kwargs={"other": 1})) is None
+
+
+def test_image_to_video_requests_of_different_sizes_pack_and_equal_their_solo_runs():
+    pipe = tiny_hunyuan_video15_pipeline(CONFIGS["hv15-tiny"][0], guidance_scale=3.0, image_to_video=True)
+    requests = []
+    for i, kwargs in enumerate(_requests(SIZES)):
+        height, width = kwargs.pop("height"), kwargs.pop("width")  # NOTE: the pipeline sizes the video by its image
+        pixels = np.random.default_rng(i).integers(0, 255, (height, width, 3), dtype=np.uint8)
+        requests.append(dict(kwargs, image=PIL.Image.fromarray(pixels)))
+    expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        results = submit_all(sb, requests)
+        stats = sb.stats()
+    assert len({tuple(frames.shape) for frames in expected}) >= 3
+    assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]

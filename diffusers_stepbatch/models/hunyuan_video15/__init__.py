@@ -3,8 +3,8 @@
 Rows: latents, both prompts with their masks, image embeds and timesteps are per row, and the model's text
 reordering, refiner and masks work row by row. One decision is not: whether the call is text-to-video, read from
 all image embeds at once (`torch.all(image_embeds == 0)`), so a row with an image beside rows without would lose
-its image. Text-to-video calls (zero image embeds) merge by rows at equal sizes and pack at other sizes through
-`packing.py`; image-conditioned calls run alone.
+its image; calls merge by rows only with calls of the same kind (`merge_key`). `packing.py` packs calls of other
+frame counts and sizes, each call's kind decided for its own rows.
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ from .. import ModelSupport, Packing, register_model
 from .packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key
 
 
-def _image_conditioned(model: torch.nn.Module, arguments: dict[str, Any]) -> str | None:
+def text_to_video(arguments: dict[str, Any]) -> bool | None:
+    """Whether the model reads the call as text-to-video (all image embeds zero); None without image embeds."""
     image_embeds = arguments.get("image_embeds")
-    if isinstance(image_embeds, torch.Tensor) and not bool(torch.all(image_embeds == 0)):
-        return ("its image embeds decide text-to-video for the whole batch (torch.all(image_embeds == 0)), so an "
-                "image-conditioned call can't share a forward with other calls")
-    return None
+    return bool(torch.all(image_embeds == 0)) if isinstance(image_embeds, torch.Tensor) else None
 
 
 @register_model(HunyuanVideo15Transformer3DModel)
 def _hunyuan_video15() -> ModelSupport:
-    return ModelSupport(refusal=_image_conditioned, trusted=True,
+    return ModelSupport(merge_key=text_to_video, trusted=True,
                         packing=Packing(unsupported=hunyuan_video15_packing_unsupported, key=pack_key,
                                         run=pack_calls))
