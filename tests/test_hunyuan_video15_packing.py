@@ -66,6 +66,18 @@ def test_requests_of_different_frame_counts_and_sizes_pack_and_equal_their_solo_
     assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
 
 
+def test_requests_of_equal_size_merge_by_rows_and_equal_their_solo_runs():
+    pipe = hv15_pipe("hv15-patch2-cfg")
+    requests = [dict(kwargs, height=16, width=32, num_frames=5) for kwargs in _requests(SIZES[:4])]
+    expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        results = submit_all(sb, requests)
+        stats = sb.stats()
+    assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert max(stats["rows_histogram"]["denoise"]) > 2, stats["rows_histogram"]
+    assert stats["mixed"]["calls"] == 0
+
+
 def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
     class OwnProcessor(HunyuanVideo15AttnProcessor2_0):  # a custom processor: a packed call would bypass it
         pass
