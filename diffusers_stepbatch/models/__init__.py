@@ -49,6 +49,8 @@ class ModelSupport:
             different timesteps merge.
         output_lists_are_rows: list outputs hold one entry per row (else a list is a tuple of outputs).
         refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
+        merge_key: `merge_key(arguments)`: a value calls must share to merge by rows, for a decision the model makes
+            once for the whole batch (HunyuanVideo 1.5: text-to-video, read from all image embeds at once).
         trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
         teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
         packing: how calls of different sizes share one packed call; None: only equal sizes merge.
@@ -64,6 +66,7 @@ class ModelSupport:
     timestep_rows: tuple[str, ...] = ()
     output_lists_are_rows: bool = False
     refusal: Refusal | None = None
+    merge_key: Callable[[dict[str, Any]], Any] | None = None
     trusted: bool = False
     teacache_coefficients: tuple[float, ...] | None = None
     packing: Packing | None = None
@@ -110,5 +113,6 @@ def _load_modules() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401  (each registers its classes)
-        autoencoders, bria, chroma, flux, flux2, hidream, qwen2_5_vl, qwenimage, sd3, unet, unet_motion, wan, z_image,
+        autoencoders, bria, chroma, flux, flux2, hidream, hunyuan_video15, ltx2, qwen2_5_vl, qwenimage, sd3, unet,
+        unet_motion, wan, z_image,
     )

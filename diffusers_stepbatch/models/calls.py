@@ -96,6 +96,8 @@ def describe_call(model: torch.nn.Module, args: tuple, kwargs: dict, method: str
             continue
         template[name], part = _describe(value, None if name in support.shared else rows, row_inputs)
         described.append((name, part))
+    if support.merge_key is not None:
+        described.append(("merge key", ("value", support.merge_key(named))))
     return ModelCall(support, method, signature, template, tuple(described), row_inputs, rows, refusal, named)
 
 

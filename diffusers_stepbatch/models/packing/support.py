@@ -10,19 +10,22 @@ logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
 
-def unsupported_reason(transformer, processor_class: type | tuple[type, ...]) -> str | None:
+def unsupported_reason(transformer, processor_class: type | tuple[type, ...], called_whole: tuple[str, ...] = ()
+                       ) -> str | None:
     """Why driving `transformer`'s submodules directly could differ from its forward (another attention
     processor than `processor_class` (or one of them), fused projections, diffusers hooks, a model offload hook),
-    or None."""
+    or None. Submodules named in `called_whole` run as the model runs them (called, not driven op by op): any
+    processor of theirs is fine."""
     classes = processor_class if isinstance(processor_class, tuple) else (processor_class,)
     if own_attribute(transformer, "_hf_hook") is not None:
         return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
+    whole = tuple(f"{name}." for name in called_whole)
     for name, module in marked_modules(transformer):
         hooks = diffusers_hooks(module)
         if hooks:
             return f"diffusers hooks {sorted(hooks)} are registered on {name or 'the transformer'}"
         processor = own_attribute(module, "processor")
-        if processor is not None and type(processor) not in classes:
+        if processor is not None and type(processor) not in classes and not name.startswith(whole):
             return f"{name} uses {type(processor).__name__}, not {' or '.join(c.__name__ for c in classes)}"
         if own_attribute(module, "fused_projections"):
             return f"{name} has fused QKV projections"

@@ -1,0 +1,21 @@
+"""LTX-2 (`LTX2VideoTransformer3DModel`: LTX2Pipeline, image-to-video, condition and the other LTX-2 pipelines).
+
+Rows: video and audio latents, both prompts with their masks, the timesteps and the RoPE coordinates
+(`video_coords`, `audio_coords`) are per row; `num_frames`, `height`, `width`, `fps` and `audio_num_frames` are
+numbers for the whole call, so plain forwards merge only when they are equal (the call's signature holds them);
+`packing.py` packs rows of other frame counts, sizes, audio lengths and prompt lengths into one call (video
+timesteps per row or per token, as image-to-video passes them).
+"""
+
+from __future__ import annotations
+
+from diffusers import LTX2VideoTransformer3DModel
+
+from .. import ModelSupport, Packing, register_model
+from .packing import ltx2_packing_unsupported, pack_calls, pack_key
+
+
+@register_model(LTX2VideoTransformer3DModel)
+def _ltx2() -> ModelSupport:
+    return ModelSupport(trusted=True, packing=Packing(unsupported=ltx2_packing_unsupported, key=pack_key,
+                                                      run=pack_calls))
