@@ -13,6 +13,7 @@ import functools
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline, FlowMatchHeunDiscreteScheduler, ZImageImg2ImgPipeline
@@ -187,7 +188,7 @@ def test_output_comes_back_in_the_pipelines_own_type(name, output_type, return_d
     images = out.images if return_dict else out[0]
     if output_type == "pil":
         assert images[0].size == (96, 64)
-        got = torch.tensor(list(images[0].getdata()), dtype=torch.float32).reshape(64, 96, 3) / 255
+        got = torch.from_numpy(np.array(images[0])).float() / 255
     else:
         assert images.shape == (1, 64, 96, 3)
         got = torch.as_tensor(images[0])
@@ -230,7 +231,7 @@ def test_construction_refuses_what_the_exit_cannot_read():
     with pytest.raises(ValueError, match=r"reads 16-channel latents, Flux2KleinPipeline's VAE has 4"):
         StepBatched(klein, decoder=decoding_for("klein-v1", lq_latent_channels=16))
     with pytest.raises(ValueError, match=r"latent_spatial_down_factor=1 differs from the pipeline's latent "
-                                         r"downsampling 2 \(vae_scale_factor=1\)"):
+                                         r"downsampling 2 \(from its vae_scale_factor=1\)"):
         StepBatched(klein, decoder=decoding_for("klein-v1", latent_spatial_down_factor=1))
     heun = type(zimage)(**{**zimage.components, "scheduler": FlowMatchHeunDiscreteScheduler()})
     with pytest.raises(ValueError, match=r"holds for FlowMatchEulerDiscreteScheduler .* got "
@@ -281,3 +282,27 @@ def test_zimage_hand_over_is_the_flow_matching_latent_and_its_sigma():
     assert torch.equal(sigma, torch.full((3,), float(pipe.scheduler.sigmas[2])))
     lq, sigma = pid_family(pipe).to_pid(view, latents, 4, 8, 12)
     assert float(sigma[0]) == 0.0  # K = N: the clean latent
+
+
+@pytest.mark.parametrize("name, checkpoint, real", [
+    ("klein-v1", "PiD_res2k_sr4x_official_flux2_distill_4step", (128, 16)),
+    ("zimage-v1", "PiD_res2k_sr4x_official_flux_distill_4step", (16, 8)),
+])  # fmt: skip
+def test_pid_by_name_picks_the_released_checkpoint(monkeypatch, name, checkpoint, real):
+    from diffusers_stepbatch.decoders.pid.configs import get_official_config
+    from diffusers_stepbatch.decoders.registry import resolve_decoder
+
+    pipe, asked = FAMILIES[name][0](), []
+
+    def fake_from_pretrained(repo, checkpoint=None, **_):
+        asked.append((repo, checkpoint))
+        return decoding_for(name).decoder
+
+    monkeypatch.setattr(PiDDecoder, "from_pretrained", staticmethod(fake_from_pretrained))
+    assert isinstance(resolve_decoder("pid", pipe), PiDDecoding)
+    assert asked == [("nvidia/PiD", checkpoint)]
+    released = get_official_config(checkpoint)
+    assert pid_family(pipe).name in released.families
+    # NOTE: the released config reads the real pipeline's latent: FLUX.2's 32-channel VAE latent in 2x2 patches
+    # (4 x 32 channels at 8 x 2 downsampling), Z-Image's 16-channel one at 8
+    assert (released.constructor["lq_latent_channels"], released.constructor["latent_spatial_down_factor"]) == real

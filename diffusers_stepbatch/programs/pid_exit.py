@@ -92,8 +92,8 @@ def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
     if decoder.latent_spatial_down_factor != down:
         raise ValueError(
             f"the PiD decoder's latent_spatial_down_factor={decoder.latent_spatial_down_factor} differs from the "
-            f"pipeline's latent downsampling {down} (vae_scale_factor={pipe.vae_scale_factor}); use a PiD checkpoint "
-            "trained for this pipeline"
+            f"pipeline's latent downsampling {down} (from its vae_scale_factor={pipe.vae_scale_factor}); use a PiD "
+            "checkpoint trained for this pipeline"
         )
     if decoding.uses_pipeline_text and family.text_dim is None:
         raise ValueError(
