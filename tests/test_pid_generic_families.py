@@ -108,20 +108,22 @@ def hand_over(name: str, latents: torch.Tensor, height: int, width: int) -> torc
     return latents
 
 
-def reference(name: str, pipe, decoding: PiDDecoding, kwargs: dict, exit_step: int) -> torch.Tensor:
+def reference(name: str, pipe, decoding: PiDDecoding, kwargs: dict, exit_step: int, callback=None) -> torch.Tensor:
     """The plain pipeline at 1/SR for all its steps, x_t kept after step K, then PiD alone: images in [0, 1]."""
     kwargs = _seeded(kwargs)
     height, width = kwargs["height"], kwargs["width"]
     kept = {}
 
     def keep(step_pipe, i, _t, tensors):
+        if callback is not None:
+            tensors = {**tensors, **callback(step_pipe, i, _t, {"latents": tensors["latents"]})}
         if i == exit_step - 1:
             kept.update(latents=tensors["latents"].clone(), text=tensors["prompt_embeds"],
                         sigma=float(step_pipe.scheduler.sigmas[exit_step]))
         return tensors
 
-    pipe(**{**kwargs, "height": height // SR, "width": width // SR}, callback_on_step_end=keep,
-         callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"])
+    pipe(**{**kwargs, "height": height // SR, "width": width // SR, "callback_on_step_end": keep,
+            "callback_on_step_end_tensor_inputs": ["latents", "prompt_embeds"]})
     latent = hand_over(name, kept["latents"], height // SR, width // SR)
     images = latent.shape[0]
     if decoding.uses_pipeline_text:
@@ -173,6 +175,31 @@ def test_exit_at_the_first_and_last_step_and_several_images(name, exit_step, ste
     assert len(forwards) == exit_step * guided
     assert got.shape == (2, 3, 64, 64)
     assert max_diff(got, reference(name, pipe, decoding, kwargs, exit_step)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["klein-v1pt5", "zimage-v1pt5"])
+def test_the_callers_step_callback_runs_up_to_the_exit_and_can_change_latents(name):
+    pipe, decoding = FAMILIES[name][0](), decoding_for(name)
+    seen = []
+
+    def damp(step_pipe, i, _t, tensors):
+        seen.append((i, sorted(tensors)))
+        return {"latents": tensors["latents"] * 0.8} if i == 0 else tensors
+
+    kwargs = call(name, steps=4, callback_on_step_end_tensor_inputs=["latents"])
+    with StepBatched(pipe, decoder=decoding, pid_exit_step=2) as sb:
+        got = sb(**_seeded(kwargs), callback_on_step_end=damp).images
+    assert seen == [(0, ["latents"]), (1, ["latents"])]  # only what it asked for, only before the exit
+    assert max_diff(got, reference(name, pipe, decoding, kwargs, 2, callback=damp)) <= TOLERANCE
+    assert max_diff(got, reference(name, pipe, decoding, kwargs, 2)) > 1e-3  # the damping mattered
+
+    def interrupt(step_pipe, i, _t, tensors):
+        step_pipe._interrupt = True
+        return tensors
+
+    with StepBatched(pipe, decoder=decoding, pid_exit_step=3) as sb:
+        with pytest.raises(RuntimeError, match=r"ended before step pid_exit_step=3 \(was it interrupted\?\)"):
+            sb(**_seeded(kwargs), callback_on_step_end=interrupt)
 
 
 @pytest.mark.parametrize("name", ["klein-v1pt5", "zimage-v1"])
