@@ -50,6 +50,17 @@ def _klein(seed: int = 0):
 
 
 @functools.cache
+def _flux2_dev():
+    """FLUX.2 dev's pipeline on klein's tiny transformer and VAE; its Mistral-3 text encoder has no tiny offline
+    processor, so calls pass `prompt_embeds`."""
+    klein = _klein()
+    pipe = Flux2Pipeline(scheduler=klein.scheduler, vae=klein.vae, text_encoder=None, tokenizer=None,
+                         transformer=klein.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@functools.cache
 def _zimage(seed: int = 0):
     return tiny_z_image_pipeline(seed=seed)
 
@@ -61,6 +72,8 @@ FAMILIES = {
     # v1.5-style: PiD unpatchifies the 2x2 patches itself (lq_latent_unpatchify_factor=2)
     "klein-v1pt5": (lambda: _klein(1), dict(lq_latent_channels=4, latent_spatial_down_factor=2,
                                             lq_latent_unpatchify_factor=2, txt_embed_dim=24, **_V1PT5), 24),
+    "flux2-dev": (_flux2_dev, dict(lq_latent_channels=4, latent_spatial_down_factor=2, lq_latent_unpatchify_factor=2,
+                                   txt_embed_dim=16), "pipeline"),
     "zimage-v1": (_zimage, dict(lq_latent_channels=16, latent_spatial_down_factor=2, txt_embed_dim=24), 24),
     "zimage-v1pt5": (lambda: _zimage(1), dict(lq_latent_channels=16, latent_spatial_down_factor=2,
                                               txt_embed_dim=24, **_V1PT5), 24),
@@ -89,6 +102,8 @@ def decoding_for(name: str, seed: int = 1, **overrides) -> PiDDecoding:
 def call(name: str, prompt="a red circle", seed=0, steps=4, height=64, width=96, **kwargs) -> dict:
     """A guided call at the requested size."""
     extra = dict(text_encoder_out_layers=(1,), max_sequence_length=16) if name.startswith("klein") else {}
+    if name == "flux2-dev":  # no tiny text encoder: embeddings made from the prompt's characters
+        extra, prompt = dict(prompt_embeds=_FakeCaptionEncoder(16, 8).encode([prompt])), None
     defaults = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=4.0,
                     output_type="pt", seed=seed, **extra)
     return {**defaults, **kwargs}
@@ -102,7 +117,7 @@ def _seeded(kwargs: dict) -> dict:
 
 def hand_over(name: str, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """The latent PiD reads, computed by hand from the callback's latents."""
-    if name.startswith("klein"):  # packed [B, h*w, 4C], tokens row-major over the latent grid
+    if name.startswith(("klein", "flux2")):  # packed [B, h*w, 4C], tokens row-major over the latent grid
         h, w = height // 2, width // 2  # tiny klein: vae_scale_factor 1, 2x2 patches
         return latents.reshape(latents.shape[0], h, w, latents.shape[-1]).permute(0, 3, 1, 2)
     return latents
@@ -158,7 +173,7 @@ def test_concurrent_early_exits_equal_the_hand_made_reference_and_share_pid_call
     assert max_diff(got[0], got[1]) > 1e-2  # the requests really differ
 
 
-@pytest.mark.parametrize("name", ["klein-v1", "zimage-v1"])
+@pytest.mark.parametrize("name", ["klein-v1", "flux2-dev", "zimage-v1"])
 @pytest.mark.parametrize("exit_step, steps", [(1, 3), (3, 3)])
 def test_exit_at_the_first_and_last_step_and_several_images(name, exit_step, steps):
     """K = 1 and K = N (sigma 0: the clean latent), two images per prompt; the main model ran K forwards."""
@@ -171,7 +186,8 @@ def test_exit_at_the_first_and_last_step_and_several_images(name, exit_step, ste
             got = sb(**_seeded(kwargs)).images
     finally:
         handle.remove()
-    guided = 2 if name.startswith("klein") else 1  # klein calls cond and uncond in turn; Z-Image both rows at once
+    # NOTE: klein calls cond and uncond in turn; Z-Image both rows at once; FLUX.2 dev is guidance-distilled
+    guided = 2 if name.startswith("klein") else 1
     assert len(forwards) == exit_step * guided
     assert got.shape == (2, 3, 64, 64)
     assert max_diff(got, reference(name, pipe, decoding, kwargs, exit_step)) <= TOLERANCE
