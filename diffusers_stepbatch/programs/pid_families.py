@@ -133,9 +133,8 @@ def _vp_frame(view: Any, latents: torch.Tensor, exit_step: int, height: int, wid
 
 
 def _flux2_grid(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
-    """FLUX.2: packed tokens [B, h*w, 4C] scattered back to [B, 4C, h, w] (h = height / (vae_scale_factor * 2)) by
-    their position ids, still 2x2-patchified and batch-normalised: only the pipeline's tail after the loop
-    de-normalises and unpatchifies for the VAE. PiD's `lq_latent_unpatchify_factor` does the unpatchify itself."""
+    """FLUX.2: packed [B, h*w, 4C] -> [B, 4C, h, w] by position ids, still 2x2-patchified and batch-normalised
+    (only the pipeline's tail de-normalises and unpatchifies, for the VAE; PiD's unpatchify factor does the latter)."""
     down = view.vae_scale_factor * 2
     grid = latents.new_zeros(latents.shape[0], 1, height // down, width // down)
     lq = view._unpack_latents_with_ids(latents, view._prepare_latent_ids(grid).to(latents.device))
@@ -172,8 +171,7 @@ register_pid_family(QwenImagePipeline, PiDFamily(
     _transformer_text_dim, _unpacked_one_frame,
 ))  # fmt: skip
 
-# NOTE: the generic program serves these: it runs the pipeline's own loop at 1/sr_scale and stops it after K steps
-# (programs/pid_generic.py).
+# NOTE: served by the generic program: the pipeline's own loop, stopped after K steps (programs/pid_generic.py)
 for _flux2 in (Flux2Pipeline, Flux2KleinPipeline):
     register_pid_family(_flux2, PiDFamily(
         "flux2", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.latent_channels * 4,
