@@ -154,19 +154,22 @@ def reference(name: str, pipe, decoding: PiDDecoding, kwargs: dict, exit_step: i
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_concurrent_early_exits_equal_the_hand_made_reference_and_share_pid_calls(name):
-    """Different sizes, seeds, step counts and prompts, planned together: every request equals the plain pipeline's
-    x_t after K steps decoded by PiD alone, and the two same-size requests' PiD rows run in one call."""
+    """Different sizes, seeds, step counts and prompts, planned together with a decoder=None call: every request
+    equals the plain pipeline's x_t after K steps decoded by PiD alone, and the two same-size requests' PiD rows run
+    in one call."""
     pipe, decoding = FAMILIES[name][0](), decoding_for(name)
     calls = [
         call(name, "a red circle", seed=1, steps=3),
         call(name, "a blue square on a gray background", seed=2, steps=5),
         call(name, "a cat", seed=3, steps=4, height=96, width=64, guidance_scale=2.5),
     ]
+    plain = call(name, "a dog", seed=4, steps=3, height=16, width=24)  # decoder=None: all steps, VAE decode
     scheduler = SchedulerConfig(cost_aware=False, max_batch_size=16)
     with StepBatched(pipe, decoder=decoding, pid_exit_step=2, scheduler=scheduler) as sb:
-        got = in_lockstep(sb, calls)
+        *got, got_plain = in_lockstep(sb, [*calls, {**plain, "decoder": None}])
         histogram = sb.stats()["rows_histogram"]["pid"]
     assert histogram == Counter({2: 1, 1: 1}), histogram  # 64 x 96 (two requests) and 96 x 64
+    assert max_diff(got_plain, pipe(**_seeded(plain)).images) <= TOLERANCE
     for kwargs, images in zip(calls, got):
         assert images.shape == (1, 3, kwargs["height"], kwargs["width"])
         assert max_diff(images, reference(name, pipe, decoding, kwargs, exit_step=2)) <= TOLERANCE
@@ -304,9 +307,11 @@ def test_flux2_hand_over_is_the_batch_normalised_patchified_grid(pipeline_class)
     bn = pipe.vae.bn
     raw = pipeline_class._unpatchify_latents(lq * (bn.running_var.view(1, -1, 1, 1) + bn.eps).sqrt()
                                              + bn.running_mean.view(1, -1, 1, 1))
-    expected = torch.stack([  # the 2x2 patch of latent channel 0 at grid cell (y, x) sits in channels (dy * 2 + dx)
-        torch.stack([(lq[:, 2 * (y % 2) + x % 2, y // 2, x // 2] * (bn.running_var[2 * (y % 2) + x % 2] + bn.eps)
-                      .sqrt() + bn.running_mean[2 * (y % 2) + x % 2]) for x in range(12)], -1) for y in range(8)], -2)
+    expected = torch.empty(2, 8, 12)
+    for y in range(8):
+        for x in range(12):
+            c = 2 * (y % 2) + x % 2  # pixel (dy, dx) of a 2x2 patch is channel dy * 2 + dx of its grid cell
+            expected[:, y, x] = lq[:, c, y // 2, x // 2] * (bn.running_var[c] + bn.eps).sqrt() + bn.running_mean[c]
     assert max_diff(raw[:, 0], expected) <= 1e-6
     adapter = PiDDecoder(**{**_TINY_PID, "lq_latent_channels": 4, "latent_spatial_down_factor": 2, "sr_scale": 16,
                             "lq_latent_unpatchify_factor": 2}).lq_proj  # one latent pixel per PiD patch
