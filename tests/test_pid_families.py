@@ -264,7 +264,8 @@ def test_families_without_an_early_exit_program_are_refused():
     pipe = family_pipe("sd-euler")
     with pytest.raises(ValueError, match=r"PiD decoding is implemented for \['FluxPipeline', "
                                          r"'StableDiffusion3Pipeline', 'StableDiffusionXLPipeline', "
-                                         r"'QwenImagePipeline'\], not StableDiffusionPipeline"):
+                                         r"'QwenImagePipeline', 'Flux2Pipeline', 'Flux2KleinPipeline', "
+                                         r"'ZImagePipeline'\], not StableDiffusionPipeline"):
         StepBatched(pipe, decoder=PiDDecoding(tiny_pid("sdxl-euler"), "pipeline"))
 
 

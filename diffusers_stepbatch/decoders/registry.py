@@ -23,13 +23,16 @@ __all__ = ["PIPELINE_TEXT", "PiDDecoding", "register_decoder", "registered_decod
 PIPELINE_TEXT = "pipeline"
 
 TOY_ADAPTER_DIR = Path(__file__).resolve().parents[1] / "toy" / "pid_adapter"
-# NOTE: the reference's default per backbone ("2k" where one exists); Flux.2, Z-Image and the RAE decoders have
-# releases but no early-exit program here.
+# NOTE: the reference's default per backbone ("2k" where one exists; Z-Image reuses FLUX.1's, klein FLUX.2's); the
+# RAE decoders have releases but no early-exit program here.
 _OFFICIAL_FOR = {
     "FluxPipeline": "PiD_res2k_sr4x_official_flux_distill_4step",
     "StableDiffusion3Pipeline": "PiD_res2k_sr4x_official_sd3_distill_4step",
     "StableDiffusionXLPipeline": "PiD_res2kto4k_sr4x_official_sdxl_distill_4step",
     "QwenImagePipeline": "PiD_v1pt5_res2kto4k_sr4x_official_qwenimage_distill_4step",
+    "Flux2Pipeline": "PiD_res2k_sr4x_official_flux2_distill_4step",
+    "Flux2KleinPipeline": "PiD_res2k_sr4x_official_flux2_distill_4step",
+    "ZImagePipeline": "PiD_res2k_sr4x_official_flux_distill_4step",
 }
 
 
@@ -119,8 +122,8 @@ def _official_pid(pipe: Any) -> PiDDecoding:
     if checkpoint is None:
         raise ValueError(
             f"nvidia/PiD has no released checkpoint for {type(pipe).__name__} (released for: "
-            f"{', '.join(_OFFICIAL_FOR)}; and Flux.2, Z-Image, DINOv2 / SigLIP RAEs, which StepBatched has no "
-            "early-exit program for); pass decoder=PiDDecoder(...) trained on its latents"
+            f"{', '.join(_OFFICIAL_FOR)}; and DINOv2 / SigLIP RAEs, which StepBatched has no early-exit program "
+            "for); pass decoder=PiDDecoder(...) trained on its latents"
         )
     return PiDDecoding(PiDDecoder.from_pretrained("nvidia/PiD", checkpoint=checkpoint).eval())
 

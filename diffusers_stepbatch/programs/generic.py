@@ -27,6 +27,7 @@ from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import diffusers_hooks, execution_device, marked_modules
 from .options import PlanContext
+from .pid_generic import plan_generic_pid_exit
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
@@ -44,6 +45,9 @@ ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_enco
 @register_program(DiffusionPipeline, features=("adapters", "teacache"))
 def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
+    pid = plan_generic_pid_exit(pipe, args, context)  # PiD early exit (pid_generic.py); None: VAE decode
+    if pid is not None:
+        args = pid.call_args  # at 1/sr_scale, stopped after step K, latent output
     _check_call(pipe, args)
     positional, keywords = _call_arguments(pipe, args)
     steps = _num_steps(args)
@@ -75,6 +79,8 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
         _fix_execution_device(view, pipe)
         program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention,
                                   context.options.prompt_cache)
+    if pid is not None:
+        program = pid.decoded(program)
     scale = getattr(pipe, "vae_scale_factor", None)
     tokens = 1  # unknown: the pipeline derives its default size itself
     if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):

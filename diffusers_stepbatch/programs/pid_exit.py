@@ -88,10 +88,17 @@ def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
             f"the PiD decoder reads {decoder.lq_latent_channels}-channel latents, {type(pipe).__name__}'s VAE has "
             f"{channels}; use a PiD checkpoint trained for this pipeline"
         )
-    if decoder.latent_spatial_down_factor != pipe.vae_scale_factor:
+    down = family.latent_down_factor(pipe)
+    if decoder.latent_spatial_down_factor != down:
         raise ValueError(
             f"the PiD decoder's latent_spatial_down_factor={decoder.latent_spatial_down_factor} differs from the "
-            f"pipeline's vae_scale_factor={pipe.vae_scale_factor}; use a PiD checkpoint trained for this pipeline"
+            f"pipeline's latent downsampling {down} (from its vae_scale_factor={pipe.vae_scale_factor}); use a PiD "
+            "checkpoint trained for this pipeline"
+        )
+    if decoding.uses_pipeline_text and family.text_dim is None:
+        raise ValueError(
+            f"text_encoder='pipeline' is not supported for {type(pipe).__name__}: its prompt embeddings are not one "
+            "[B, L, D] tensor; pass a caption encoder (the default PiDTextEncoder)"
         )
     if decoding.uses_pipeline_text:
         dim = family.text_dim(pipe)
@@ -130,7 +137,7 @@ def plan_pid_exit(pipe: Any, args: dict[str, Any], context: PlanContext) -> PiDE
     multiple = math.lcm(sr_scale * main_multiple, decoder.patch_size)
     size = {}
     for name in ("height", "width"):
-        value = args[name] or pipe.default_sample_size * pipe.vae_scale_factor
+        value = args[name] or family.default_size(pipe)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive int")
         if value % multiple:

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    FluxPipeline,
+    QwenImagePipeline,
+    StableDiffusion3Pipeline,
+    StableDiffusionXLPipeline,
+    ZImagePipeline,
+)
 
 ToPiD = Callable[[Any, torch.Tensor, int, int, int], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -24,17 +33,22 @@ class PiDFamily:
         name: the reference's backbone tag ("flux", "sd3", "sdxl", "qwenimage").
         size_multiple: pipe -> the multiple (pixels) the main model's height and width must have.
         latent_channels: pipe -> channels of the VAE latent PiD reads.
-        text_dim: pipe -> width of the pipeline's own prompt embeddings (for `text_encoder="pipeline"`).
+        text_dim: pipe -> width of the pipeline's own prompt embeddings (for `text_encoder="pipeline"`); None
+            where they can't be PiD's text (Z-Image: a list of per-prompt lengths).
         to_pid: (view, latents after K steps, K, main height, main width) -> (latent, sigma [B] float32).
         check_scheduler: raises ValueError when the pipeline's scheduler keeps latents PiD can't read; None: any.
+        latent_down_factor: pipe -> pixels per latent pixel PiD reads (FLUX.2: its 2x2-patchified latent).
+        default_size: pipe -> the height and width the pipeline's `__call__` uses when none is given.
     """
 
     name: str
     size_multiple: Callable[[Any], int]
     latent_channels: Callable[[Any], int]
-    text_dim: Callable[[Any], int]
+    text_dim: Callable[[Any], int] | None
     to_pid: ToPiD
     check_scheduler: Callable[[Any], None] | None = None
+    latent_down_factor: Callable[[Any], int] = lambda pipe: pipe.vae_scale_factor
+    default_size: Callable[[Any], int] = lambda pipe: pipe.default_sample_size * pipe.vae_scale_factor
 
 
 _FAMILIES: dict[type, PiDFamily] = {}
@@ -73,7 +87,8 @@ def _unpacked(view: Any, latents: torch.Tensor, exit_step: int, height: int, wid
 
 
 def _as_is(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
-    """SD3: the denoiser's latent already is [B, C, h, w]."""
+    """SD3, Z-Image: the denoiser's latent already is [B, C, h, w] (Z-Image's transformer sees 1 - sigma as its
+    timestep and predicts -velocity, but its scheduler holds the usual x_t = (1 - sigma) x0 + sigma noise)."""
     return latents, _sigma_rows(view, exit_step, latents.shape[0])
 
 
@@ -117,6 +132,24 @@ def _vp_frame(view: Any, latents: torch.Tensor, exit_step: int, height: int, wid
     return lq, torch.full((lq.shape[0],), sigma / scale, dtype=torch.float32)
 
 
+def _flux2_grid(view: Any, latents: torch.Tensor, exit_step: int, height: int, width: int):
+    """FLUX.2: packed [B, h*w, 4C] -> [B, 4C, h, w] by position ids, still 2x2-patchified and batch-normalised
+    (only the pipeline's tail de-normalises and unpatchifies, for the VAE; PiD's unpatchify factor does the latter)."""
+    down = view.vae_scale_factor * 2
+    grid = latents.new_zeros(latents.shape[0], 1, height // down, width // down)
+    lq = view._unpack_latents_with_ids(latents, view._prepare_latent_ids(grid).to(latents.device))
+    return lq, _sigma_rows(view, exit_step, lq.shape[0])
+
+
+def _flow_euler_check(pipe: Any) -> None:
+    """Generic-program families exit through the pipeline's step callback: step K must be sigmas[K]."""
+    if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
+        raise ValueError(
+            f"PiD early exit on {type(pipe).__name__} reads the latent's noise level as scheduler.sigmas[K], which "
+            f"holds for FlowMatchEulerDiscreteScheduler (one sigma per step); got {type(pipe.scheduler).__name__}"
+        )
+
+
 def _transformer_text_dim(pipe: Any) -> int:
     return pipe.transformer.config.joint_attention_dim
 
@@ -136,4 +169,16 @@ register_pid_family(StableDiffusionXLPipeline, PiDFamily(
 register_pid_family(QwenImagePipeline, PiDFamily(
     "qwenimage", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.z_dim,
     _transformer_text_dim, _unpacked_one_frame,
+))  # fmt: skip
+
+# NOTE: served by the generic program: the pipeline's own loop, stopped after K steps (programs/pid_generic.py)
+for _flux2 in (Flux2Pipeline, Flux2KleinPipeline):
+    register_pid_family(_flux2, PiDFamily(
+        "flux2", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.latent_channels * 4,
+        _transformer_text_dim, _flux2_grid, _flow_euler_check,
+        latent_down_factor=lambda pipe: pipe.vae_scale_factor * 2,
+    ))  # fmt: skip
+register_pid_family(ZImagePipeline, PiDFamily(
+    "zimage", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.latent_channels,
+    None, _as_is, _flow_euler_check, default_size=lambda pipe: 1024,  # ZImagePipeline.__call__'s default
 ))  # fmt: skip
