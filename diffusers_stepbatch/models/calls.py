@@ -7,6 +7,7 @@ inputs; everything else goes into the call's signature, and only calls with equa
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.utils import BaseOutput
+from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from ..programs.validation import freeze
@@ -246,9 +248,34 @@ def cut(output: Any, begin: int, end: int, total: int, lists_are_rows: bool = Fa
         return type(output)(cut(v, begin, end, total, lists_are_rows) for v in output)
     if isinstance(output, dict):
         return {k: cut(v, begin, end, total, lists_are_rows) for k, v in output.items()}
+    if isinstance(output, Cache):
+        return _cache_rows(output, begin, end, total)
     if output is None or isinstance(output, (bool, int, float, str)):
         return output
     raise NotRowWise(f"an output of type {type(output).__name__} can't be split by rows")
+
+
+_KV = ("keys", "values")
+
+
+def _cache_rows(cache: Cache, begin: int, end: int, total: int) -> Cache:
+    """Rows [begin, end) of a key-value cache a text encoder returns with its states (layers of [rows, heads,
+    tokens, dim] keys and values); a layer holding other per-row state is not split."""
+    rows = copy.copy(cache)
+    rows.layers = []
+    for layer in cache.layers:
+        part = copy.copy(layer)
+        for name, value in vars(layer).items():
+            if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                continue
+            if name in _KV and value.shape[0] == total:
+                setattr(part, name, value[begin:end])
+            elif name in _KV and value.numel() == 0:
+                continue  # NOTE: a layer not filled yet
+            else:
+                raise NotRowWise(f"a {type(layer).__name__} holds {name} of shape {tuple(value.shape)}")
+        rows.layers.append(part)
+    return rows
 
 
 def slice_rows(rows: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
@@ -267,6 +294,9 @@ def max_difference(merged: Any, alone: Any) -> float:
         return float((merged.detach().float() - alone.detach().float()).abs().max() / scale) if alone.numel() else 0.0
     if isinstance(merged, DiagonalGaussianDistribution) and isinstance(alone, DiagonalGaussianDistribution):
         return max_difference(merged.parameters, alone.parameters)
+    if isinstance(merged, Cache) and isinstance(alone, Cache):
+        merged, alone = ([[getattr(layer, name, None) for name in _KV] for layer in cache.layers]
+                         for cache in (merged, alone))
     if isinstance(merged, _RECORDS):
         merged, alone = tuple(merged.values()), tuple(alone.values())
     if isinstance(merged, dict) and isinstance(alone, dict):
