@@ -9,6 +9,8 @@ from dataclasses import dataclass
 API_KEY_ENV = "DIFFUSERS_STEPBATCH_API_KEY"
 TOY_MODEL = "toy"
 TOY_SERVED_NAME = "toy-shapes"
+# Tiny offline Wan 2.1 pipelines (random weights: noise videos) that exercise the videos API without a download.
+TINY_VIDEO_MODELS = {"tiny-wan": False, "tiny-wan-i2v": True}  # name -> image-to-video
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -28,6 +30,12 @@ class ServeConfig:
         shutdown_timeout_s, retry_after_s: seconds in-flight requests get after SIGTERM; a 429's `Retry-After`.
         edits: serve `/v1/images/edits`; allow_remote_images: let edits name http(s) URLs (fetched).
         max_body_bytes, max_prompt_chars, max_input_images, max_image_pixels: request limits (413 / 400).
+        video_dir: where video jobs keep their files (None: a temporary folder removed at shutdown).
+        video_retention_s: seconds a finished video job and its files are kept (`expires_at`).
+        max_video_jobs: video jobs kept at once; the oldest finished ones make room, else a 429.
+        video_fps: frames per second of the MP4s (and `seconds` -> frames: seconds * fps + 1).
+        max_video_frames: the most frames one video may have.
+        video_preview_every: a preview every this many steps on a job's event stream (0: about ten per job).
     """
 
     model: str = TOY_MODEL
@@ -57,6 +65,12 @@ class ServeConfig:
     max_input_images: int = 16
     max_image_pixels: int = 4096 * 4096
     allow_remote_images: bool = False
+    video_dir: str | None = None
+    video_retention_s: float = 3600.0
+    max_video_jobs: int = 256
+    video_fps: int = 16
+    max_video_frames: int = 257
+    video_preview_every: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -67,7 +81,12 @@ class ServeConfig:
             raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s} must be >= 0")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 0")
-        for name in ("max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels"):
+        if self.video_retention_s <= 0:
+            raise ValueError(f"video_retention_s={self.video_retention_s} must be > 0")
+        if self.video_preview_every < 0:
+            raise ValueError(f"video_preview_every={self.video_preview_every} must be >= 0 (0: automatic)")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels", "max_video_jobs",
+                     "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.api_key is None:
