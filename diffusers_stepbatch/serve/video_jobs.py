@@ -112,6 +112,8 @@ class VideoJobs:
             due = previewer is not None and (index + 1) % every == 0 and index + 1 < total
             raw = None if previewer is None else previewer.predict(step_pipe.scheduler, index, tensors["latents"], due)
             with self._lock:
+                if job.finished:  # NOTE: cancelled while this step ran: the engine drops it before the next
+                    return {}
                 job.status, job.step, job.num_steps = "in_progress", index + 1, total
                 self._publish(job, self._progress_event(job))
             if raw is not None:
