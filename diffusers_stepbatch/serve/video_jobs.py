@@ -91,6 +91,8 @@ class VideoJobs:
         self.root = Path(tempfile.mkdtemp(prefix="stepbatch-videos-") if self._owns_root else config.video_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="stepbatch-video")
+        # NOTE: one thread, so that a job's previews come in step order
+        self._previews = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepbatch-video-preview")
         self._closed = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="stepbatch-video-sweeper", daemon=True)
         self._sweeper.start()
@@ -117,7 +119,10 @@ class VideoJobs:
                 job.status, job.step, job.num_steps = "in_progress", index + 1, total
                 self._publish(job, self._progress_event(job))
             if raw is not None:
-                self._pool.submit(self._make_preview, job, previewer, raw, index + 1, total)
+                try:
+                    self._previews.submit(self._make_preview, job, previewer, raw, index + 1, total)
+                except RuntimeError:  # shutting down: the job is being cancelled, no one waits for previews
+                    pass
             return {}
 
         try:
@@ -330,6 +335,7 @@ class VideoJobs:
         for job in jobs:
             if not job.finished:
                 job.handle.abort()
+        self._previews.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True)
         with self._lock:
             for job in list(self._jobs.values()):
