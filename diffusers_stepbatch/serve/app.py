@@ -24,6 +24,7 @@ from .metrics import HTTPMetrics, MetricsMiddleware, ReplicaHeaderMiddleware
 from .model import ServingModel, load_model
 from .protocol import APIError
 from .routes import COMPONENT_SCHEMAS, router
+from .video_routes import page_router as video_page_router
 from .video_routes import router as video_router
 from .state import ServerContext, ServerState
 
@@ -86,6 +87,7 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     app.state.config = config
     app.include_router(router)
     app.include_router(video_router)
+    app.include_router(video_page_router)
     app.openapi = functools.partial(_openapi, app)
     for handled, handler in ((APIError, api_error), (RequestValidationError, validation_error),
                              (StarletteHTTPException, http_error)):

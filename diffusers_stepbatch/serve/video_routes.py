@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -37,6 +38,14 @@ _ERRORS = {status: {"model": ErrorResponse, "description": text} for status, tex
 
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(authorize)], tags=["videos"])
+page_router = APIRouter()
+
+
+@page_router.get("/static/video.js", include_in_schema=False)
+async def video_script() -> Response:
+    """The web page's video mode."""
+    script = resources.files(__package__).joinpath("static/video.js").read_text(encoding="utf-8")
+    return Response(script, media_type="text/javascript")
 
 
 def _server(request: Request) -> ServerContext:
