@@ -21,18 +21,18 @@ openai = pytest.importorskip("openai", reason="the server tests need `pip instal
 pytest.importorskip("fastapi", reason="the server tests need `pip install -e .[serve,test]`")
 pytest.importorskip("av", reason="the videos API needs `pip install -e .[video]`")
 
-from PIL import Image  # noqa: E402
+from PIL import Image
 
-from diffusers_stepbatch.serve import ServeConfig, create_app, load_model  # noqa: E402
-from diffusers_stepbatch.serve.video_encoding import read_mp4, to_uint8, write_mp4  # noqa: E402
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline  # noqa: E402
+from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
+from diffusers_stepbatch.serve.video_encoding import read_mp4, to_uint8, write_mp4
+from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 
-from .serve_helpers import ServerThread, wait_for  # noqa: E402
+from .serve_helpers import ServerThread, wait_for
 
 # NOTE: the openai client marks its videos methods deprecated (the hosted API's end); the wire format stays
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 FPS = 4  # NOTE: seconds -> frames is seconds * 4 + 1 here, so 1 s and 2 s are frame counts Wan takes (5, 9)
-CONFIG = dict(video_fps=FPS, max_video_frames=33)
+CONFIG = {"video_fps": FPS, "max_video_frames": 33}
 
 
 @pytest.fixture(scope="module")

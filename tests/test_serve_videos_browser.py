@@ -13,10 +13,10 @@ pytest.importorskip("fastapi", reason="the server tests need `pip install -e .[s
 pytest.importorskip("av", reason="the videos API needs `pip install -e .[video]`")
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs `pip install playwright`")
 
-from diffusers_stepbatch.serve import ServeConfig, create_app, load_model  # noqa: E402
+from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
 
-from .serve_helpers import ServerThread  # noqa: E402
-from .test_serve_browser import CHROMIUM, CHROMIUM_FLAGS  # noqa: E402
+from .serve_helpers import ServerThread
+from .test_serve_browser import CHROMIUM, CHROMIUM_FLAGS
 
 if not os.path.exists(CHROMIUM) and not shutil.which("chromium") and not os.environ.get("CI"):
     pytest.skip("Debian's chromium is not installed (`apt-get install chromium`)", allow_module_level=True)

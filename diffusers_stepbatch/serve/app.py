@@ -24,9 +24,9 @@ from .metrics import HTTPMetrics, MetricsMiddleware, ReplicaHeaderMiddleware
 from .model import ServingModel, load_model
 from .protocol import APIError
 from .routes import COMPONENT_SCHEMAS, router
+from .state import ServerContext, ServerState
 from .video_routes import page_router as video_page_router
 from .video_routes import router as video_router
-from .state import ServerContext, ServerState
 
 logger = logging.getLogger(__name__)
 

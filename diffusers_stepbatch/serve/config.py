@@ -9,8 +9,7 @@ from dataclasses import dataclass
 API_KEY_ENV = "DIFFUSERS_STEPBATCH_API_KEY"
 TOY_MODEL = "toy"
 TOY_SERVED_NAME = "toy-shapes"
-# Tiny offline Wan 2.1 pipelines (random weights: noise videos) that exercise the videos API without a download.
-TINY_VIDEO_MODELS = {"tiny-wan": False, "tiny-wan-i2v": True}  # name -> image-to-video
+TINY_VIDEO_MODELS = {"tiny-wan": False, "tiny-wan-i2v": True}  # offline random Wan 2.1: name -> image-to-video
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -30,12 +29,9 @@ class ServeConfig:
         shutdown_timeout_s, retry_after_s: seconds in-flight requests get after SIGTERM; a 429's `Retry-After`.
         edits: serve `/v1/images/edits`; allow_remote_images: let edits name http(s) URLs (fetched).
         max_body_bytes, max_prompt_chars, max_input_images, max_image_pixels: request limits (413 / 400).
-        video_dir: where video jobs keep their files (None: a temporary folder removed at shutdown).
-        video_retention_s: seconds a finished video job and its files are kept (`expires_at`).
-        max_video_jobs: video jobs kept at once; the oldest finished ones make room, else a 429.
-        video_fps: frames per second of the MP4s (and `seconds` -> frames: seconds * fps + 1).
-        max_video_frames: the most frames one video may have.
-        video_preview_every: a preview every this many steps on a job's event stream (0: about ten per job).
+        video_dir, video_retention_s, max_video_jobs: where video jobs keep their files (None: a temporary
+            folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
+            frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
     """
 
     model: str = TOY_MODEL

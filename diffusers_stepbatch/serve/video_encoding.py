@@ -1,7 +1,4 @@
-"""Video frames to files: H.264 MP4 (PyAV), a WebP thumbnail, and small animated GIF previews.
-
->>> write_mp4(to_uint8(output.frames[0]), "out.mp4", fps=16)
-"""
+"""Video frames to files: H.264 MP4 (PyAV), a WebP thumbnail, and small animated GIF previews."""
 
 from __future__ import annotations
 
@@ -23,21 +20,17 @@ def to_uint8(frames: Any) -> np.ndarray:
 
 
 def write_mp4(frames: np.ndarray, target: Any, fps: int) -> None:
-    """uint8 frames [F, H, W, 3] as an H.264 MP4 (yuv420p: what browsers play) at `fps`, to a path or file.
-
-    Deterministic: the same frames give the same bytes.
-    """
+    """uint8 frames [F, H, W, 3] as a deterministic H.264 MP4 (yuv420p: what browsers play), to a path or file."""
     import av
 
-    count, height, width, _ = frames.shape
+    _, height, width, _ = frames.shape
     # NOTE: faststart (the index first, so a browser plays while it downloads) rewrites the file: paths only
     options = {"movflags": "+faststart"} if isinstance(target, (str, os.PathLike)) else {}
     with av.open(target, mode="w", format="mp4", options=options) as container:
         stream = container.add_stream("libx264", rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        # NOTE: x264's MB-tree rate control made two encodes of the same small frames differ (3 different files
-        # out of 8 once torch had run in the process); without it, and on one thread, an MP4 is a function of
-        # its frames. One thread costs little next to the denoising.
+        # NOTE: with MB-tree, 8 encodes of the same small frames gave 3 different files once torch had run in
+        # the process; without it, on one thread (cheap next to denoising), an MP4 is a function of its frames
         stream.options = {"crf": str(MP4_CRF), "preset": "medium", "threads": "1", "x264-params": "mbtree=0"}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):

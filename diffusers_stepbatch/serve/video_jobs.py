@@ -182,7 +182,7 @@ class VideoJobs:
             frames = to_uint8(output.frames[0])
             write_mp4(frames, job.directory / VIDEO_FILE, job.plan.fps)
             write_thumbnail(frames, job.directory / THUMBNAIL_FILE)
-        except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
+        except Exception as exc:  # the job fails, the server goes on
             logger.exception("writing %s failed", job.id)
             self._fail(job, "encoding_failed", f"writing the MP4 failed: {type(exc).__name__}: {exc}", "server_error")
             return
@@ -324,7 +324,7 @@ class VideoJobs:
         while not self._closed.wait(interval):
             try:
                 self._sweep(time.time())
-            except Exception:  # noqa: BLE001 - the sweeper must outlive a bad folder
+            except Exception:  # the sweeper must outlive a bad folder
                 logger.exception("sweeping expired video jobs failed")
 
     def close(self) -> None:
