@@ -281,6 +281,9 @@ def test_other_models_variants_and_images_routes_are_refused(client, url):
     with pytest.raises(openai.BadRequestError) as caught:
         client.images.generate(prompt="a cat")
     assert caught.value.body["param"] == "model" and caught.value.body["code"] == "images_not_supported"
+    paths = httpx.get(f"{url}/openapi.json").json()["paths"]
+    assert {"/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content",
+            "/v1/videos/{video_id}/events"} <= set(paths)
     card = httpx.get(f"{url}/v1/models").json()["data"][0]
     assert card["kind"] == "video" and card["video"] == {"image_to_video": False, "size_multiple": 16,
                                                          "frame_multiple": 4, "default_frames": 9}

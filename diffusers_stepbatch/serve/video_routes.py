@@ -139,8 +139,9 @@ async def create_video(request: Request) -> JSONResponse:
         raise
     except Exception as exc:
         error = engine_error(exc, server.config, plan.kwargs)
-        if error.status == 400 and error.param is None:
-            error.param = VIDEO_FIELD_OF_ARGUMENT.get(getattr(exc, "argument", None))
+        argument = getattr(exc, "argument", None)
+        if error.status == 400 and argument in VIDEO_FIELD_OF_ARGUMENT:  # NOTE: `image` is `input_reference` here
+            error.param = VIDEO_FIELD_OF_ARGUMENT[argument]
         raise error from exc
     return JSONResponse(job.to_object())
 
