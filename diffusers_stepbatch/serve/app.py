@@ -25,6 +25,8 @@ from .model import ServingModel, load_model
 from .protocol import APIError
 from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
+from .video_routes import page_router as video_page_router
+from .video_routes import router as video_router
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
             loading = asyncio.create_task(load_in_background())
         yield
         state.begin_shutdown()
+        if server.videos is not None:
+            await asyncio.to_thread(server.videos.close)  # NOTE: cancels running video jobs, deletes their files
         if loading is not None:
             await loading  # NOTE: a load can't be interrupted; close what it made
         if state.model is not None and (loading is not None if close_model is None else close_model):
@@ -82,6 +86,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     app.state.server_state = state
     app.state.config = config
     app.include_router(router)
+    app.include_router(video_router)
+    app.include_router(video_page_router)
     app.openapi = functools.partial(_openapi, app)
     for handled, handler in ((APIError, api_error), (RequestValidationError, validation_error),
                              (StarletteHTTPException, http_error)):

@@ -22,7 +22,8 @@ def _number(text: str) -> int | float:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     defaults = ServeConfig(api_key="")
     add = parser.add_argument
-    add("--model", default=defaults.model, help="'toy' (the shipped toy-shapes model) or a Hub id / local folder")
+    add("--model", default=defaults.model, help="'toy' (the shipped toy-shapes model), 'tiny-wan' / 'tiny-wan-i2v' "
+        "(tiny random video pipelines, for trying the videos API) or a Hub id / local folder")
     add("--dtype", default=defaults.dtype, choices=DTYPES)
     add("--device", default=defaults.device, help="cpu, cuda, cuda:1, ...")
     add("--host", default=defaults.host)
@@ -50,6 +51,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--max-input-images", type=int, default=defaults.max_input_images, help="most images in one edit")
     add("--max-image-pixels", type=int, default=defaults.max_image_pixels, help="most pixels of an input image")
     add("--allow-remote-images", action="store_true", help="let edits name http(s) image URLs (the server fetches)")
+    add("--video-dir", default=None, help="where video jobs keep their files (default: a temporary folder)")
+    add("--video-retention-s", type=float, default=defaults.video_retention_s,
+        help="seconds a finished video job and its MP4 are kept")
+    add("--max-video-jobs", type=int, default=defaults.max_video_jobs, help="video jobs kept at once")
+    add("--video-fps", type=int, default=defaults.video_fps, help="frames per second of the MP4s")
+    add("--max-video-frames", type=int, default=defaults.max_video_frames, help="most frames in one video")
+    add("--video-preview-every", type=int, default=defaults.video_preview_every,
+        help="a preview every this many steps on a video job's events (0: about ten per job)")
     add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add("--access-log", action=argparse.BooleanOptionalAction, default=True)

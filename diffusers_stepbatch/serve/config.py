@@ -9,6 +9,7 @@ from dataclasses import dataclass
 API_KEY_ENV = "DIFFUSERS_STEPBATCH_API_KEY"
 TOY_MODEL = "toy"
 TOY_SERVED_NAME = "toy-shapes"
+TINY_VIDEO_MODELS = {"tiny-wan": False, "tiny-wan-i2v": True}  # offline random Wan 2.1: name -> image-to-video
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -28,6 +29,9 @@ class ServeConfig:
         shutdown_timeout_s, retry_after_s: seconds in-flight requests get after SIGTERM; a 429's `Retry-After`.
         edits: serve `/v1/images/edits`; allow_remote_images: let edits name http(s) URLs (fetched).
         max_body_bytes, max_prompt_chars, max_input_images, max_image_pixels: request limits (413 / 400).
+        video_dir, video_retention_s, max_video_jobs: where video jobs keep their files (None: a temporary
+            folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
+            frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
     """
 
     model: str = TOY_MODEL
@@ -57,6 +61,12 @@ class ServeConfig:
     max_input_images: int = 16
     max_image_pixels: int = 4096 * 4096
     allow_remote_images: bool = False
+    video_dir: str | None = None
+    video_retention_s: float = 3600.0
+    max_video_jobs: int = 256
+    video_fps: int = 16
+    max_video_frames: int = 257
+    video_preview_every: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -67,7 +77,12 @@ class ServeConfig:
             raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s} must be >= 0")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 0")
-        for name in ("max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels"):
+        if self.video_retention_s <= 0:
+            raise ValueError(f"video_retention_s={self.video_retention_s} must be > 0")
+        if self.video_preview_every < 0:
+            raise ValueError(f"video_preview_every={self.video_preview_every} must be >= 0 (0: automatic)")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels", "max_video_jobs",
+                     "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.api_key is None:

@@ -89,6 +89,7 @@ class Generation:
 
 def plan_generation(model: ServingModel, body: ImageOptions, max_prompt_chars: int) -> Generation:
     """Map an OpenAI generation request onto the pipeline's `__call__` arguments; 400 for what it can't take."""
+    _check_makes_images(model)
     check_request(body, max_prompt_chars)
     width, height = parse_size(body.size, model.default_size)
     if model.sizes is not None:
@@ -100,6 +101,7 @@ def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prom
     """Map an edit (its images already decoded and checked) onto the edit pipeline that serves it."""
     from .edits import check_reference_images, pick_edit, takes_several_images
 
+    _check_makes_images(model)
     check_request(body, max_prompt_chars)
     task, sb = pick_edit(model.edits, inputs.mask is not None, model.name)
     first = inputs.images[0]
@@ -140,6 +142,12 @@ def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prom
         steps = generation.num_steps
         generation.num_steps = steps - int(max(steps - min(steps * strength, steps), 0))
     return generation
+
+
+def _check_makes_images(model: ServingModel) -> None:
+    if model.makes_videos:
+        raise bad_request(f"{model.name} ({type(model.sb.pipe).__name__}) makes videos, not images; use POST "
+                          f"/v1/videos", "model", code="images_not_supported")
 
 
 def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: int,

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import TOY_MODEL, ServeConfig
+from .config import TINY_VIDEO_MODELS, TOY_MODEL, ServeConfig
 from .sizes import SizeRange
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,16 @@ class ServingModel:
         self._edits_in_flight = 0
         self._lock = threading.Lock()
 
+    @property
+    def makes_videos(self) -> bool:
+        """A video pipeline: its `__call__` takes `num_frames` and its output has `.frames` (served on /v1/videos)."""
+        return "num_frames" in self.parameters
+
+    @property
+    def image_to_video(self) -> bool:
+        """A video pipeline that starts from an image (`input_reference`)."""
+        return self.makes_videos and "image" in self.parameters
+
     def accepts(self, argument: str, sb: Any = None) -> bool:
         """Whether the wrapped pipeline's (or `sb`'s) `__call__` takes `argument`."""
         if sb is None or sb is self.sb:
@@ -69,8 +79,12 @@ class ServingModel:
 
     def card(self) -> dict[str, Any]:
         """What `/v1/models` says about the model beyond OpenAI's fields."""
+        if self.makes_videos:
+            from .video_request import video_card
+
+            return video_card(self)
         width, height = self.default_size
-        return {"pipeline": type(self.sb.pipe).__name__, "default_size": f"{width}x{height}",
+        return {"pipeline": type(self.sb.pipe).__name__, "kind": "image", "default_size": f"{width}x{height}",
                 "sizes": None if self.sizes is None else self.sizes.card(),
                 "edits": {task: type(sb.pipe).__name__ for task, sb in self.edits.items()}}
 
@@ -96,6 +110,14 @@ def load_model(config: ServeConfig) -> ServingModel:
                     "guidance_scale": DEFAULT_GUIDANCE, "max_sequence_length": MAX_SEQUENCE_LENGTH}
         return serve_pipeline(pipe, config, call_defaults=defaults,
                               sizes=SizeRange(MIN_SIDE, MAX_SIDE, SIZE_MULTIPLE, MAX_ASPECT))
+    if config.model in TINY_VIDEO_MODELS:
+        from ..testing_video_models import tiny_wan_pipeline
+
+        pipe = tiny_wan_pipeline(image_to_video=TINY_VIDEO_MODELS[config.model])
+        if config.device != "cpu" or dtype != torch.float32:  # NOTE: built in fp32 on the CPU; `.to` warns for Wan
+            pipe = pipe.to(config.device, dtype)
+        return serve_pipeline(pipe, config,
+                              call_defaults={"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 4})
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(config.model, dtype=dtype).to(config.device)
@@ -121,7 +143,9 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
         decoder=config.decoder,
         pid_exit_step=config.pid_exit_step,
     )
-    edits = edit_pipelines(sb) if config.edits else {}
+    # NOTE: an image-to-video pipeline takes `image` too, but it is served on /v1/videos, never as an image edit
+    video = "num_frames" in inspect.signature(type(pipe).__call__).parameters
+    edits = edit_pipelines(sb) if config.edits and not video else {}
     twin = generic_twin(sb) if edits and config.teacache is None and config.decoder is None else None
     logger.info("serving %s as %r: %r; edits: %s", type(pipe).__name__, config.model_name, sb,
                 sorted(edits) or "none")

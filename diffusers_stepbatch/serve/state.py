@@ -34,6 +34,7 @@ class ServerContext:
     registry: Any
     http_metrics: HTTPMetrics
     live: LiveRequests = field(default_factory=LiveRequests)
+    videos: Any = None  # the video jobs (`video_jobs.VideoJobs`), made by the first videos request
 
     def ready_model(self, requested: str | None) -> ServingModel:
         """The served model, or a 503 (not ready) / 404 (another model's name)."""
