@@ -1,4 +1,4 @@
-"""Tiny offline pipelines of the newer image families (Z-Image, FLUX.2), for tests and benchmarks.
+"""Tiny offline pipelines of the newer image families (Z-Image, FLUX.2 dev and klein), for tests and benchmarks.
 
 Built from configs, seeded, with the byte-level Qwen tokenizer of `testing.py` plus a short chat template
 (tokens are characters here, so prompts stay short).
@@ -63,23 +63,57 @@ def tiny_z_image_pipeline(dim: int = 32, heads: int = 2, axes_dims: tuple[int, i
 def tiny_flux2_klein_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tuple[int, ...] = (4, 4, 4, 4),
                               seed: int = 0, pipeline_class=None):
     """A Flux2KleinPipeline (or `pipeline_class`): pass `text_encoder_out_layers=(1,)` to calls."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from diffusers import Flux2Transformer2DModel
+    from diffusers import Flux2KleinPipeline
 
     tokenizer = tiny_chat_tokenizer()
     text_encoder = _qwen3(tokenizer, 16, causal_lm=True, seed=seed + 1)
+    cls = pipeline_class or Flux2KleinPipeline
+    return _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, seed, guidance_embeds=False)
+
+
+# NOTE: content may be a list of parts (FLUX.2 dev's messages); the system message is left out, since with
+# one token per character it would fill max_sequence_length before the prompt
+_FLUX2_DEV_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endif %}{% endfor %}")
+
+
+def tiny_flux2_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tuple[int, ...] = (4, 4, 4, 4),
+                        seed: int = 0):
+    """A Flux2Pipeline (FLUX.2 dev: guidance embedding, Mistral3 text encoder): pass `text_encoder_out_layers=(1,)`
+    to calls. The processor is the tiny tokenizer with a chat template for FLUX.2's messages (transformers'
+    PixtralProcessor needs torchvision), enough for text prompts; prompt upsampling is not supported."""
+    from diffusers import Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    tokenizer = tiny_qwen2_tokenizer()
+    tokenizer.chat_template = _FLUX2_DEV_TEMPLATE
+    text = MistralConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer), max_position_embeddings=512)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=32, patch_size=8, head_dim=8)
+    torch.manual_seed(seed + 1)
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision)).eval()
+    return _flux2_pipeline(Flux2Pipeline, tokenizer, text_encoder, heads, head_dim, axes_dims, seed,
+                           guidance_embeds=True)
+
+
+def _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, seed, guidance_embeds: bool):
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
     torch.manual_seed(seed)
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=head_dim,
         num_attention_heads=heads, joint_attention_dim=16, timestep_guidance_channels=256,
-        axes_dims_rope=list(axes_dims), guidance_embeds=False,
+        axes_dims_rope=list(axes_dims), guidance_embeds=guidance_embeds,
     ).eval()
     torch.manual_seed(seed + 2)
     vae = AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
                              up_block_types=("UpDecoderBlock2D",), block_out_channels=(4,), layers_per_block=1,
                              latent_channels=1, norm_num_groups=1, use_quant_conv=False,
                              use_post_quant_conv=False).eval()
-    cls = pipeline_class or Flux2KleinPipeline
     pipe = cls(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                transformer=transformer)
     pipe.set_progress_bar_config(disable=True)

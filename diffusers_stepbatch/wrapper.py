@@ -20,6 +20,7 @@ from .cache.prompt import PromptCache
 from .cache.teacache import TeaCacheConfig
 from .decoders.registry import resolve_decoder
 from .engine.core import EngineCore
+from .engine.metrics import CallRecord
 from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
 from .module_scan import scan_scope
@@ -256,9 +257,17 @@ class StepBatched:
         snapshot = self.engine.metrics.snapshot()
         if self.options.prompt_cache is not None:
             snapshot["prompt_cache"] = dataclasses.asdict(self.options.prompt_cache.stats())
-        snapshot["waiting"] = len(self.engine.scheduler.waiting)
-        snapshot["running"] = len(self.engine.scheduler.running)
+        snapshot.update(self.queue_lengths())
         return snapshot
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Requests in the engine now: `{"running": admitted, "waiting": queued}` (all its pipelines together)."""
+        scheduler = self.engine.scheduler
+        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting)}
+
+    def recent_calls(self, seconds: float, kind: str | None = None) -> list[CallRecord]:
+        """The engine's batched calls of the last `seconds`, oldest first: `sb.recent_calls(10.0, "denoise")`."""
+        return self.engine.metrics.recent_calls(time.time() - seconds, kind)
 
     def register_prometheus(self, registry: Any = None) -> Any:
         """Expose engine metrics to Prometheus (needs `prometheus-client`); returns the collector."""

@@ -7,6 +7,7 @@ import io
 import socket
 import threading
 import time
+from typing import Self
 
 import numpy as np
 from PIL import Image
@@ -45,6 +46,34 @@ class ServerThread:
     def __exit__(self, *exc_info) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+class Served:
+    """`with Served(pipe, name) as served:` a server over `pipe` (`serve_pipeline`) on a free loopback port, with
+    an `openai` client for it (`served.client`); the engine is closed at the end."""
+
+    def __init__(self, pipe, name: str, call_defaults: dict | None = None, **config):
+        from diffusers_stepbatch.serve import ServeConfig, create_app, serve_pipeline
+
+        config = ServeConfig(served_model_name=name, **config)
+        self.name = name
+        self.model = serve_pipeline(pipe, config, call_defaults=call_defaults)
+        self.server = ServerThread(create_app(config, model=self.model))
+
+    def __enter__(self) -> Self:
+        import openai
+
+        url = self.server.__enter__()
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.__exit__(*exc_info)
+        self.model.close()
+
+    def finished(self) -> int:
+        """Requests the engine finished so far (a refused request adds none)."""
+        return sum(self.model.sb.stats()["requests_finished"].values())
 
 
 def decode_b64(b64: str) -> Image.Image:

@@ -9,6 +9,7 @@ import torch
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.adapters import state as adapter_state
+from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 from diffusers_stepbatch.testing import (
     add_random_lora_adapters,
     tiny_flux_pipeline,
@@ -35,7 +36,15 @@ FAMILIES = {
                         "joint_attention_kwargs",
                         dict(height=32, width=32, max_sequence_length=16, _auto_resize=False, max_area=32 * 32,
                              image=torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)))),
+    "wan-generic": (functools.partial(tiny_wan_pipeline, layers=1), "transformer", "attention_kwargs",
+                    dict(height=16, width=32, num_frames=5, max_sequence_length=16, negative_prompt="blur",
+                         guidance_scale=4.0)),
 }
+
+
+def _images(output):
+    """A pipeline output's images, or a video pipeline's frames."""
+    return output.frames if hasattr(output, "frames") else output.images
 
 
 def _kontext(pipe):
@@ -91,7 +100,7 @@ def plain_run(pipe, kwargs):
     else:
         pipe.disable_lora()
     try:
-        return pipe(**seeded(kwargs)).images
+        return _images(pipe(**seeded(kwargs)))
     finally:
         pipe.enable_lora()
         pipe.set_adapters(*ACTIVE)
@@ -122,7 +131,7 @@ def test_concurrent_requests_with_their_own_adapters_equal_plain_runs(family, re
             futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
         results = [future.result(300) for future in futures]
     for request, got, want in zip(REQUESTS, results, expected):
-        assert max_diff(got.images, want) <= TOLERANCE, request
+        assert max_diff(_images(got), want) <= TOLERANCE, request
     # the adapters matter, and forwards really mixed rows with different adapters
     assert max_diff(expected[0], expected[3]) > 1e-3 and max_diff(expected[0], expected[1]) > 1e-3
     mixed = max(len({tuple(sorted(r.items())) for r in rows}) for rows in recorded_rows)
@@ -134,9 +143,9 @@ def test_submit_keeps_the_adapters_active_at_submit(family):
     pipe = lora_pipe(family)
     first, second = call_kwargs(family, None, None, "a red circle", 0), call_kwargs(family, None, None, "a cat", 1)
     pipe.set_adapters(["a"], [1.0])
-    want_first = pipe(**seeded(first)).images
+    want_first = _images(pipe(**seeded(first)))
     pipe.set_adapters(["b", "c"], [0.5, 1.0])
-    want_second = pipe(**seeded(second)).images
+    want_second = _images(pipe(**seeded(second)))
     try:
         with StepBatched(pipe) as sb:
             pipe.set_adapters(["a"], [1.0])
@@ -144,7 +153,7 @@ def test_submit_keeps_the_adapters_active_at_submit(family):
             pipe.set_adapters(["b", "c"], [0.5, 1.0])
             future_second = sb.submit(**seeded(second))
             pipe.disable_lora()  # later changes don't reach submitted requests
-            got_first, got_second = future_first.result(300).images, future_second.result(300).images
+            got_first, got_second = _images(future_first.result(300)), _images(future_second.result(300))
     finally:
         pipe.enable_lora()
         pipe.set_adapters(*ACTIVE)
@@ -195,12 +204,12 @@ def test_fused_lora_is_the_base_model_for_everyone():
     expected = []
     for kwargs, active in zip(requests, (["a"], ["a"], ["b"])):  # {}: the fused model, "a" stays fused
         pipe.set_adapters(active)
-        expected.append(pipe(**seeded({k: v for k, v in kwargs.items() if k != "adapters"})).images)
+        expected.append(_images(pipe(**seeded({k: v for k, v in kwargs.items() if k != "adapters"}))))
     pipe.set_adapters(["a"])
     with StepBatched(pipe) as sb:
         results = submit_all(sb, requests)
     for got, want in zip(results, expected):
-        assert max_diff(got.images, want) <= TOLERANCE
+        assert max_diff(_images(got), want) <= TOLERANCE
     assert max_diff(expected[0], expected[2]) > 1e-3
 
 
@@ -220,8 +229,8 @@ def test_prompt_cache_is_keyed_on_the_text_encoder_lora_state():
         outputs = []
         for weight in (1.0, 0.25, 1.0):
             set_weights_and_activate_adapters(pipe.text_encoder, ["t"], [weight])
-            expected = pipe(**seeded(kwargs)).images
-            got = sb(**seeded(kwargs)).images
+            expected = _images(pipe(**seeded(kwargs)))
+            got = _images(sb(**seeded(kwargs)))
             assert max_diff(got, expected) <= TOLERANCE, weight
             outputs.append(got)
         stats = sb.stats()["prompt_cache"]
@@ -260,7 +269,7 @@ def test_requests_of_different_sizes_with_adapters_equal_plain_runs(family, capl
         results = [future.result(300) for future in futures]
         mixed_calls = sb.stats()["mixed"]["calls"]
     for kwargs, got, want in zip(requests, results, expected):
-        assert max_diff(got.images, want) <= TOLERANCE, kwargs
+        assert max_diff(_images(got), want) <= TOLERANCE, kwargs
     assert mixed_calls > 0
     assert not [r for r in caplog.records if "packed" in r.getMessage()]  # no packed call failed and fell back
 
@@ -281,10 +290,10 @@ def test_teacache_requests_of_different_sizes_with_adapters_equal_their_solo_run
     config = SchedulerConfig(max_batch_size=16, cost_aware=False)
     caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
     with StepBatched(pipe, teacache=teacache, scheduler=config) as sb:
-        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+        solo = [_images(sb(**seeded(kwargs))) for kwargs in requests]
         with engine_held(sb, call_kwargs("flux", {}, None, "a blocker", 0, steps=1)):
             futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
-        results = [future.result(300).images for future in futures]
+        results = [_images(future.result(300)) for future in futures]
         mixed_calls = sb.stats()["mixed"]["calls"]
     for kwargs, got, want in zip(requests, results, solo):
         assert max_diff(got, want) <= TOLERANCE, kwargs
@@ -311,7 +320,7 @@ def test_sd3_adapter_on_the_patch_embedding_runs_one_forward_per_size(caplog):
     with StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=16, cost_aware=False)) as sb:
         results = submit_all(sb, requests)
     for kwargs, got, want in zip(requests, results, expected):
-        assert max_diff(got.images, want) <= TOLERANCE, kwargs
+        assert max_diff(_images(got), want) <= TOLERANCE, kwargs
     assert not [r for r in caplog.records if "packed" in r.getMessage()]
 
 
@@ -322,6 +331,6 @@ def plain_run_with(pipe, kwargs, adapters):
     else:
         pipe.disable_lora()
     try:
-        return pipe(**seeded(kwargs)).images
+        return _images(pipe(**seeded(kwargs)))
     finally:
         pipe.enable_lora()

@@ -1,7 +1,7 @@
 """The model layer through the generic program: rows by denoiser class, never a silently wrong output.
 
 Z-Image's per-image lists share forwards across sizes; FLUX.2's position ids are read from row 0, so requests
-of equal token count but another aspect ratio must not merge; PAG runs whole calls; FLUX.2 klein KV and LTX
+of equal token count but another aspect ratio must not merge in a plain forward (they pack); PAG runs whole calls; FLUX.2 klein KV and LTX
 latent upsampling run wrapped as they run plain; a model without proven row rules that mixes rows is caught
 by the check of its first merged call.
 """
@@ -70,8 +70,9 @@ def test_flux2_aspect_ratios_of_equal_token_count_never_merge_wrongly(heads, hea
                 dict(prompt="a bird", height=64, width=32, num_inference_steps=3, seed=2, **common)]
     differences, calls, stats = _run(pipe, requests, pipe.transformer)
     assert max(differences) <= TOLERANCE, differences
-    assert max(calls) == 2  # the two 64x32 requests share their forwards; the 32x64 one never joins them
-    assert stats["splits"].get("denoise: argument img_ids", 0) > 0
+    # NOTE: packed calls (models/flux2/packing.py) drive the submodules, so `calls` counts plain forwards only: one
+    # never holds the 32x64 request's rows beside the 64x32 ones, which share packed calls with it instead
+    assert max(calls, default=0) <= 2 and stats["mixed"]["calls"] > 0, (calls, stats["mixed"])
 
 
 def test_flux2_klein_kv_runs_wrapped_as_plain():

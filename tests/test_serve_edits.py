@@ -175,7 +175,9 @@ def test_several_images_go_to_a_reference_edit_pipeline(served):
     images = [base_image(), base_image((128, 64)), base_image((48, 96))]
     generation = plan_edit(model, ImageEditRequest(prompt="x", size="64x64"), EditInputs(images, None), 100)
     assert generation.task == "reference" and generation.kind == "edit"
-    assert [im.size for im in generation.kwargs["image"]] == [(64, 64)] * 3
+    # reference-edit pipelines size their inputs themselves: each image goes as sent (the output is `size`)
+    assert [im.size for im in generation.kwargs["image"]] == [(64, 64), (128, 64), (48, 96)]
+    assert (generation.width, generation.height) == (64, 64)
     single = ServingModel(sb=served.sb, name=MODEL, edits={"reference": type("E", (), {"pipe": Kontext()})()})
     with pytest.raises(Exception) as caught:  # a one-image reference pipeline: several images are a 400
         plan_edit(single, ImageEditRequest(prompt="x", size="64x64"), EditInputs(images, None), 100)

@@ -89,7 +89,8 @@ class TeaCacheState:
         if edge or self.previous_signal is None or self.residual is None:
             return True, 0.0
         accumulated = self.accumulated + _polyval(self.coefficients, relative_l1(signal, self.previous_signal))
-        if accumulated < self.threshold:
+        # NOTE: some published polynomials (Wan's) go below 0: without the threshold test, 0 would still skip
+        if self.threshold > 0 and accumulated < self.threshold:
             return False, accumulated
         return True, 0.0
 

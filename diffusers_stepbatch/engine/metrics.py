@@ -59,6 +59,11 @@ class EngineMetrics:
             self.rows_histogram.setdefault(kind, Counter())[rows] += 1
             self.busy_seconds += seconds
 
+    def recent_calls(self, since: float, kind: str | None = None) -> list[CallRecord]:
+        """The calls recorded at or after `since` (`time.time()`), oldest first; of one `kind` if given."""
+        with self._lock:  # NOTE: a copy: the engine thread appends while callers read
+            return [c for c in self.calls if c.time >= since and (kind is None or c.kind == kind)]
+
     def record_packed(self, rows: int, tokens: int, shapes: int) -> None:
         """A call that packed rows of `shapes` different sizes (also counted by `record_call`)."""
         with self._lock:

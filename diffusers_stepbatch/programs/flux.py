@@ -51,6 +51,7 @@ from .fused_update import FusedEuler
 from .cfg import transformer_activation_bytes
 from .options import PlanContext, ProgramOptions
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -89,8 +90,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) ->
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
     check_latent_patches(height, width, pipe)
-    pipe.check_inputs(
-        args["prompt"], args["prompt_2"], height, width,
+    run_check_inputs(
+        pipe, args["prompt"], args["prompt_2"], height, width,
         negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
         prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
         pooled_prompt_embeds=args["pooled_prompt_embeds"],

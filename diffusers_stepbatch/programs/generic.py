@@ -27,6 +27,7 @@ from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import diffusers_hooks, execution_device, marked_modules
 from .options import PlanContext
+from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ..models import support_for
@@ -137,10 +138,12 @@ def _check_call(pipe, args: dict[str, Any]) -> None:
             return  # the pipeline derives a default size first; it checks again itself
         if name in args:
             values[name] = args[name]
+        elif name == "callback_steps":  # NOTE: SD-era checks still require it; their __call__ passes None
+            values[name] = None
         elif parameter.default is parameter.empty:
             return  # an argument __call__ computes: leave the check to the pipeline
     try:
-        check(**values)
+        run_check_inputs(pipe, **values)
     except ValueError:
         raise
     except Exception as exc:  # our mapping doesn't fit this pipeline; its own __call__ still checks

@@ -150,8 +150,8 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     of other sizes with equal pack keys can share a packed call."""
     holder = Holder()
     if adapters is not None:  # NOTE: the LoRA scale is in the request's per-row adapter weights
-        kwargs = {name: without_lora_scale(value) if name in ATTENTION_KWARGS and isinstance(value, dict) else value
-                  for name, value in kwargs.items()}
+        kwargs = {name: (without_lora_scale(value) or None) if name in ATTENTION_KWARGS and isinstance(value, dict)
+                  else value for name, value in kwargs.items()}
     call = describe_call(module, args, kwargs, method)
     reason = call.refusal
     if reason is None and call.rows is None:

@@ -47,6 +47,7 @@ from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -89,8 +90,8 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
     check_latent_patches(height, width, pipe)
-    pipe.check_inputs(
-        args["prompt"], height, width, negative_prompt=args["negative_prompt"],
+    run_check_inputs(
+        pipe, args["prompt"], height, width, negative_prompt=args["negative_prompt"],
         prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
         prompt_embeds_mask=args["prompt_embeds_mask"], negative_prompt_embeds_mask=args["negative_prompt_embeds_mask"],
         callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],

@@ -20,6 +20,7 @@ from ..adapters.state import text_lora_scale
 from ..engine.batch import WorkItem
 from ..module_scan import execution_device
 from .options import PlanContext
+from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
 from .validation import as_list, check_latents
@@ -33,8 +34,8 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any], context: PlanCo
         size = pipe.unet.config.sample_size
         height, width = (size, size) if isinstance(size, int) else size[:2]
         height, width = height * pipe.vae_scale_factor, width * pipe.vae_scale_factor
-    pipe.check_inputs(
-        args["prompt"], height, width, None, args["negative_prompt"], args["prompt_embeds"],
+    run_check_inputs(
+        pipe, args["prompt"], height, width, None, args["negative_prompt"], args["prompt_embeds"],
         args["negative_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
         args["callback_on_step_end_tensor_inputs"],
     )

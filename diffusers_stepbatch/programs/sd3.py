@@ -45,6 +45,7 @@ from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     check_call_size,
@@ -85,8 +86,8 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any], context: Plan
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
-    pipe.check_inputs(
-        args["prompt"], args["prompt_2"], args["prompt_3"], height, width,
+    run_check_inputs(
+        pipe, args["prompt"], args["prompt_2"], args["prompt_3"], height, width,
         negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
         negative_prompt_3=args["negative_prompt_3"], prompt_embeds=args["prompt_embeds"],
         negative_prompt_embeds=args["negative_prompt_embeds"], pooled_prompt_embeds=args["pooled_prompt_embeds"],

@@ -38,6 +38,7 @@ from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .options import PlanContext
+from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from .validation import (
     as_list,
@@ -90,8 +91,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any], context: Pl
         args = {**args, "height": pid.main_height, "width": pid.main_width}
     height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
     width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
-    pipe.check_inputs(
-        args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
+    run_check_inputs(
+        pipe, args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
         args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
         args["negative_pooled_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
         args["callback_on_step_end_tensor_inputs"],

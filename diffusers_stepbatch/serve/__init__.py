@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .app import create_app
     from .config import ServeConfig
-    from .model import ServingModel, load_model
+    from .model import ServingModel, load_model, serve_pipeline
 
-__all__ = ["ServeConfig", "ServingModel", "create_app", "load_model"]
+__all__ = ["ServeConfig", "ServingModel", "create_app", "load_model", "serve_pipeline"]
 
-_LAZY = {"create_app": "app", "ServeConfig": "config", "ServingModel": "model", "load_model": "model"}
+_LAZY = {"create_app": "app", "ServeConfig": "config", "ServingModel": "model", "load_model": "model",
+         "serve_pipeline": "model"}
 
 
 def __getattr__(name: str) -> Any:

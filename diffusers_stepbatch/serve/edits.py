@@ -101,6 +101,22 @@ def generic_twin(sb: Any) -> Any:
     return sb.sibling(twin_pipe)
 
 
+def check_reference_images(pipe: Any, images: list[Any]) -> None:
+    """The pipeline's own check of its input images, where it has one (FLUX.2's `image_processor.check_image_input`:
+    sides >= 64 px, aspect ratio <= 8), as a 400 naming the image; its `__call__` runs it only once queued."""
+    from .protocol import bad_request
+
+    check = getattr(getattr(pipe, "image_processor", None), "check_image_input", None)
+    if check is None:
+        return
+    for index, image in enumerate(images):
+        try:
+            check(image)
+        except ValueError as exc:
+            param = "image" if index == 0 else f"image[{index}]"
+            raise bad_request(f"{param}: {exc}", param, code="invalid_image") from None
+
+
 def pick_edit(edits: dict[str, Any], has_mask: bool, model_name: str) -> tuple[str, Any]:
     """The task and engine for an edit request; a 400 when the served model can't do it."""
     from .protocol import bad_request

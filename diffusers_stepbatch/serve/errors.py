@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 from ..engine.core import EngineClosedError
@@ -40,7 +41,21 @@ def engine_error(exc: BaseException, config: ServeConfig, arguments: dict[str, A
 
 
 def param_of(exc: BaseException, arguments: dict[str, Any]) -> str | None:
-    """The request field a `submit` error is about: StepBatched's checks raise `InvalidArgument` /
-    `InvalidArgumentType`, which name the argument; a pipeline's own `check_inputs` errors name none."""
+    """The request field a `submit` error is about: its `.argument` (`InvalidArgument`, also from a pipeline's
+    `check_inputs`), else the first of the request's arguments its message names (a size the model can't take)."""
     argument = getattr(exc, "argument", None)
-    return FIELD_OF_ARGUMENT.get(argument) if argument is not None else None
+    if argument is not None:
+        return FIELD_OF_ARGUMENT.get(argument)
+    return mentioned_field(str(exc), arguments)
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def mentioned_field(message: str, arguments: dict[str, Any]) -> str | None:
+    """The field of the request argument `message` names first, in backticks first ("`height` and `width` ...")."""
+    quoted = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", message)
+    for word in [*quoted, *_IDENTIFIER.findall(message)]:
+        if word in arguments and word in FIELD_OF_ARGUMENT:
+            return FIELD_OF_ARGUMENT[word]
+    return None

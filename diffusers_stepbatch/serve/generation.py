@@ -98,7 +98,7 @@ def plan_generation(model: ServingModel, body: ImageOptions, max_prompt_chars: i
 
 def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prompt_chars: int) -> Generation:
     """Map an edit (its images already decoded and checked) onto the edit pipeline that serves it."""
-    from .edits import pick_edit, takes_several_images
+    from .edits import check_reference_images, pick_edit, takes_several_images
 
     check_request(body, max_prompt_chars)
     task, sb = pick_edit(model.edits, inputs.mask is not None, model.name)
@@ -111,8 +111,12 @@ def plan_edit(model: ServingModel, body: ImageEditRequest, inputs: Any, max_prom
         width, height = parse_size(body.size, first.size)
         if model.sizes is not None:
             model.sizes.check(width, height, model.name)
-    images = [image if image.size == (width, height) else image.resize((width, height), PIL.Image.Resampling.LANCZOS)
-              for image in inputs.images]
+    if task == "reference":  # NOTE: reference-edit pipelines size (and crop) their input images themselves
+        images = list(inputs.images)
+        check_reference_images(sb.pipe, images)
+    else:
+        images = [image if image.size == (width, height) else
+                  image.resize((width, height), PIL.Image.Resampling.LANCZOS) for image in inputs.images]
     if len(images) > 1 and not takes_several_images(type(sb.pipe)):
         raise bad_request(f"image: {len(images)} images sent, but {type(sb.pipe).__name__} edits one image "
                           f"({task}); send one", "image", code="too_many_images")

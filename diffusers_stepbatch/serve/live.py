@@ -53,8 +53,7 @@ class LiveRequests:
         """Denoise forwards of the last `seconds` (rows, users in flight) and the requests of that window."""
         now = time.time()
         since = now - seconds
-        metrics = sb.engine.metrics
-        calls = [c for c in list(metrics.calls) if c.kind == "denoise" and c.time >= since]
+        calls = sb.recent_calls(seconds, "denoise")
         with self._lock:
             window = [r for r in self._recent if r.finished is None or r.finished >= since]
         owners = {request_id: r.user or r.id for r in window for request_id in r.request_ids}
@@ -65,7 +64,7 @@ class LiveRequests:
                              "ms": round(1000 * call.seconds, 1), "users": users})
         return {
             "now": now, "seconds": seconds, "forwards": forwards,
-            "running": len(sb.engine.scheduler.running), "waiting": len(sb.engine.scheduler.waiting),
+            **sb.queue_lengths(),
             "requests": [{"id": r.id, "user": r.user, "kind": r.kind, "task": r.task, "size": r.size,
                           "steps": r.steps, "status": r.status, "age_s": round(now - r.started, 3)}
                          for r in window],

@@ -83,16 +83,9 @@ def load_model(config: ServeConfig) -> ServingModel:
 
     >>> model = load_model(ServeConfig())   # the toy model: offline, ~0.2 s
     """
-    import time
-
     import torch
 
-    from ..cache.teacache import TeaCacheConfig
-    from ..wrapper import StepBatched
-    from .edits import edit_pipelines, generic_twin
-
     dtype = getattr(torch, config.dtype)
-    sizes = None
     if config.model == TOY_MODEL:
         from ..toy import DEFAULT_GUIDANCE, DEFAULT_STEPS, MAX_SEQUENCE_LENGTH, NATIVE_SIZE, load_pipeline
         from ..toy.build import MAX_ASPECT, MAX_SIDE, MIN_SIDE, SIZE_MULTIPLE
@@ -101,12 +94,25 @@ def load_model(config: ServeConfig) -> ServingModel:
         # NOTE: the toy model was trained on 16 text tokens; FluxPipeline's default of 512 pads far beyond that.
         defaults = {"height": NATIVE_SIZE, "width": NATIVE_SIZE, "num_inference_steps": DEFAULT_STEPS,
                     "guidance_scale": DEFAULT_GUIDANCE, "max_sequence_length": MAX_SEQUENCE_LENGTH}
-        sizes = SizeRange(MIN_SIDE, MAX_SIDE, SIZE_MULTIPLE, MAX_ASPECT)
-    else:
-        from diffusers import DiffusionPipeline
+        return serve_pipeline(pipe, config, call_defaults=defaults,
+                              sizes=SizeRange(MIN_SIDE, MAX_SIDE, SIZE_MULTIPLE, MAX_ASPECT))
+    from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(config.model, dtype=dtype).to(config.device)
-        defaults = {}
+    pipe = DiffusionPipeline.from_pretrained(config.model, dtype=dtype).to(config.device)
+    return serve_pipeline(pipe, config)
+
+
+def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, Any] | None = None,
+                   sizes: SizeRange | None = None) -> ServingModel:
+    """A pipeline already built as a server's model (its engine as `config` says, with its edit pipelines).
+
+    >>> app = create_app(config, model=serve_pipeline(pipe, config, call_defaults={"num_inference_steps": 8}))"""
+    import time
+
+    from ..cache.teacache import TeaCacheConfig
+    from ..wrapper import StepBatched
+    from .edits import edit_pipelines, generic_twin
+
     pipe.set_progress_bar_config(disable=True)
     sb = StepBatched(
         pipe,
@@ -117,6 +123,7 @@ def load_model(config: ServeConfig) -> ServingModel:
     )
     edits = edit_pipelines(sb) if config.edits else {}
     twin = generic_twin(sb) if edits and config.teacache is None and config.decoder is None else None
-    logger.info("serving %s as %r: %r; edits: %s", config.model, config.model_name, sb, sorted(edits) or "none")
-    return ServingModel(sb=sb, name=config.model_name, call_defaults=defaults, created=int(time.time()),
-                        sizes=sizes, edits=edits, generic_twin=twin)
+    logger.info("serving %s as %r: %r; edits: %s", type(pipe).__name__, config.model_name, sb,
+                sorted(edits) or "none")
+    return ServingModel(sb=sb, name=config.model_name, call_defaults=dict(call_defaults or {}),
+                        created=int(time.time()), sizes=sizes, edits=edits, generic_twin=twin)

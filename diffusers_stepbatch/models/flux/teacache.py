@@ -7,7 +7,7 @@ github.com/ali-vilab/TeaCache); FLUX.1-schnell shares the architecture.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,14 +122,17 @@ def _blocks(transformer, hidden, encoder, temb, rotary, joint_attention_kwargs):
 
 
 def fit_coefficients(
-    pipe: Any, prompts: Sequence[str], degree: int = 4, seed: int = 0, **call_kwargs: Any
+    pipe: Any, prompts: Sequence[str], degree: int = 4, seed: int = 0, signal: Callable | None = None,
+    **call_kwargs: Any
 ) -> tuple[float, ...]:
     """Fit a rescale polynomial for `pipe`'s Flux transformer, as the TeaCache authors did for FLUX.1-dev.
 
     Runs `pipe` (unwrapped, every step computed) on `prompts` and fits, over consecutive steps of each CFG
     branch, the model output's relative L1 change against the signal's; prompt i is sampled with seed
     `seed + i` unless `call_kwargs` holds a generator. Pass the result as
-    `TeaCacheConfig(coefficients=...)` for a model whose statistics differ from FLUX.1-dev's.
+    `TeaCacheConfig(coefficients=...)` for a model whose statistics differ from FLUX.1-dev's. Another model's
+    TeaCache passes its own `signal(transformer, record)`: a hook that calls `record(tensor)` with each forward's
+    signal, returned as a removable handle (e.g. `models/z_image/teacache.py`'s `signal_hook`).
 
     >>> coefficients = fit_coefficients(pipe, ["a cat", "a red square"], num_inference_steps=28)
     >>> sb = StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.4, coefficients=coefficients))
@@ -137,14 +140,14 @@ def fit_coefficients(
     import numpy as np
 
     transformer = pipe.transformer
+    signal = signal or _flux_signal
     xs, ys = [], []
     for index, prompt in enumerate(prompts):
         signals, outputs = [], []
         hooks = [
-            transformer.transformer_blocks[0].norm1.register_forward_hook(
-                lambda module, args, out: signals.append(out[0].detach().double())),
+            signal(transformer, lambda tensor: signals.append(tensor.detach().double())),
             transformer.register_forward_hook(
-                lambda module, args, out: outputs.append((out[0] if isinstance(out, tuple) else out.sample).double())),
+                lambda module, args, out: outputs.append(_sample(out[0] if isinstance(out, tuple) else out.sample))),
         ]
         try:
             with torch.no_grad():
@@ -161,3 +164,14 @@ def fit_coefficients(
     if len(xs) <= degree:
         raise ValueError(f"{len(xs)} step pairs cannot fit a degree-{degree} polynomial; use more prompts or steps")
     return tuple(float(c) for c in np.polyfit(xs, ys, degree))
+
+
+def _flux_signal(transformer, record):
+    return transformer.transformer_blocks[0].norm1.register_forward_hook(lambda module, args, out: record(out[0]))
+
+
+def _sample(sample) -> torch.Tensor:
+    # NOTE: models that take one entry per image (Z-Image) return a list of them
+    if isinstance(sample, (list, tuple)):
+        return torch.cat([entry.detach().double().flatten() for entry in sample])
+    return sample.detach().double()

@@ -10,9 +10,11 @@ logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
 
 
-def unsupported_reason(transformer, processor_class: type) -> str | None:
+def unsupported_reason(transformer, processor_class: type | tuple[type, ...]) -> str | None:
     """Why driving `transformer`'s submodules directly could differ from its forward (another attention
-    processor, fused projections, diffusers hooks, a model offload hook), or None."""
+    processor than `processor_class` (or one of them), fused projections, diffusers hooks, a model offload hook),
+    or None."""
+    classes = processor_class if isinstance(processor_class, tuple) else (processor_class,)
     if own_attribute(transformer, "_hf_hook") is not None:
         return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
     for name, module in marked_modules(transformer):
@@ -20,8 +22,8 @@ def unsupported_reason(transformer, processor_class: type) -> str | None:
         if hooks:
             return f"diffusers hooks {sorted(hooks)} are registered on {name or 'the transformer'}"
         processor = own_attribute(module, "processor")
-        if processor is not None and type(processor) is not processor_class:
-            return f"{name} uses {type(processor).__name__}, not {processor_class.__name__}"
+        if processor is not None and type(processor) not in classes:
+            return f"{name} uses {type(processor).__name__}, not {' or '.join(c.__name__ for c in classes)}"
         if own_attribute(module, "fused_projections"):
             return f"{name} has fused QKV projections"
     return None

@@ -1,0 +1,228 @@
+"""One Flux2Transformer2DModel forward over rows of different image sizes, reference images and text lengths.
+
+It drives the model's own submodules the way `Flux2Transformer2DModel.forward` does, op for op, with three
+differences that keep each row's result its own: tokens of all rows are packed without padding (see
+`packing/layout.py`), each row's AdaLN modulation (the shared `double_stream_modulation_img/txt` and
+`single_stream_modulation` layers of its own timestep and guidance) reaches only its own tokens, and attention runs
+inside each row with the row's own 4-axis RoPE positions. An edit row's reference-image tokens are part of its image
+tokens (the pipelines append them to the latents, with their own time-axis offsets in `img_ids`), so they pack as
+that row's tokens and come back in its output, as the model returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
+from diffusers.utils import apply_lora_scale
+
+from ...adapters.lora import lora_layers
+from ..flux.packing import _attention_fn, _cached_layout, _heads, _joint_layout, _joint_rotary, _rope, _stream_rotary
+from ..packing.attention import resolve
+from ..packing.layout import adaln_values, attend
+from ..packing.support import reproduces_call, unsupported_reason
+
+TEXT, IMAGE = 0, 1
+
+
+@dataclass
+class Flux2Part:
+    """The rows of one shape: `Flux2Transformer2DModel.forward`'s inputs for them (rows along dim 0)."""
+
+    hidden_states: torch.Tensor  # [rows, image tokens (reference images included), in_channels]
+    encoder_hidden_states: torch.Tensor  # [rows, text tokens, joint_attention_dim]
+    timestep: torch.Tensor  # [rows], t / 1000 as the FLUX.2 pipelines pass it
+    guidance: torch.Tensor | None  # [rows] (FLUX.2 dev) or None (klein)
+    txt_ids: torch.Tensor  # [text tokens, 4]
+    img_ids: torch.Tensor  # [image tokens, 4]
+
+
+def flux2_packing_unsupported(transformer) -> str | None:
+    """Why `flux2_packed_forward` can't stand in for this transformer's forward, or None when it can."""
+    return unsupported_reason(transformer, (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor))
+
+
+def flux2_packed_forward(transformer, parts: Sequence[Flux2Part], joint_attention_kwargs: dict | None = None,
+                         packed_attention: str = "auto") -> list[torch.Tensor]:
+    """The model's output (`forward(...)[0]`) for every part, as one packed call; one tensor per part.
+
+    `packed_attention` picks how attention stays inside each row (`models/packing/attention.py`).
+
+    >>> out = flux2_packed_forward(pipe.transformer, [Flux2Part(x, text, t, None, txt_ids, img_ids), ...])
+    """
+    return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
+                    packed_attention=packed_attention)
+
+
+# the forward's arguments a packed call reproduces; a call with any other argument set (the klein KV cache's
+# kv_cache, kv_cache_mode, num_ref_tokens, ref_fixed_timestep) runs as is
+REPRODUCED_ARGUMENTS = frozenset({"hidden_states", "encoder_hidden_states", "timestep", "guidance", "txt_ids",
+                                  "img_ids", "joint_attention_kwargs", "return_dict"})
+
+
+def pack_key(arguments: dict) -> tuple | None:
+    """(what must match for calls of `Flux2Transformer2DModel.forward` to pack, tokens per row), or None."""
+    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "joint_attention_kwargs"):
+        return None
+    hidden, text = arguments["hidden_states"], arguments.get("encoder_hidden_states")
+    if text is None or any(not isinstance(arguments.get(name), torch.Tensor) for name in ("img_ids", "txt_ids")):
+        return None
+    # NOTE: timestep and guidance are joined per row: one value per row, as the FLUX.2 pipelines pass them
+    for name in ("timestep", "guidance"):
+        value = arguments.get(name)
+        if (value is not None or name == "timestep") and not (
+                isinstance(value, torch.Tensor) and value.ndim == 1 and value.shape[0] == hidden.shape[0]):
+            return None
+    attention_kwargs = arguments.get("joint_attention_kwargs") or {}
+    key = (arguments.get("guidance") is None, attention_kwargs.get("scale"), hidden.dtype, text.dtype,
+           str(hidden.device), arguments.get("return_dict", True))
+    return key, hidden.shape[1] + text.shape[1]
+
+
+def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
+    """One packed forward for calls of different sizes; each call's output as the model would return it."""
+    def ids(tensor):
+        return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
+
+    parts = [Flux2Part(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
+                       timestep=c["timestep"], guidance=c.get("guidance"), txt_ids=ids(c["txt_ids"]),
+                       img_ids=ids(c["img_ids"]))
+             for c in calls]
+    outputs = flux2_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
+    return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
+            for c, out in zip(calls, outputs)]
+
+
+def _layout(parts):
+    return _cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
+                          tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
+                          parts[0].hidden_states.device)
+
+
+def _part_rotary(transformer, part: Flux2Part):
+    """The model's (cos, sin) of one part's text then image positions, computed as the model does: each id tensor
+    through `pos_embed` on its own, then joined. NOTE: not cached: edit pipelines pass fresh ids at each step."""
+    if part.img_ids.shape[0] != part.hidden_states.shape[1] or part.txt_ids.shape[0] != \
+            part.encoder_hidden_states.shape[1]:
+        raise ValueError(f"img_ids / txt_ids hold {part.img_ids.shape[0]} / {part.txt_ids.shape[0]} positions, but "
+                         f"the row has {part.hidden_states.shape[1]} image and {part.encoder_hidden_states.shape[1]} "
+                         "text tokens")
+    image, text = transformer.pos_embed(part.img_ids), transformer.pos_embed(part.txt_ids)
+    return torch.cat([text[0], image[0]], dim=0), torch.cat([text[1], image[1]], dim=0)
+
+
+@apply_lora_scale("joint_attention_kwargs")
+def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="auto"):
+    first = parts[0]
+    layout = _layout(parts)
+    raw = layout.pack(IMAGE, [p.hidden_states for p in parts])
+    timestep = torch.cat([p.timestep for p in parts]).to(raw.dtype) * 1000
+    guidance = None
+    if first.guidance is not None:
+        guidance = torch.cat([p.guidance for p in parts]).to(raw.dtype) * 1000
+    temb = transformer.time_guidance_embed(timestep, guidance)
+    mod_img = transformer.double_stream_modulation_img(temb)
+    mod_txt = transformer.double_stream_modulation_txt(temb)
+    mod_single = transformer.single_stream_modulation(temb)
+
+    hidden = transformer.x_embedder(raw)
+    encoder = transformer.context_embedder(layout.pack(TEXT, [p.encoder_hidden_states for p in parts]))
+    method = resolve(packed_attention, hidden.device, hidden.dtype)
+    part_rotary = [_part_rotary(transformer, part) for part in parts]
+    # NOTE: MLPs may run per part (temporaries of one part's size) unless per-row LoRA maps their inputs to
+    # rows by token count, which a part's slice would not match.
+    split = not lora_layers(transformer)
+
+    if len(transformer.transformer_blocks):
+        rotary = _stream_rotary(layout, part_rotary)
+        image_mods = adaln_values(layout, IMAGE, mod_img, 6)
+        text_mods = adaln_values(layout, TEXT, mod_txt, 6)
+        for block in transformer.transformer_blocks:
+            encoder, hidden = _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method,
+                                            split)
+    if len(transformer.single_transformer_blocks):
+        hidden = _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method)
+
+    norm_out = transformer.norm_out
+    emb = norm_out.linear(norm_out.silu(temb).to(hidden.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
+    out = layout.modulate(IMAGE, norm_out.norm(hidden), scale1, shift)
+    return layout.unpack(IMAGE, transformer.proj_out(out))
+
+
+def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method, split):
+    """Flux2TransformerBlock with Flux2AttnProcessor on packed tokens; `*_mods` are the shared modulation
+    layers' per-row (shift, 1 + scale, gate) x 2, as each stream's tokens see them."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = image_mods
+    c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = text_mods
+    norm_hidden = layout.modulate(IMAGE, block.norm1(hidden), scale_msa, shift_msa)
+    norm_encoder = layout.modulate(TEXT, block.norm1_context(encoder), c_scale_msa, c_shift_msa)
+
+    attn = block.attn
+    query, key, value = (attn.norm_q(_heads(attn, attn.to_q(norm_hidden))),
+                         attn.norm_k(_heads(attn, attn.to_k(norm_hidden))), _heads(attn, attn.to_v(norm_hidden)))
+    e_query, e_key, e_value = (attn.norm_added_q(_heads(attn, attn.add_q_proj(norm_encoder))),
+                               attn.norm_added_k(_heads(attn, attn.add_k_proj(norm_encoder))),
+                               _heads(attn, attn.add_v_proj(norm_encoder)))
+    text_out, image_out = attend(
+        layout,
+        [_rope(e_query, rotary[TEXT]), _rope(query, rotary[IMAGE])],
+        [_rope(e_key, rotary[TEXT]), _rope(key, rotary[IMAGE])],
+        [e_value, value], _attention_fn(attn), method,
+    )
+    attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
+    context_attn_output = attn.to_add_out(text_out.to(query.dtype))
+
+    hidden = layout.gated_add(IMAGE, hidden, gate_msa, attn_output)
+    norm_hidden = layout.modulate(IMAGE, block.norm2(hidden), scale_mlp, shift_mlp)
+    hidden = layout.gated_apply(IMAGE, hidden, gate_mlp, block.ff, norm_hidden, split)
+
+    encoder = layout.gated_add(TEXT, encoder, c_gate_msa, context_attn_output)
+    norm_encoder = layout.modulate(TEXT, block.norm2_context(encoder), c_scale_mlp, c_shift_mlp)
+    encoder = layout.gated_apply(TEXT, encoder, c_gate_mlp, block.ff_context, norm_encoder, split)
+    if encoder.dtype == torch.float16:
+        encoder = encoder.clip(-65504, 65504)
+    return encoder, hidden
+
+
+def _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method):
+    """The single-stream blocks over each row's text then image tokens; returns the image tokens."""
+    joint_layout = _joint_layout(layout)
+    joint = hidden.new_empty(joint_layout.tokens(0), hidden.shape[1])
+    for joint_part, text, image in zip(joint_layout.unpack(0, joint), layout.unpack(TEXT, encoder),
+                                       layout.unpack(IMAGE, hidden)):
+        joint_part[:, :text.shape[1]] = text
+        joint_part[:, text.shape[1]:] = image
+    rotary = _joint_rotary(layout, part_rotary)
+    shift, scale, gate = adaln_values(joint_layout, 0, mod_single, 3)
+    attn = transformer.single_transformer_blocks[0].attn
+    # NOTE: one [tokens, attention + mlp dim] workspace for all blocks, written in place of the processor's
+    # torch.cat([attn_output, mlp_hidden_states])
+    mixed = joint.new_empty(joint.shape[0], attn.to_out.in_features)
+    for block in transformer.single_transformer_blocks:
+        joint = _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method, mixed)
+    return layout.pack(IMAGE, [part[:, text_len:] for part, (text_len, _) in
+                               zip(joint_layout.unpack(0, joint), layout.lengths)])
+
+
+def _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method, mixed):
+    """Flux2SingleTransformerBlock with Flux2ParallelSelfAttnProcessor on the packed joint stream."""
+    norm = joint_layout.modulate(0, block.norm(joint), scale, shift)
+    attn = block.attn
+    projected = attn.to_qkv_mlp_proj(norm)
+    qkv_dim = 3 * attn.inner_dim
+    qkv, mlp = projected[:, :qkv_dim], projected[:, qkv_dim:]
+    query, key, value = qkv.chunk(3, dim=-1)
+    query = _rope(attn.norm_q(_heads(attn, query)), rotary)
+    key = _rope(attn.norm_k(_heads(attn, key)), rotary)
+    inner = attn.inner_dim
+    attend(joint_layout, [query], [key], [_heads(attn, value)], _attention_fn(attn), method, out=[mixed[:, :inner]])
+    mixed[:, inner:] = attn.mlp_act_fn(mlp)
+    joint = joint_layout.gated_add(0, joint, gate, attn.to_out(mixed))
+    if joint.dtype == torch.float16:
+        joint = joint.clip(-65504, 65504)
+    return joint

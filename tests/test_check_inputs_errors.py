@@ -1,0 +1,93 @@
+"""A pipeline's own `check_inputs` errors name their argument: `InvalidArgument.argument` where one argument
+explains the error (found by what the check does), the server's message match only where none does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from diffusers_stepbatch import StepBatched, testing
+from diffusers_stepbatch.errors import InvalidArgument
+from diffusers_stepbatch.serve import ServeConfig
+from diffusers_stepbatch.serve.errors import engine_error
+
+IMAGE = Image.new("RGB", (64, 64), (200, 30, 30))
+
+
+def plain_error(pipe, **kwargs) -> str:
+    """The message of the unwrapped pipeline's own error for the same call."""
+    with pytest.raises(ValueError) as caught:
+        pipe(**kwargs)
+    return str(caught.value)
+
+
+def submit_error(sb, **kwargs) -> ValueError:
+    finished = sum(sb.stats()["requests_finished"].values())
+    with pytest.raises(ValueError) as caught:
+        sb.submit(**kwargs)  # NOTE: raised by submit, in the caller: nothing is queued
+    assert sum(sb.stats()["requests_finished"].values()) == finished
+    return caught.value
+
+
+@pytest.fixture(scope="module")
+def sd_img2img():
+    from diffusers import AutoPipelineForImage2Image
+
+    pipe = AutoPipelineForImage2Image.from_pipe(testing.tiny_sd_pipeline())
+    with StepBatched(pipe) as sb:
+        yield pipe, sb
+
+
+@pytest.mark.parametrize(("extra", "argument"), [
+    ({"strength": 1.5}, "strength"),  # "The value of strength should in [0.0, 1.0] but is 1.5"
+    ({"negative_prompt": "blurry", "negative_prompt_embeds": torch.zeros(1, 77, 32)}, "negative_prompt"),
+])
+def test_a_check_inputs_error_one_argument_explains_names_it(sd_img2img, extra, argument):
+    pipe, sb = sd_img2img
+    call = {"prompt": "a cat", "image": IMAGE, "num_inference_steps": 2, "strength": 0.5, **extra}
+    error = submit_error(sb, **call)
+    assert isinstance(error, InvalidArgument) and error.argument == argument
+    assert str(error) == plain_error(pipe, **call)  # the pipeline's own words
+    answer = engine_error(error, ServeConfig(), call)
+    assert answer.status == 400 and answer.param == argument and answer.code == "invalid_value"
+
+
+def test_a_family_program_names_the_argument_too():
+    pipe = testing.tiny_flux_pipeline()
+    call = {"prompt": "a cat", "height": 32, "width": 32, "num_inference_steps": 2, "max_sequence_length": 600}
+    with StepBatched(pipe) as sb:
+        error = submit_error(sb, **call)
+    assert isinstance(error, InvalidArgument) and error.argument == "max_sequence_length"
+    assert str(error) == plain_error(pipe, **call)
+
+
+def test_an_error_no_single_argument_explains_keeps_its_type_and_the_server_reads_the_message():
+    """A size the model can't take: neither height nor width alone has a default that passes (the pipeline
+    derives it), so the error stays the pipeline's `ValueError`; the server finds `height` in its words."""
+    pipe = testing.tiny_sd_pipeline()
+    call = {"prompt": "a cat", "num_inference_steps": 2, "height": 36, "width": 64}
+    with StepBatched(pipe) as sb:
+        error = submit_error(sb, **call)
+    assert type(error) is ValueError and str(error) == plain_error(pipe, **call)
+    assert engine_error(error, ServeConfig(), call).param == "size"
+    assert engine_error(error, ServeConfig(), {"prompt": "a cat"}).param is None  # named, but not sent
+
+
+def test_over_http_a_size_the_model_cannot_take_is_a_400_naming_size():
+    openai = pytest.importorskip("openai", reason="the server tests need `pip install -e .[serve,test]`")
+
+    from .serve_helpers import Served
+
+    with Served(testing.tiny_sd_pipeline(), "tiny-sd") as served:
+        before = served.finished()
+        with pytest.raises(openai.BadRequestError) as caught:
+            served.client.images.generate(model=served.name, prompt="a cat", size="36x36",
+                                          extra_body={"num_inference_steps": 2})
+        assert served.finished() == before
+        ok = served.client.images.generate(model=served.name, prompt="a cat", size="32x32",
+                                           extra_body={"num_inference_steps": 2})
+    error = caught.value.body
+    assert error["param"] == "size" and error["code"] == "invalid_value", error
+    assert "divisible by 8" in error["message"] and "36" in error["message"]
+    assert ok.size == "32x32"

@@ -1,0 +1,259 @@
+"""FLUX.2 (dev and klein) requests of different sizes, aspect ratios and reference images share packed forwards.
+
+The generic program intercepts `Flux2Transformer2DModel` calls; calls of other image token counts (an edit row's
+reference images included) and text lengths run as one packed call (`models/flux2/packing.py`), and each request
+still equals its plain solo run. A custom attention processor keeps sizes apart, klein KV runs alone, and
+per-request LoRA mixes adapters in one forward.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux2Transformer2DModel
+from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
+from PIL import Image
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.models import support_for
+from diffusers_stepbatch.models.flux2.packing import Flux2Part, flux2_packed_forward
+from diffusers_stepbatch.programs import generic, program_for
+from diffusers_stepbatch.testing import add_random_lora_adapters
+from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
+
+from .references import (  # noqa: F401  (single_thread is a fixture)
+    TOLERANCE,
+    count_forwards,
+    engine_held,
+    max_diff,
+    seeded,
+    single_thread,
+    submit_all,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# transformer configs: attention heads, head dim, RoPE axes (4 axes: time, height, width, text position)
+CONFIGS = {"narrow": dict(heads=2, head_dim=16, axes_dims=(4, 4, 4, 4)),
+           "wide": dict(heads=4, head_dim=8, axes_dims=(2, 2, 2, 2))}
+BUILDERS = {"klein": tiny_flux2_klein_pipeline, "dev": tiny_flux2_pipeline}
+COMMON = dict(output_type="pt", text_encoder_out_layers=(1,), max_sequence_length=32)
+
+
+@functools.cache
+def _pipe(variant, config):
+    return BUILDERS[variant](**CONFIGS[config])
+
+
+def _image(height, width, seed):
+    # NOTE: the FLUX.2 image processor wants both sides >= 64 px
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def _requests():
+    """Text-to-image and edit requests (1-3 reference images of their own sizes) at 4 output sizes."""
+    references = [None, [_image(64, 64, 0)], None, [_image(64, 96, 1), _image(96, 64, 2)],
+                  [_image(64, 64, 3), _image(64, 80, 4), _image(80, 64, 5)], [_image(80, 96, 6)], None]
+    sizes = [(32, 32), (32, 48), (48, 32), (48, 48), (32, 48), (32, 32), (48, 32)]
+    requests = []
+    for i, ((height, width), images) in enumerate(zip(sizes, references)):
+        kwargs = dict(prompt="a red circle" if i % 2 else f"a shape {i}", height=height, width=width,
+                      num_inference_steps=2 + i % 3, guidance_scale=[1.0, 3.0, 4.5][i % 3], seed=i, **COMMON)
+        if images is not None:
+            kwargs["image"] = images
+        requests.append(kwargs)
+    return requests
+
+
+def _token_shapes(part_shapes):
+    """Flux2Parts of random inputs and their position ids, as the FLUX.2 pipelines make them: `part_shapes` holds
+    (rows, (height, width) of the latent grid, reference grids, text tokens)."""
+    def grid(height, width, t):
+        return torch.cartesian_prod(torch.tensor([t]), torch.arange(height), torch.arange(width), torch.arange(1))
+
+    parts = []
+    for rows, (height, width), references, text in part_shapes:
+        img_ids = torch.cat([grid(height, width, 0)] + [grid(h, w, 10 + 10 * i) for i, (h, w) in enumerate(references)])
+        txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text))
+        parts.append(Flux2Part(hidden_states=torch.randn(rows, img_ids.shape[0], 4),
+                               encoder_hidden_states=torch.randn(rows, text, 16), timestep=torch.rand(rows),
+                               guidance=None, txt_ids=txt_ids, img_ids=img_ids))
+    return parts
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("guidance_embeds", [False, True])
+@pytest.mark.parametrize("method", ["recover_scatter", "flex"])
+def test_packed_forward_equals_the_model_forward_of_each_shape(config, guidance_embeds, method):
+    spec = CONFIGS[config]
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
+                                    attention_head_dim=spec["head_dim"], num_attention_heads=spec["heads"],
+                                    joint_attention_dim=16, axes_dims_rope=list(spec["axes_dims"]),
+                                    guidance_embeds=guidance_embeds).eval()
+    parts = _token_shapes([(2, (4, 4), [], 8), (1, (2, 6), [(3, 3)], 5), (3, (6, 2), [(2, 2), (4, 3)], 12)])
+    if guidance_embeds:
+        for part in parts:
+            part.guidance = 4 * torch.rand(part.hidden_states.shape[0])
+    with torch.no_grad():
+        packed = flux2_packed_forward(model, parts, packed_attention=method)
+        own = [model(hidden_states=p.hidden_states, encoder_hidden_states=p.encoder_hidden_states,
+                     timestep=p.timestep, guidance=p.guidance, img_ids=p.img_ids[None].expand(len(p.timestep), -1, -1),
+                     txt_ids=p.txt_ids, return_dict=False)[0] for p in parts]
+    assert [tuple(out.shape) for out in packed] == [tuple(out.shape) for out in own]
+    assert max(max_diff(got, want) for got, want in zip(packed, own)) <= 1e-5
+    # the rows really differ, so a row that read another's positions or modulation would show
+    assert max_diff(own[0][0], own[0][1]) > 1e-2
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("variant", sorted(BUILDERS))
+def test_requests_of_different_sizes_and_references_pack_and_equal_their_solo_runs(variant, config):
+    pipe = _pipe(variant, config)
+    assert program_for(pipe) is generic.plan_generic
+    requests = _requests()
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=16) as sb:
+        results = submit_all(sb, requests)
+        stats = sb.stats()
+    differences = [max_diff(got.images, want) for got, want in zip(results, expected)]
+    assert max(differences) <= TOLERANCE, differences
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
+    # the reference images matter: an edit request differs from the same request without them
+    plain = dict(requests[1])
+    del plain["image"]
+    assert max_diff(pipe(**seeded(plain)).images, expected[1]) > 1e-3
+
+
+def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
+    class OwnProcessor(Flux2AttnProcessor):  # a custom processor: a packed call would bypass it
+        pass
+
+    pipe = tiny_flux2_klein_pipeline()
+    requests = [dict(prompt="a cat", height=32, width=48, num_inference_steps=2, seed=0, **COMMON),
+                dict(prompt="a dog", height=48, width=32, num_inference_steps=2, seed=1, **COMMON),
+                dict(prompt="a bird", height=48, width=32, num_inference_steps=3, seed=2, guidance_scale=1.0,
+                     **COMMON),
+                dict(prompt="a fish", height=48, width=32, image=[_image(64, 64, 0)], num_inference_steps=2,
+                     seed=3, **COMMON)]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    for block in pipe.transformer.transformer_blocks:
+        block.attn.set_processor(OwnProcessor())
+    assert "OwnProcessor" in support_for(pipe.transformer).packing.unsupported(pipe.transformer)
+    calls, hook = count_forwards(pipe.transformer)
+    try:
+        with StepBatched(pipe, max_batch_size=16) as sb:
+            results = submit_all(sb, requests)
+            stats = sb.stats()
+    finally:
+        hook.remove()
+    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] == 0
+    # 32x48 and 48x32 have equal token counts but other positions: only the two plain 48x32 requests share a
+    # forward (klein runs its CFG branches as calls of one row each); the edit request has more image tokens
+    assert max(calls) == 2 and stats["splits"].get("denoise: argument img_ids", 0) > 0, (calls, stats["splits"])
+
+
+def test_klein_kv_requests_run_alone_and_exact():
+    from diffusers import Flux2KleinKVPipeline
+
+    pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline)
+    requests = [dict(prompt="a cat", image=_image(64, 64, 0), height=32, width=32, num_inference_steps=3, seed=0,
+                     **COMMON),
+                dict(prompt="a dog", image=[_image(64, 96, 1), _image(64, 64, 2)], height=32, width=48,
+                     num_inference_steps=2, seed=1, **COMMON),
+                dict(prompt="a b", image=_image(80, 64, 3), height=48, width=32, num_inference_steps=2, seed=2,
+                     **COMMON)]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    calls, hook = count_forwards(pipe.transformer)
+    try:
+        with StepBatched(pipe, max_batch_size=16) as sb:
+            results = submit_all(sb, requests)
+            stats = sb.stats()
+    finally:
+        hook.remove()
+    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] == 0 and max(calls) == 1, (calls, stats["mixed"])
+    assert any("KV cache" in reason for reason in stats["splits"])
+
+
+# ------------------------------------------------------------------------------------------- per-request LoRA
+ACTIVE = (["c"], [0.6])  # the pipeline's own adapters when a request passes no adapters=
+LORA_REQUESTS = [({"a": 1.0}, "a red circle", 0), ({"b": 1.0}, "a red circle", 0),
+                 ({"a": 0.7, "c": 0.3}, "a blue square", 1), ({}, "a red circle", 0), (None, "a red circle", 3),
+                 (["a", "b", "c"], "a blue square", 4)]
+
+
+def _lora_plain_run(pipe, kwargs):
+    """The unwrapped pipeline after `set_adapters` for this request, run alone."""
+    kwargs = dict(kwargs)
+    adapters = kwargs.pop("adapters", None)
+    adapters = dict(zip(*ACTIVE)) if adapters is None else dict.fromkeys(adapters, 1.0) if isinstance(
+        adapters, list) else adapters
+    if adapters:
+        pipe.enable_lora()
+        pipe.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        pipe.disable_lora()
+    try:
+        return pipe(**seeded(kwargs)).images
+    finally:
+        pipe.enable_lora()
+        pipe.set_adapters(*ACTIVE)
+
+
+def test_requests_with_their_own_adapters_share_forwards_and_equal_plain_runs(monkeypatch):
+    from diffusers_stepbatch.adapters import state as adapter_state
+
+    pipe = tiny_flux2_klein_pipeline(seed=5)
+    add_random_lora_adapters(pipe.transformer)
+    pipe.set_adapters(*ACTIVE)
+    requests = []
+    for adapters, prompt, seed in LORA_REQUESTS:
+        kwargs = dict(prompt=prompt, height=32, width=32, num_inference_steps=2, guidance_scale=3.0, seed=seed,
+                      **COMMON)
+        if adapters is not None:
+            kwargs["adapters"] = adapters
+        requests.append(kwargs)
+    requests.append(dict(requests[2], height=48, width=32, image=[_image(64, 64, 1)]))  # another size: own forward
+    expected = [_lora_plain_run(pipe, kwargs) for kwargs in requests]
+
+    recorded = []
+    real = adapter_state.per_row_lora
+
+    def record(model, row_weights, token_rows=None):
+        recorded.append([tuple(sorted(w.items())) for w in row_weights])
+        return real(model, row_weights, token_rows)
+
+    monkeypatch.setattr(adapter_state, "per_row_lora", record)
+    with StepBatched(pipe, max_batch_size=16) as sb:
+        blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, seed=0, adapters={},
+                       **COMMON)
+        with engine_held(sb, blocker):  # all start in lockstep
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300) for future in futures]
+    differences = [max_diff(got.images, want) for got, want in zip(results, expected)]
+    assert max(differences) <= TOLERANCE, differences
+    assert max_diff(expected[0], expected[3]) > 1e-3 and max_diff(expected[0], expected[1]) > 1e-3
+    # one forward held the rows of every 32x32 request, each with its own weights
+    assert max(len(set(rows)) for rows in recorded) == len(LORA_REQUESTS), recorded
+
+
+def test_pack_key_lets_sizes_and_references_pack_and_refuses_what_the_packed_forward_does_not_reproduce():
+    from diffusers_stepbatch.models.flux2.packing import pack_key
+
+    small, edit = _token_shapes([(1, (4, 4), [], 8), (2, (2, 6), [(3, 3), (4, 2)], 12)])
+
+    def arguments(part, **extra):
+        return dict(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
+                    timestep=part.timestep, guidance=None, img_ids=part.img_ids[None], txt_ids=part.txt_ids[None],
+                    return_dict=False, **extra)
+
+    key, tokens = pack_key(arguments(small))
+    assert pack_key(arguments(edit))[0] == key and tokens == 16 + 8
+    assert pack_key(arguments(edit))[1] == 12 + 9 + 8 + 12
+    assert pack_key(dict(arguments(small), guidance=torch.ones(1)))[0] != key  # guidance rows never join klein's
+    for refused in (dict(kv_cache_mode="extract", num_ref_tokens=9), dict(joint_attention_kwargs={"mask": 1}),
+                    dict(timestep=torch.tensor(0.5))):
+        assert pack_key({**arguments(small), **refused}) is None, refused

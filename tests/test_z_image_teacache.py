@@ -1,0 +1,88 @@
+"""Z-Image TeaCache per request: the same skips in shared forwards as alone (`models/z_image/teacache.py`).
+
+Z-Image calls take one list entry per image and pad them, so requests of different sizes share forwards; each
+request's TeaCache state decides for its own rows (both CFG rows of its one call), on its own tokens only.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.cache import TeaCacheConfig
+from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.models.z_image.teacache import signal_hook, teacache_call
+from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+
+from .references import TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+COMMON = dict(output_type="pt", max_sequence_length=16)
+
+
+def test_teacache_forward_with_every_row_computing_is_the_model_forward():
+    model = tiny_z_image_pipeline().transformer
+    generator = torch.Generator().manual_seed(0)
+    x = [torch.randn(16, 1, h, w, generator=generator) for h, w in [(4, 4), (4, 8), (8, 4)]]
+    cap_feats = [torch.randn(n, 16, generator=generator) for n in (5, 40, 12)]
+    t = torch.rand(3, generator=generator)
+    with torch.no_grad():
+        own = model(x, t, cap_feats, return_dict=False)[0]
+        got = teacache_call(model, [None] * 3, dict(x=x, t=t, cap_feats=cap_feats, return_dict=False))[0]
+    assert max(max_diff(a, b) for a, b in zip(got, own)) == 0.0
+    # omni calls (nested lists) and ControlNet residuals compute as the model does
+    assert teacache_call(model, [None], dict(x=[x[:1]], t=t[:1], cap_feats=[cap_feats[:1]])) is None
+    assert teacache_call(model, [None], dict(x=x[:1], t=t[:1], cap_feats=cap_feats[:1],
+                                             controlnet_block_samples={0: torch.zeros(1)})) is None
+
+
+def test_teacache_in_shared_forwards_equals_teacache_alone():
+    pipe = tiny_z_image_pipeline()
+    requests = [
+        dict(prompt="a cat", height=32, width=32, num_inference_steps=12, guidance_scale=3.0, negative_prompt="bad",
+             seed=0, **COMMON),
+        dict(prompt="a dog runs fast", height=32, width=64, num_inference_steps=14, guidance_scale=0.0, seed=1,
+             **COMMON),
+        # CFG ends half-way: the request's rows change, and that step computes
+        dict(prompt="x", height=64, width=32, num_inference_steps=13, guidance_scale=2.0, negative_prompt="ugly",
+             cfg_truncation=0.5, seed=2, **COMMON),
+        dict(prompt="a red bird", height=48, width=48, num_inference_steps=12, guidance_scale=4.0,
+             negative_prompt="", seed=3, teacache=None, **COMMON),  # computes every step, beside the others
+    ]
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    teacache = TeaCacheConfig(threshold=0.5)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+        with engine_held(sb, dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        batched = [future.result(300) for future in futures]
+        rows = sb.stats()["rows_histogram"]["denoise"]
+    assert max(max_diff(got.images, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    assert max(rows) > 2, rows  # a forward held rows of several requests
+    assert max_diff(solo[3], exact[3]) <= TOLERANCE  # teacache=None: every step computed
+    assert min(max_diff(solo[i], exact[i]) for i in range(3)) > 10 * TOLERANCE, "TeaCache skipped no step"
+
+
+def test_fitted_coefficients_explain_the_output_change():
+    pipe = tiny_z_image_pipeline()
+    call = dict(height=32, width=32, num_inference_steps=12, guidance_scale=3.0, negative_prompt="bad",
+                output_type="latent", max_sequence_length=16)
+    coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
+    signals, outputs = [], []
+    hooks = [signal_hook(pipe.transformer, lambda tensor: signals.append(tensor.double())),
+             pipe.transformer.register_forward_hook(
+                 lambda m, a, out: outputs.append(torch.cat([o.double().flatten() for o in out[0]])))]
+    try:
+        with torch.no_grad():
+            pipe("a yellow cross", **call)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    xs = [float((signals[i] - signals[i - 1]).abs().mean() / signals[i - 1].abs().mean())
+          for i in range(1, len(signals))]
+    ys = [float((outputs[i] - outputs[i - 1]).abs().mean() / outputs[i - 1].abs().mean())
+          for i in range(1, len(outputs))]
+    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
+    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
+    assert fitted < constant
