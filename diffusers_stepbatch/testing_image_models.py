@@ -172,34 +172,40 @@ def tiny_qwenimage_vae(base_dim: int = 4, seed: int = 2):
 
 def tiny_qwenimage_edit_pipeline(pipeline_class=None, num_layers: int = 1, attention_head_dim: int = 16,
                                  num_attention_heads: int = 2, text_hidden: int = 32, vae_base_dim: int = 4,
-                                 max_pixels: int = 28 * 28 * 4, seed: int = 0):
+                                 max_pixels: int = 28 * 28 * 4, seed: int = 0, models_of=None):
     """A QwenImageEditPipeline (or `pipeline_class`: QwenImageEditPlusPipeline, QwenImagePipeline) over the tiny
     Qwen-Image components of `testing.tiny_qwenimage_pipeline`, a scale-16 VAE and a local Qwen2VLProcessor.
 
     Output heights and widths must be multiples of 32; pass small ones (the default is ~1024x1024). The encode
     templates keep their structure (system, user with the image placeholders, assistant) with a short system
-    prompt, since tokens are characters here.
+    prompt, since tokens are characters here. `models_of`: another pipeline of this builder whose models to share
+    (e.g. for `StepBatched.sibling`).
     """
-    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImagePipeline
 
     from .testing import tiny_qwenimage_pipeline
 
-    base = tiny_qwenimage_pipeline(num_layers=num_layers, attention_head_dim=attention_head_dim,
-                                   num_attention_heads=num_attention_heads, text_hidden=text_hidden, seed=seed)
-    components = dict(scheduler=base.scheduler, vae=tiny_qwenimage_vae(vae_base_dim, seed=seed + 2),
-                      text_encoder=base.text_encoder, tokenizer=base.tokenizer, transformer=base.transformer)
+    if models_of is None:
+        base = tiny_qwenimage_pipeline(num_layers=num_layers, attention_head_dim=attention_head_dim,
+                                       num_attention_heads=num_attention_heads, text_hidden=text_hidden, seed=seed)
+        models_of = dict(vae=tiny_qwenimage_vae(vae_base_dim, seed=seed + 2), text_encoder=base.text_encoder,
+                         tokenizer=base.tokenizer, transformer=base.transformer)
+    else:
+        models_of = {name: getattr(models_of, name) for name in ("vae", "text_encoder", "tokenizer", "transformer")}
+    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(), **models_of)
+    tokenizer = components["tokenizer"]
     cls = pipeline_class or QwenImageEditPipeline
     if cls is QwenImagePipeline:
         pipe = cls(**components)
-        pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx = (base.prompt_template_encode,
-                                                                              base.prompt_template_encode_start_idx)
+        prefix = "<|im_start|>system\nDescribe the image.<|im_end|>\n<|im_start|>user\n"
+        image = ""
     else:
-        pipe = cls(processor=tiny_qwen2_vl_processor(base.tokenizer, max_pixels=max_pixels), **components)
+        pipe = cls(processor=tiny_qwen2_vl_processor(tokenizer, max_pixels=max_pixels), **components)
         prefix = "<|im_start|>system\nEdit the image.<|im_end|>\n<|im_start|>user\n"
         # NOTE: Edit puts one image placeholder in its template; Edit-Plus prefixes the prompt with
         # "Picture i: <placeholder>" per image and keeps a template without one
         image = "<|vision_start|><|image_pad|><|vision_end|>" if "<|image_pad|>" in pipe.prompt_template_encode else ""
-        pipe.prompt_template_encode = prefix + image + "{}<|im_end|>\n<|im_start|>assistant\n"
-        pipe.prompt_template_encode_start_idx = len(base.tokenizer(prefix).input_ids)
+    pipe.prompt_template_encode = prefix + image + "{}<|im_end|>\n<|im_start|>assistant\n"
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix).input_ids)
     pipe.set_progress_bar_config(disable=True)
     return pipe
