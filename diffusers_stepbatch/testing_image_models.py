@@ -125,16 +125,14 @@ def _image_text_processor_class():
     from transformers import Qwen2VLProcessor
 
     class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
-        """Qwen2VLProcessor without its video processor: transformers builds that one with torchvision only, and
-        refuses a missing one (the edit pipelines never pass videos)."""
+        """Without the video processor (it needs torchvision; the edit pipelines pass no videos)."""
 
         def __init__(self, image_processor=None, tokenizer=None):
             super().__init__(image_processor=image_processor, tokenizer=tokenizer)
 
         def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
-            # NOTE: the same text as transformers' method, which multiplies the string by a 0-d tensor: torch
-            # raises and catches a C++ TypeError there, and capturing its backtrace inside a generic-program
-            # greenlet can crash the process (the unwinder reads stale frames past the greenlet's stack)
+            # NOTE: transformers' text, counted as an int: str * 0-d tensor raises and catches a C++ error in
+            # torch, whose backtrace capture can crash inside a generic-program greenlet
             tokens = int(image_inputs["image_grid_thw"][image_idx].prod()) // self.image_processor.merge_size ** 2
             return self.image_token * tokens
 
@@ -142,13 +140,9 @@ def _image_text_processor_class():
 
 
 def tiny_qwen2_vl_processor(tokenizer, min_pixels: int = 28 * 28, max_pixels: int = 28 * 28 * 4):
-    """A Qwen2VLProcessor over `tokenizer` (which must know `<|image_pad|>`) with a PIL image processor.
-
-    The image processor resizes every image to `min_pixels`..`max_pixels` (multiples of 28 per side: patch 14,
-    merge 2), so the vision tower sees a few patches: 28 * 28 * 4 is at most 4 merged image tokens.
-    """
-    # NOTE: the PIL backend by name: `Qwen2VLImageProcessor` falls back to it (with a warning) without torchvision,
-    # and would switch to another backend where torchvision is installed
+    """A Qwen2VLProcessor over `tokenizer` (with `<|image_pad|>`); images resized to `min_pixels`..`max_pixels`
+    (sides multiples of 28), so the vision tower sees a few patches (28 * 28 * 4: at most 4 image tokens)."""
+    # NOTE: the PIL backend by name, as `Qwen2VLImageProcessor` picks without torchvision (with a warning)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
@@ -156,12 +150,9 @@ def tiny_qwen2_vl_processor(tokenizer, min_pixels: int = 28 * 28, max_pixels: in
 
 
 def tiny_qwenimage_vae(base_dim: int = 4, seed: int = 2):
-    """An AutoencoderKLQwenImage of scale 16 (the most the edit pipelines allow: they round reference images to
-    multiples of 32 and pack 2x2 latents), so a ~1024x1024 reference image is 32x32 transformer tokens.
-
-    No residual blocks in the down/up levels: edit pipelines VAE-encode every reference image at ~1024x1024 and
-    the full-resolution 3-D convolutions dominate (about 0.8 s an image on one CPU thread, most of it `conv_in`).
-    """
+    """An AutoencoderKLQwenImage of scale 16 (the most edit pipelines allow: references are rounded to multiples
+    of 32), so a ~1024x1024 reference is 32x32 tokens; no level residual blocks, as full-resolution 3-D convs
+    dominate the encode (~0.8 s an image on one CPU thread, most of it `conv_in`)."""
     from diffusers import AutoencoderKLQwenImage
 
     torch.manual_seed(seed)
