@@ -6,6 +6,8 @@ Built from configs, seeded, with the byte-level Qwen tokenizer of `testing.py` p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .testing import tiny_qwen2_tokenizer
@@ -114,5 +116,87 @@ def _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, se
                              use_post_quant_conv=False).eval()
     pipe = cls(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@functools.lru_cache(maxsize=None)
+def _image_text_processor_class():
+    from transformers import Qwen2VLProcessor
+
+    class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
+        """Without the video processor (it needs torchvision; the edit pipelines pass no videos)."""
+
+        def __init__(self, image_processor=None, tokenizer=None):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer)
+
+        def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+            # NOTE: transformers' text, counted as an int: str * 0-d tensor raises and catches a C++ error in
+            # torch, whose backtrace capture can crash inside a generic-program greenlet
+            tokens = int(image_inputs["image_grid_thw"][image_idx].prod()) // self.image_processor.merge_size ** 2
+            return self.image_token * tokens
+
+    return Qwen2VLImageTextProcessor
+
+
+def tiny_qwen2_vl_processor(tokenizer, min_pixels: int = 28 * 28, max_pixels: int = 28 * 28 * 4):
+    """A Qwen2VLProcessor over `tokenizer` (with `<|image_pad|>`); images resized to `min_pixels`..`max_pixels`
+    (sides multiples of 28), so the vision tower sees a few patches (28 * 28 * 4: at most 4 image tokens)."""
+    # NOTE: the PIL backend by name, as `Qwen2VLImageProcessor` picks without torchvision (with a warning)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    return _image_text_processor_class()(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def tiny_qwenimage_vae(base_dim: int = 4, seed: int = 2):
+    """An AutoencoderKLQwenImage of scale 16 (the most edit pipelines allow: references are rounded to multiples
+    of 32), so a ~1024x1024 reference is 32x32 tokens; no level residual blocks, as full-resolution 3-D convs
+    dominate the encode (~0.8 s an image on one CPU thread, most of it `conv_in`)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
+    return AutoencoderKLQwenImage(base_dim=base_dim, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=0,
+                                  temperal_downsample=[False] * 4, latents_mean=[0.0] * 4,
+                                  latents_std=[1.0] * 4).eval()
+
+
+def tiny_qwenimage_edit_pipeline(pipeline_class=None, num_layers: int = 1, attention_head_dim: int = 16,
+                                 num_attention_heads: int = 2, text_hidden: int = 32, vae_base_dim: int = 4,
+                                 max_pixels: int = 28 * 28 * 4, seed: int = 0, models_of=None):
+    """A QwenImageEditPipeline (or `pipeline_class`: QwenImageEditPlusPipeline, QwenImagePipeline) over the tiny
+    Qwen-Image components of `testing.tiny_qwenimage_pipeline`, a scale-16 VAE and a local Qwen2VLProcessor.
+
+    Output heights and widths must be multiples of 32; pass small ones (the default is ~1024x1024). The encode
+    templates keep their structure (system, user with the image placeholders, assistant) with a short system
+    prompt, since tokens are characters here. `models_of`: another pipeline of this builder whose models to share
+    (e.g. for `StepBatched.sibling`).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImagePipeline
+
+    from .testing import tiny_qwenimage_pipeline
+
+    if models_of is None:
+        base = tiny_qwenimage_pipeline(num_layers=num_layers, attention_head_dim=attention_head_dim,
+                                       num_attention_heads=num_attention_heads, text_hidden=text_hidden, seed=seed)
+        models_of = dict(vae=tiny_qwenimage_vae(vae_base_dim, seed=seed + 2), text_encoder=base.text_encoder,
+                         tokenizer=base.tokenizer, transformer=base.transformer)
+    else:
+        models_of = {name: getattr(models_of, name) for name in ("vae", "text_encoder", "tokenizer", "transformer")}
+    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(), **models_of)
+    tokenizer = components["tokenizer"]
+    cls = pipeline_class or QwenImageEditPipeline
+    if cls is QwenImagePipeline:
+        pipe = cls(**components)
+        prefix = "<|im_start|>system\nDescribe the image.<|im_end|>\n<|im_start|>user\n"
+        image = ""
+    else:
+        pipe = cls(processor=tiny_qwen2_vl_processor(tokenizer, max_pixels=max_pixels), **components)
+        prefix = "<|im_start|>system\nEdit the image.<|im_end|>\n<|im_start|>user\n"
+        # NOTE: Edit puts one image placeholder in its template; Edit-Plus prefixes the prompt with
+        # "Picture i: <placeholder>" per image and keeps a template without one
+        image = "<|vision_start|><|image_pad|><|vision_end|>" if "<|image_pad|>" in pipe.prompt_template_encode else ""
+    pipe.prompt_template_encode = prefix + image + "{}<|im_end|>\n<|im_start|>assistant\n"
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix).input_ids)
     pipe.set_progress_bar_config(disable=True)
     return pipe
