@@ -90,3 +90,24 @@ def test_no_prompt_cache_encodes_every_time():
     finally:
         handle.remove()
     assert len(calls) == 4
+
+
+def test_an_output_with_a_key_value_cache_round_trips_through_the_prompt_cache():
+    from transformers import DynamicCache
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    from diffusers_stepbatch.cache import encoder_calls
+
+    kv = DynamicCache()
+    for layer in range(2):
+        kv.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), layer_idx=layer)
+    output = BaseModelOutputWithPast(last_hidden_state=torch.randn(1, 3, 8), past_key_values=kv)
+    cache = PromptCache()
+    encoder_calls.store(cache, "key", output)
+    assert cache.stats().bytes == 4 * (3 * 8 + 2 * 2 * 2 * 3 * 4)  # the states and every layer's keys and values
+    back = encoder_calls.lookup(cache, "key")
+    assert torch.equal(back.last_hidden_state, output.last_hidden_state)
+    for got, want in zip(back.past_key_values.layers, kv.layers):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    back.last_hidden_state.add_(1)  # fresh copies: the stored entry stays as it was
+    assert torch.equal(encoder_calls.lookup(cache, "key").last_hidden_state, output.last_hidden_state)

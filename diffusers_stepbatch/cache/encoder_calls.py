@@ -10,12 +10,14 @@ are not cached.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from transformers.cache_utils import Cache
 
 from .prompt import PromptCache, placement, weights_fingerprint
 
@@ -65,11 +67,67 @@ def lookup(cache: PromptCache, key: Hashable) -> Any | None:
     found = cache.get_entry(key)
     if found is None:
         return None
-    tensors, spec = found
-    return pytree.tree_unflatten(list(tensors), spec)
+    tensors, (spec, layout) = found
+    leaves = []
+    for kind, value, start, count in layout:
+        if kind == "tensor":
+            leaves.append(tensors[start])
+        elif kind == "cache":
+            leaves.append(_filled(value, tensors[start:start + count]))
+        else:
+            leaves.append(value)
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def store(cache: PromptCache, key: Hashable, output: Any) -> None:
+    """Store `output` if it holds only tensors, plain values and key-value caches (which a text encoder may return
+    beside its states: stored as their layers' keys and values)."""
     leaves, spec = pytree.tree_flatten(output)
-    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        cache.put(key, leaves, structure=spec)
+    tensors, layout = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            layout.append(("tensor", None, len(tensors), 1))
+            tensors.append(leaf)
+        elif isinstance(leaf, Cache) and (emptied := _emptied(leaf)) is not None:
+            template, kv = emptied
+            layout.append(("cache", template, len(tensors), len(kv)))
+            tensors.extend(kv)
+        elif isinstance(leaf, _SCALARS):
+            layout.append(("value", leaf, 0, 0))
+        else:
+            return
+    cache.put(key, tensors, structure=(spec, layout))
+
+
+_KV = ("keys", "values")
+_TAKEN = object()  # where a stored cache layer's tensor goes back
+
+
+def _emptied(cache: Cache) -> tuple[Cache, list[torch.Tensor]] | None:
+    """(a copy of `cache` whose layers hold no keys and values, those tensors in layer order), or None when a
+    layer holds other tensors."""
+    template, tensors = copy.copy(cache), []
+    template.layers = []
+    for layer in cache.layers:
+        if any(isinstance(v, torch.Tensor) and n not in _KV for n, v in vars(layer).items()):
+            return None
+        part = copy.copy(layer)
+        for name in _KV:
+            value = getattr(layer, name, None)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+                setattr(part, name, _TAKEN)
+        template.layers.append(part)
+    return template, tensors
+
+
+def _filled(template: Cache, tensors: list[torch.Tensor]) -> Cache:
+    filled, remaining = copy.copy(template), iter(tensors)
+    filled.layers = []
+    for layer in template.layers:
+        part = copy.copy(layer)
+        for name in _KV:
+            if vars(layer).get(name) is _TAKEN:
+                setattr(part, name, next(remaining))
+        filled.layers.append(part)
+    return filled

@@ -22,6 +22,7 @@ _PROMPTS = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_promp
 _SCALES = ("guidance_scale", "true_cfg_scale", "guidance_rescale", "skip_layer_guidance_scale", "eta")
 _EMBEDS = ("prompt_embeds", "negative_prompt_embeds")
 _POOLED = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+_IMAGES = ("image", "mask_image", "control_image", "ip_adapter_image", "last_image")
 
 
 def check_call_inputs(pipe: Any, args: dict[str, Any], max_pixels: int | None, family_program: bool) -> None:
@@ -37,6 +38,9 @@ def check_call_inputs(pipe: Any, args: dict[str, Any], max_pixels: int | None, f
     for name in _SCALES:
         if args.get(name) is not None:
             check_finite_number(name, args[name])
+    for name in _IMAGES:
+        if args.get(name) is not None:
+            check_image_input(name, args[name])
     if "generator" in args:
         check_generator_type(args["generator"])
     callback = args.get("callback_on_step_end")
@@ -163,3 +167,13 @@ def check_text_embeddings(pipe: Any, args: dict[str, Any]) -> None:
             if expected is not None and value.shape[-1] != expected:
                 raise InvalidArgument(name, f"{name} has width {value.shape[-1]} but the denoiser takes {expected} "
                                  f"(shape {tuple(value.shape)})")
+
+
+def check_image_input(name: str, value: Any) -> None:
+    """An image argument is a PIL image, an array or tensor, or a list of them (diffusers' `PipelineImageInput`)."""
+    from diffusers.image_processor import is_valid_image_imagelist
+
+    if not is_valid_image_imagelist(value):
+        raise InvalidArgumentType(
+            name, f"{name} must be a PIL image, a numpy array, a torch tensor or a list of them, not "
+                  f"{type(value).__name__}")
