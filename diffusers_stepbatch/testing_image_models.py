@@ -130,12 +130,6 @@ def _image_text_processor_class():
         def __init__(self, image_processor=None, tokenizer=None):
             super().__init__(image_processor=image_processor, tokenizer=tokenizer)
 
-        def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
-            # NOTE: transformers' text, counted as an int: str * 0-d tensor raises and catches a C++ error in
-            # torch, whose backtrace capture can crash inside a generic-program greenlet
-            tokens = int(image_inputs["image_grid_thw"][image_idx].prod()) // self.image_processor.merge_size ** 2
-            return self.image_token * tokens
-
     return Qwen2VLImageTextProcessor
 
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import queue
+import threading
 from collections.abc import Generator
 from typing import Any
 
-import greenlet
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 from ..cache.prompt import PromptCache
 from ..engine.batch import WorkItem
+from ..engine.ownership import current_owner, run_for
 from ..engine.split_reasons import named_key
 from ..module_scan import diffusers_hooks, execution_device, marked_modules
 from .options import PlanContext
@@ -239,20 +241,41 @@ class _Aborted(BaseException):
 
 
 class _Turns:
-    """The turn-taking between a request's step program and its pipeline call.
+    """The turn-taking between a request's step program (engine thread) and its pipeline call (a helper thread):
+    exactly one of them runs at a time.
 
-    The pipeline's own `__call__` runs in a greenlet of the engine thread: at each intercepted model call it
-    switches back to the step program with the work item, and the program switches in again once the item's
-    result is in its holder. No other thread runs, so nothing waits for a thread switch or the GIL.
+    NOTE: a thread, not a greenlet of the engine thread: a C++ exception that torch raises and catches inside
+    the call (transformers' processors provoke some) walks the C stack for its backtrace, and on a resumed
+    greenlet that walk leaves the greenlet's stack and crashes the process.
     """
 
     def __init__(self, view, positional: list, keywords: dict):
-        self.call = greenlet.greenlet(functools.partial(_run_call, view, positional, keywords))
+        self._to_call: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_program: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=run_for(current_owner(), self._run), args=(view, positional, keywords),
+                                        daemon=True, name=f"StepBatched-{type(view).__name__}-request")
+        self.waiting = False  # the call waits at a model call for the step program
+
+    def resume(self, value: Any = None) -> tuple[str, Any]:
+        """From the step program: run the call until its next model call ("call", item) or its end."""
+        if self._thread.ident is None:
+            self._thread.start()
+        else:
+            self._to_call.put(value)
+        message = self._to_program.get()
+        self.waiting = message[0] == "call"
+        if not self.waiting:
+            self._thread.join()
+        return message
 
     def submit(self, item: WorkItem) -> None:
         """From the pipeline call: hand `item` to the step program and wait until its result is in its holder."""
-        if self.call.parent.switch(("call", item)) is _Aborted:
+        self._to_program.put(("call", item))
+        if self._to_call.get() is _Aborted:
             raise _Aborted()
+
+    def _run(self, view, positional, keywords) -> None:
+        self._to_program.put(_run_call(view, positional, keywords))
 
 
 def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str,
@@ -291,16 +314,16 @@ def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dic
     turns = _Turns(view, positional, keywords)
     _install_proxies(pipe, view, turns, denoisers, packed_attention, prompt_cache)
     try:
-        kind, payload = turns.call.switch()
+        kind, payload = turns.resume()
         while kind == "call":
             yield payload
-            kind, payload = turns.call.switch(None)
+            kind, payload = turns.resume(None)
         if kind == "error":
             raise payload
         return payload
     finally:
-        while not turns.call.dead:  # closed (aborted, or its batch failed) at a model call: unwind the call
-            turns.call.switch(_Aborted)
+        while turns.waiting:  # closed (aborted, or its batch failed) at a model call: unwind the call
+            turns.resume(_Aborted)
 
 
 def _step_index(scheduler) -> int | None:
@@ -311,7 +334,7 @@ def _step_index(scheduler) -> int | None:
 
 
 def _run_call(view, positional, keywords) -> tuple[str, Any]:
-    """The request's pipeline call, in its greenlet: ("done", output), ("error", exception) or ("aborted", None)."""
+    """The request's pipeline call, in its thread: ("done", output), ("error", exception) or ("aborted", None)."""
     try:
         with torch.no_grad(), active_view(view):
             output = view(*positional, **keywords)

@@ -15,7 +15,7 @@ from typing import Any
 
 # NOTE: a view's pipeline, held weakly: a dropped pipeline (and in hook mode its engine) must not outlive its views.
 _SOURCE = "_stepbatch_source"
-# NOTE: a context variable, not a thread-local: each generic-program call runs in a greenlet of its own
+# NOTE: a context variable: each generic-program call runs in a helper thread of its own
 _active: contextvars.ContextVar[Any] = contextvars.ContextVar("stepbatch_active_view", default=None)
 
 
