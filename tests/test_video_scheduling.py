@@ -21,7 +21,7 @@ def wan():
 
 
 def _video(seed: int, steps: int, frames: int = 5, side: int = 16, **extra) -> dict:
-    return dict(prompt=f"a ball {seed}", negative_prompt="blur", num_frames=frames, height=side, width=side,
+    return dict(prompt=f"a ball {seed}", negative_prompt="blur", num_frames=frames, height=16, width=side,
                 num_inference_steps=steps, guidance_scale=4.0, output_type="pt", max_sequence_length=16, seed=seed,
                 **extra)
 
@@ -89,6 +89,28 @@ def test_admission_policies_order_waiting_long_and_short_requests(wan, policy, p
         for handle in handles.values():
             handle.result(timeout=300)
     assert finished == order
+
+
+@pytest.mark.parametrize("small, large", [((5, 16), (13, 16)), ((9, 16), (9, 32))])
+def test_sjf_weighs_a_video_by_its_frames_and_size(wan, small, large):
+    finished: list[str] = []
+    started = threading.Event()
+
+    def running_progress(pipe, i, t, tensors):
+        if i == 1:
+            started.set()
+        return {}
+
+    with StepBatched(wan, scheduler=SchedulerConfig(max_batch_size=2, policy="sjf")) as sb:
+        running = sb.submit(**seeded(dict(_video(0, 8), callback_on_step_end=running_progress)))
+        assert started.wait(120)
+        handles = {"running": running, "large": sb.submit(**seeded(_video(1, 4, *large))),
+                   "small": sb.submit(**seeded(_video(2, 4, *small)))}  # equal steps, the small one last
+        for name, handle in handles.items():
+            handle.add_done_callback(lambda _, name=name: finished.append(name))
+        for handle in handles.values():
+            handle.result(timeout=300)
+    assert finished == ["running", "small", "large"]
 
 
 def test_aborting_a_long_video_between_steps_frees_its_rows_for_the_others(wan):

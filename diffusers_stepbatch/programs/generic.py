@@ -83,11 +83,21 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
                                   context.options.prompt_cache)
     if pid is not None:
         program = pid.decoded(program)
-    scale = getattr(pipe, "vae_scale_factor", None)
-    tokens = 1  # unknown: the pipeline derives its default size itself
-    if isinstance(scale, int) and all(isinstance(args.get(name), int) for name in ("height", "width")):
-        tokens = (args["height"] // scale) * (args["width"] // scale)
-    return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps, tokens_per_row=tokens)
+    return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps,
+                          tokens_per_row=_latent_tokens(pipe, args))
+
+
+def _latent_tokens(pipe, args: dict[str, Any]) -> int:
+    """Latent pixels (times latent frames for a video) of one row, as far as the call says; 1 when unknown (the
+    pipeline derives its default size itself)."""
+    scale = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
+    if not isinstance(scale, int) or not all(isinstance(args.get(name), int) for name in ("height", "width")):
+        return 1
+    tokens = (args["height"] // scale) * (args["width"] // scale)
+    frames, temporal = args.get("num_frames"), getattr(pipe, "vae_scale_factor_temporal", None)
+    if isinstance(frames, int) and isinstance(temporal, int) and frames > 0:
+        tokens *= (frames - 1) // temporal + 1
+    return tokens
 
 
 def _denoiser_names(pipe) -> list[str]:
