@@ -285,7 +285,11 @@ class _Turns:
             raise _Aborted()
 
     def _run(self, view, positional, keywords) -> None:
-        self._to_program.put(_run_call(view, positional, keywords))
+        try:
+            message = _run_call(view, positional, keywords)
+        except BaseException as exc:  # KeyboardInterrupt / SystemExit from a step callback: the request's error
+            message = ("error", exc)
+        self._to_program.put(message)
 
 
 def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str,
