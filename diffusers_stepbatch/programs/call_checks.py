@@ -170,10 +170,16 @@ def check_text_embeddings(pipe: Any, args: dict[str, Any]) -> None:
 
 
 def check_image_input(name: str, value: Any) -> None:
-    """An image argument is a PIL image, an array or tensor, or a list of them (diffusers' `PipelineImageInput`)."""
+    """An image argument is a PIL image, an array or tensor, or (nested) lists of them: diffusers'
+    `PipelineImageInput`, and lists of those for several adapters or ControlNets."""
     from diffusers.image_processor import is_valid_image_imagelist
 
-    if not is_valid_image_imagelist(value):
+    def valid(entry: Any) -> bool:
+        if isinstance(entry, (list, tuple)):
+            return len(entry) > 0 and all(valid(item) for item in entry)
+        return is_valid_image_imagelist(entry)
+
+    if not valid(value):
         raise InvalidArgumentType(
             name, f"{name} must be a PIL image, a numpy array, a torch tensor or a list of them, not "
                   f"{type(value).__name__}")
