@@ -6,11 +6,13 @@ family with a step program streams without code of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .preview import FlowPreviewer, StreamPreview, latent_rgb_projection
+from .video_preview import StreamVideoPreview, VideoPreviewer, video_rgb_projection
 
 if TYPE_CHECKING:
     from .wrapper import StepBatched
@@ -25,12 +27,9 @@ def stream_call(sb: StepBatched, args: tuple, kwargs: dict, preview_every: int, 
         raise ValueError(f"preview_every={preview_every!r} must be an int >= 1")
     pipe = sb.pipe
     call_args = sb._bind(args, {k: v for k, v in kwargs.items() if k != "teacache"})
-    default_size = getattr(pipe, "default_sample_size", 64) * pipe.vae_scale_factor
-    height, width = call_args.get("height") or default_size, call_args.get("width") or default_size
     user_callback = call_args.get("callback_on_step_end")
     user_inputs = list(call_args.get("callback_on_step_end_tensor_inputs") or [])
-    projection = latent_rgb_projection(pipe.vae)
-    previewer = FlowPreviewer(pipe, height, width)
+    preview = _video_previews(pipe) if "num_frames" in sb._signature.parameters else _image_previews(pipe, call_args)
     previews: queue.Queue = queue.Queue()
 
     def on_step_end(step_pipe, index, timestep, tensors):
@@ -39,10 +38,10 @@ def stream_call(sb: StepBatched, args: tuple, kwargs: dict, preview_every: int, 
             outputs = user_callback(step_pipe, index, timestep, {k: tensors[k] for k in user_inputs}) or {}
         latents = outputs.get("latents", tensors["latents"])
         total = step_pipe._num_timesteps
-        x0 = previewer(step_pipe, index, latents)
-        if (index + 1) % preview_every == 0 and index + 1 < total:
-            previews.put(StreamPreview(step=index + 1, num_steps=total, latents=x0.detach().clone(),
-                                       projection=projection))
+        due = (index + 1) % preview_every == 0 and index + 1 < total
+        made = preview(step_pipe, index, latents, due)
+        if due and made is not None:
+            previews.put(dataclasses.replace(made, step=index + 1, num_steps=total))
         return outputs
 
     kwargs = dict(kwargs, callback_on_step_end=on_step_end,
@@ -50,6 +49,32 @@ def stream_call(sb: StepBatched, args: tuple, kwargs: dict, preview_every: int, 
     handle = sb.submit(*args, **submit_options, **kwargs)
     handle.add_done_callback(lambda _: previews.put(_DONE))
     return RequestStream(handle, previews)
+
+
+def _image_previews(pipe: Any, call_args: dict):
+    default_size = getattr(pipe, "default_sample_size", 64) * pipe.vae_scale_factor
+    height, width = call_args.get("height") or default_size, call_args.get("width") or default_size
+    projection = latent_rgb_projection(pipe.vae)
+    previewer = FlowPreviewer(pipe, height, width)
+
+    def preview(step_pipe, index, latents, due):
+        x0 = previewer(step_pipe, index, latents)  # NOTE: every step: it keeps the previous latents
+        return StreamPreview(0, 0, x0.detach().clone(), projection) if due else None
+
+    return preview
+
+
+def _video_previews(pipe: Any):
+    projection = video_rgb_projection(pipe)
+    previewer = None if projection is None else VideoPreviewer(pipe, projection)
+
+    def preview(step_pipe, index, latents, due):
+        if previewer is None:  # NOTE: a VAE the map can't be fitted on: no previews, the output still comes
+            return None
+        raw = previewer.predict(step_pipe.scheduler, index, latents, due)
+        return None if raw is None else StreamVideoPreview(0, 0, previewer.frames(raw))
+
+    return preview
 
 
 class RequestStream:

@@ -26,7 +26,7 @@ from typing import Any
 from .config import ServeConfig
 from .protocol import APIError
 from .video_encoding import gif_bytes, to_uint8, write_mp4, write_thumbnail
-from .video_preview import VideoPreviewer, video_rgb_projection
+from ..video_preview import VideoPreviewer, video_rgb_projection
 from .video_request import VideoPlan
 
 logger = logging.getLogger(__name__)

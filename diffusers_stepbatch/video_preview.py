@@ -1,4 +1,4 @@
-"""Cheap previews of a video job while it denoises: the predicted clean latent video through a linear
+"""Cheap previews of a video request while it denoises: the predicted clean latent video through a linear
 latent-to-RGB map, one preview frame per latent frame, at latent resolution (scaled up for display).
 
 The image preview (`diffusers_stepbatch.preview`) fits its map on a 2-D VAE; a video VAE (Wan's
@@ -11,14 +11,30 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import PIL.Image
 import torch
 
 _PROJECTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 _MAX_PREVIEW_SIDE = 256
+
+
+@dataclass
+class StreamVideoPreview:
+    """A video preview yielded by `StepBatched.stream`: `frames` (uint8 [latent frames, H, W, 3]) after `step` of
+    `num_steps`: a short, low-frame-rate clip of the predicted clean video."""
+
+    step: int
+    num_steps: int
+    frames: np.ndarray
+
+    @property
+    def images(self) -> list[PIL.Image.Image]:
+        return [PIL.Image.fromarray(frame) for frame in self.frames]
 
 
 def video_rgb_projection(pipe: Any, samples: int = 8, seed: int = 0) -> torch.Tensor | None:
