@@ -27,6 +27,7 @@ from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
 from diffusers_stepbatch.serve.video_encoding import read_mp4, to_uint8, write_mp4
 from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 
+from .references import engine_held
 from .serve_helpers import ServerThread, wait_for
 
 # NOTE: the openai client marks its videos methods deprecated (the hosted API's end); the wire format stays
@@ -142,9 +143,21 @@ def test_seconds_become_frames_at_the_servers_fps(client, url):
         assert len(list(container.decode(video=0))) == 5
 
 
-def test_events_stream_progress_previews_and_the_completed_video(client, url):
-    video = client.videos.create(prompt="a red kite", extra_body={"num_frames": 9, "num_inference_steps": 4, "seed": 1})
-    stream = events(url, video.id)
+def test_events_stream_progress_previews_and_the_completed_video(client, url, app, wan):
+    got: dict = {}
+    # NOTE: the engine waits on a blocker until the stream is subscribed, so the stream sees every step
+    with engine_held(wan.sb, dict(prompt="hold", num_frames=5, height=16, width=16, num_inference_steps=2,
+                                  max_sequence_length=16, output_type="pt", seed=0)):
+        video = client.videos.create(prompt="a red kite",
+                                     extra_body={"num_frames": 9, "num_inference_steps": 4, "seed": 1})
+        reader = threading.Thread(target=lambda: got.setdefault("stream", events(url, video.id)))
+        reader.start()
+        job = app.state.server.videos.get(video.id)
+        deadline = time.time() + 30
+        while not job.listeners and time.time() < deadline:
+            time.sleep(0.01)
+    reader.join(60)
+    stream = got["stream"]
     kinds = [event["type"] for event in stream]
     assert kinds[-1] == "video.completed" and stream[-1]["video"]["progress"] == 100
     progress = [event["progress"] for event in stream if event["type"] == "video.progress"]
