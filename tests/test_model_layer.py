@@ -1,9 +1,9 @@
 """The model layer through the generic program: rows by denoiser class, never a silently wrong output.
 
 Z-Image's per-image lists share forwards across sizes; FLUX.2's position ids are read from row 0, so requests
-of equal token count but another aspect ratio must not merge in a plain forward (they pack); PAG runs whole calls; FLUX.2 klein KV and LTX
-latent upsampling run wrapped as they run plain; a model without proven row rules that mixes rows is caught
-by the check of its first merged call.
+of equal token count but another aspect ratio must not merge in a plain forward (they pack); PAG runs whole
+calls; FLUX.2 klein KV and LTX latent upsampling run wrapped as they run plain; a model without proven row rules
+that mixes rows is caught by the check of its first merged call.
 """
 
 import logging

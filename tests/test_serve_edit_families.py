@@ -110,7 +110,8 @@ def family(request):
 
     build, options = FAMILIES[request.param]
     pipe = build(**options)
-    plain = {"inpaint": AutoPipelineForInpainting.from_pipe(pipe), "img2img": AutoPipelineForImage2Image.from_pipe(pipe)}
+    plain = {"inpaint": AutoPipelineForInpainting.from_pipe(pipe),
+             "img2img": AutoPipelineForImage2Image.from_pipe(pipe)}
     for edit_pipe in plain.values():
         edit_pipe.set_progress_bar_config(disable=True)
     with Served(pipe, f"tiny-{request.param}") as served:

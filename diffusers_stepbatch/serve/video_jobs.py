@@ -269,7 +269,8 @@ class VideoJobs:
     @staticmethod
     def refreshed(job: VideoJob) -> VideoJob:
         """A queued job the engine has admitted is `in_progress` before its first step ends."""
-        if job.status == "queued" and any(r.request_id == job.request_id for r in list(job.sb.engine.scheduler.running)):
+        running = list(job.sb.engine.scheduler.running)
+        if job.status == "queued" and any(r.request_id == job.request_id for r in running):
             job.status = "in_progress"
         return job
 

@@ -145,7 +145,8 @@ def frame_multiple(model: ServingModel) -> int:
 def check_size(model: ServingModel, width: int, height: int, config: ServeConfig) -> None:
     multiple = size_multiple(model)
     if width % multiple or height % multiple:
-        near = f"{max(multiple, round(width / multiple) * multiple)}x{max(multiple, round(height / multiple) * multiple)}"
+        near_width, near_height = (max(multiple, round(side / multiple) * multiple) for side in (width, height))
+        near = f"{near_width}x{near_height}"
         raise bad_request(f"size='{width}x{height}': {model.name} takes widths and heights that are multiples of "
                           f"{multiple} (e.g. '{near}')", "size", code="unsupported_size")
     if width * height > config.max_image_pixels:
