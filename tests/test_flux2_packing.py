@@ -257,3 +257,25 @@ def test_pack_key_lets_sizes_and_references_pack_and_refuses_what_the_packed_for
     for refused in (dict(kv_cache_mode="extract", num_ref_tokens=9), dict(joint_attention_kwargs={"mask": 1}),
                     dict(timestep=torch.tensor(0.5))):
         assert pack_key({**arguments(small), **refused}) is None, refused
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_klein_inpaint_requests_of_different_sizes_pack_and_equal_their_solo_runs(config):
+    from diffusers import Flux2KleinInpaintPipeline
+
+    pipe = Flux2KleinInpaintPipeline(**_pipe("klein", config).components)
+    pipe.set_progress_bar_config(disable=True)
+    assert program_for(pipe) is generic.plan_generic
+    requests = []
+    for i, (height, width) in enumerate([(64, 64), (64, 96), (96, 64), (64, 64)]):
+        mask = np.zeros((height, width), dtype="uint8")
+        mask[: height // 2, : width // 2] = 255  # repaint the top-left quarter
+        requests.append(dict(prompt=f"a red square {i}", image=_image(height, width, 10 + i),
+                             mask_image=Image.fromarray(mask), height=height, width=width, strength=0.6 + 0.1 * i,
+                             num_inference_steps=2 + i % 2, guidance_scale=1.0, seed=i, **COMMON))
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=16) as sb:
+        results = submit_all(sb, requests)
+        stats = sb.stats()
+    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
