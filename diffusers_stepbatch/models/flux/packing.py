@@ -10,15 +10,12 @@ so a request may alternate between packed and ordinary calls.
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.utils import apply_lora_scale
@@ -26,10 +23,11 @@ from diffusers.utils import apply_lora_scale
 from ...adapters.lora import lora_layers
 from ...cache.teacache import TeaCacheState, row_groups
 from ..packing.attention import resolve
-from ..packing.layout import PackedLayout, adaln_values, attend
+from ..packing.joint import (IMAGE, TEXT, attention_fn, cached_layout, joint_stream_layout, joint_stream_rotary, rope,
+                             per_head, stream_rotary)
+from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
 
-TEXT, IMAGE = 0, 1
 
 
 @dataclass
@@ -96,26 +94,13 @@ def flux_token_streams(parts: Sequence[FluxPart]) -> list[torch.Tensor]:
     """The row of every token in each packed stream the forward runs layers on: text, image, and the single
     blocks' joint stream (each row's text then image tokens). Per-row LoRA maps layer inputs to rows with it."""
     layout = _layout(parts)
-    return [*layout.token_rows, _joint_layout(layout).token_rows[0]]
+    return [*layout.token_rows, joint_stream_layout(layout).token_rows[0]]
 
 
 def _layout(parts):
-    return _cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
+    return cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
                           tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
                           parts[0].hidden_states.device)
-
-
-def _joint_layout(layout: PackedLayout) -> PackedLayout:
-    # NOTE: the single blocks' one stream: a row's text and image tokens side by side, as the model's
-    # torch.cat([encoder, hidden], dim=1) has them, so attention reads each part as a view.
-    return _cached_layout(tuple(layout.rows), tuple((text + image,) for text, image in layout.lengths),
-                          layout.token_rows[0].device)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_layout(rows: tuple, lengths: tuple, device: torch.device) -> PackedLayout:
-    # NOTE: the same few shapes recur step after step; building a layout is ~30 small kernels (aranges, repeats).
-    return PackedLayout(rows, lengths, device=device)
 
 
 @apply_lora_scale("joint_attention_kwargs")
@@ -180,64 +165,6 @@ def _forget_rotary(key: int) -> None:
         _ROTARY.pop(key, None)
 
 
-def _same_as_last_call(fn):
-    """Memo of the last call of `fn(layout, part_rotary)`: the same requests usually pack again at the next
-    step, with the same (cached, `_rotary`) part embeddings. The memo holds those, so their ids stay theirs."""
-    last: list = [None]
-    lock = threading.Lock()
-
-    @functools.wraps(fn)
-    def memoized(layout, part_rotary):
-        key = (tuple(layout.rows), tuple(layout.lengths), tuple(map(id, part_rotary)))
-        with lock:
-            entry = last[0]
-        if entry is not None and entry[0] == key:
-            return entry[2]
-        result = fn(layout, part_rotary)
-        with lock:
-            last[0] = (key, list(part_rotary), result)
-        return result
-
-    return memoized
-
-
-@_same_as_last_call
-def _stream_rotary(layout, part_rotary):
-    """Per stream (text, image), (cos, sin) for every packed token: each part's positions, repeated per row."""
-    per_stream = [([], []) for _ in range(2)]
-    for part_rows, (text_len, _), (cos, sin) in zip(layout.rows, layout.lengths, part_rotary):
-        for stream, window in ((TEXT, slice(0, text_len)), (IMAGE, slice(text_len, None))):
-            per_stream[stream][0].append(cos[window].repeat(part_rows, 1))
-            per_stream[stream][1].append(sin[window].repeat(part_rows, 1))
-    return [(torch.cat(cos), torch.cat(sin)) for cos, sin in per_stream]
-
-
-@_same_as_last_call
-def _joint_rotary(layout, part_rotary):
-    """(cos, sin) for every token of the joint stream (`_joint_layout`)."""
-    return tuple(torch.cat([pair[i].repeat(part_rows, 1) for part_rows, pair in zip(layout.rows, part_rotary)])
-                 for i in range(2))
-
-
-def _rope(x: torch.Tensor, rotary) -> torch.Tensor:
-    # NOTE: [tokens, heads, dim] seen as one sequence of `tokens` with per-token (cos, sin).
-    return apply_rotary_emb(x.unsqueeze(0), rotary, sequence_dim=1).squeeze(0)
-
-
-def _attention_fn(attn):
-    processor = attn.processor
-
-    def attention(query, key, value):
-        return dispatch_attention_fn(query, key, value, attn_mask=None, backend=processor._attention_backend,
-                                     parallel_config=processor._parallel_config)
-
-    return attention
-
-
-def _heads(attn, x):
-    return x.unflatten(-1, (-1, attn.head_dim))
-
-
 def _modulation(layout, stream, norm, temb, chunks):
     """An AdaLN-Zero layer's (shift, 1 + scale, gate) chunks per row, as `stream`'s tokens see them."""
     return adaln_values(layout, stream, norm.linear(norm.silu(temb)), chunks)
@@ -252,16 +179,16 @@ def _double_block(block, layout, hidden, encoder, temb, rotary, method, split):
     norm_encoder = layout.modulate(TEXT, block.norm1_context.norm(encoder), c_scale_msa, c_shift_msa)
 
     attn = block.attn
-    query, key, value = (attn.norm_q(_heads(attn, attn.to_q(norm_hidden))),
-                         attn.norm_k(_heads(attn, attn.to_k(norm_hidden))), _heads(attn, attn.to_v(norm_hidden)))
-    e_query, e_key, e_value = (attn.norm_added_q(_heads(attn, attn.add_q_proj(norm_encoder))),
-                               attn.norm_added_k(_heads(attn, attn.add_k_proj(norm_encoder))),
-                               _heads(attn, attn.add_v_proj(norm_encoder)))
+    query, key, value = (attn.norm_q(per_head(attn, attn.to_q(norm_hidden))),
+                         attn.norm_k(per_head(attn, attn.to_k(norm_hidden))), per_head(attn, attn.to_v(norm_hidden)))
+    e_query, e_key, e_value = (attn.norm_added_q(per_head(attn, attn.add_q_proj(norm_encoder))),
+                               attn.norm_added_k(per_head(attn, attn.add_k_proj(norm_encoder))),
+                               per_head(attn, attn.add_v_proj(norm_encoder)))
     text_out, image_out = attend(
         layout,
-        [_rope(e_query, rotary[TEXT]), _rope(query, rotary[IMAGE])],
-        [_rope(e_key, rotary[TEXT]), _rope(key, rotary[IMAGE])],
-        [e_value, value], _attention_fn(attn), method,
+        [rope(e_query, rotary[TEXT]), rope(query, rotary[IMAGE])],
+        [rope(e_key, rotary[TEXT]), rope(key, rotary[IMAGE])],
+        [e_value, value], attention_fn(attn), method,
     )
     attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
     context_attn_output = attn.to_add_out(text_out.to(query.dtype))
@@ -279,7 +206,7 @@ def _double_block(block, layout, hidden, encoder, temb, rotary, method, split):
 
 
 def _single_block(block, joint_layout, joint, temb, rotary, method, split, mixed):
-    """`joint` holds each row's text then image tokens (`_joint_layout`), as FluxSingleTransformerBlock sees it.
+    """`joint` holds each row's text then image tokens (`joint_stream_layout`), as FluxSingleTransformerBlock sees it.
 
     `mixed` is a [tokens, attention dim + mlp dim] workspace for the model's torch.cat([attn_output, mlp]).
     """
@@ -290,10 +217,10 @@ def _single_block(block, joint_layout, joint, temb, rotary, method, split, mixed
     # NOTE: one workspace for all single blocks, written in place of the cat: with long rows a fresh
     # [tokens, attention + mlp dim] tensor per block is fresh memory pages per block.
     joint_layout.apply_into(0, lambda x: block.act_mlp(block.proj_mlp(x)), norm, mixed[:, inner:], split)
-    query = _rope(attn.norm_q(_heads(attn, attn.to_q(norm))), rotary)
-    key = _rope(attn.norm_k(_heads(attn, attn.to_k(norm))), rotary)
-    value = _heads(attn, attn.to_v(norm))
-    attend(joint_layout, [query], [key], [value], _attention_fn(attn), method, out=[mixed[:, :inner]])
+    query = rope(attn.norm_q(per_head(attn, attn.to_q(norm))), rotary)
+    key = rope(attn.norm_k(per_head(attn, attn.to_k(norm))), rotary)
+    value = per_head(attn, attn.to_v(norm))
+    attend(joint_layout, [query], [key], [value], attention_fn(attn), method, out=[mixed[:, :inner]])
     joint = joint_layout.gated_add(0, joint, gate, block.proj_out(mixed))
     if joint.dtype == torch.float16:
         joint = joint.clip(-65504, 65504)
@@ -301,20 +228,20 @@ def _single_block(block, joint_layout, joint, temb, rotary, method, split, mixed
 
 
 def _blocks(transformer, layout, hidden, encoder, temb, part_rotary, method):
-    rotary = _stream_rotary(layout, part_rotary)
+    rotary = stream_rotary(layout, part_rotary)
     # NOTE: MLPs may run per part (temporaries of one part's size) unless per-row LoRA maps their inputs to
     # rows by token count, which a part's slice would not match.
     split = not lora_layers(transformer)
     for block in transformer.transformer_blocks:
         encoder, hidden = _double_block(block, layout, hidden, encoder, temb, rotary, method, split)
     if len(transformer.single_transformer_blocks):
-        joint_layout = _joint_layout(layout)
+        joint_layout = joint_stream_layout(layout)
         joint = hidden.new_empty(joint_layout.tokens(0), hidden.shape[1])
         joint_parts = joint_layout.unpack(0, joint)
         for joint_part, text, image in zip(joint_parts, layout.unpack(TEXT, encoder), layout.unpack(IMAGE, hidden)):
             joint_part[:, :text.shape[1]] = text
             joint_part[:, text.shape[1]:] = image
-        joint_rotary = _joint_rotary(layout, part_rotary)
+        joint_rotary = joint_stream_rotary(layout, part_rotary)
         first = transformer.single_transformer_blocks[0]
         mixed = joint.new_empty(joint.shape[0], first.proj_out.in_features)
         for block in transformer.single_transformer_blocks:

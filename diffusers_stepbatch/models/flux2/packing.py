@@ -20,7 +20,8 @@ from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, 
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
-from ..flux.packing import _attention_fn, _cached_layout, _heads, _joint_layout, _joint_rotary, _rope, _stream_rotary
+from ..packing.joint import (attention_fn, cached_layout, joint_stream_layout, joint_stream_rotary, rope, per_head,
+                             stream_rotary)
 from ..packing.attention import resolve
 from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -97,7 +98,7 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
 
 
 def _layout(parts):
-    return _cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
+    return cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
                           tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
                           parts[0].hidden_states.device)
 
@@ -137,7 +138,7 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
     split = not lora_layers(transformer)
 
     if len(transformer.transformer_blocks):
-        rotary = _stream_rotary(layout, part_rotary)
+        rotary = stream_rotary(layout, part_rotary)
         image_mods = adaln_values(layout, IMAGE, mod_img, 6)
         text_mods = adaln_values(layout, TEXT, mod_txt, 6)
         for block in transformer.transformer_blocks:
@@ -163,16 +164,16 @@ def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary,
     norm_encoder = layout.modulate(TEXT, block.norm1_context(encoder), c_scale_msa, c_shift_msa)
 
     attn = block.attn
-    query, key, value = (attn.norm_q(_heads(attn, attn.to_q(norm_hidden))),
-                         attn.norm_k(_heads(attn, attn.to_k(norm_hidden))), _heads(attn, attn.to_v(norm_hidden)))
-    e_query, e_key, e_value = (attn.norm_added_q(_heads(attn, attn.add_q_proj(norm_encoder))),
-                               attn.norm_added_k(_heads(attn, attn.add_k_proj(norm_encoder))),
-                               _heads(attn, attn.add_v_proj(norm_encoder)))
+    query, key, value = (attn.norm_q(per_head(attn, attn.to_q(norm_hidden))),
+                         attn.norm_k(per_head(attn, attn.to_k(norm_hidden))), per_head(attn, attn.to_v(norm_hidden)))
+    e_query, e_key, e_value = (attn.norm_added_q(per_head(attn, attn.add_q_proj(norm_encoder))),
+                               attn.norm_added_k(per_head(attn, attn.add_k_proj(norm_encoder))),
+                               per_head(attn, attn.add_v_proj(norm_encoder)))
     text_out, image_out = attend(
         layout,
-        [_rope(e_query, rotary[TEXT]), _rope(query, rotary[IMAGE])],
-        [_rope(e_key, rotary[TEXT]), _rope(key, rotary[IMAGE])],
-        [e_value, value], _attention_fn(attn), method,
+        [rope(e_query, rotary[TEXT]), rope(query, rotary[IMAGE])],
+        [rope(e_key, rotary[TEXT]), rope(key, rotary[IMAGE])],
+        [e_value, value], attention_fn(attn), method,
     )
     attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
     context_attn_output = attn.to_add_out(text_out.to(query.dtype))
@@ -191,13 +192,13 @@ def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary,
 
 def _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method):
     """The single-stream blocks over each row's text then image tokens; returns the image tokens."""
-    joint_layout = _joint_layout(layout)
+    joint_layout = joint_stream_layout(layout)
     joint = hidden.new_empty(joint_layout.tokens(0), hidden.shape[1])
     for joint_part, text, image in zip(joint_layout.unpack(0, joint), layout.unpack(TEXT, encoder),
                                        layout.unpack(IMAGE, hidden)):
         joint_part[:, :text.shape[1]] = text
         joint_part[:, text.shape[1]:] = image
-    rotary = _joint_rotary(layout, part_rotary)
+    rotary = joint_stream_rotary(layout, part_rotary)
     shift, scale, gate = adaln_values(joint_layout, 0, mod_single, 3)
     attn = transformer.single_transformer_blocks[0].attn
     # NOTE: one [tokens, attention + mlp dim] workspace for all blocks, written in place of the processor's
@@ -217,10 +218,10 @@ def _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method
     qkv_dim = 3 * attn.inner_dim
     qkv, mlp = projected[:, :qkv_dim], projected[:, qkv_dim:]
     query, key, value = qkv.chunk(3, dim=-1)
-    query = _rope(attn.norm_q(_heads(attn, query)), rotary)
-    key = _rope(attn.norm_k(_heads(attn, key)), rotary)
+    query = rope(attn.norm_q(per_head(attn, query)), rotary)
+    key = rope(attn.norm_k(per_head(attn, key)), rotary)
     inner = attn.inner_dim
-    attend(joint_layout, [query], [key], [_heads(attn, value)], _attention_fn(attn), method, out=[mixed[:, :inner]])
+    attend(joint_layout, [query], [key], [per_head(attn, value)], attention_fn(attn), method, out=[mixed[:, :inner]])
     mixed[:, inner:] = attn.mlp_act_fn(mlp)
     joint = joint_layout.gated_add(0, joint, gate, attn.to_out(mixed))
     if joint.dtype == torch.float16:

@@ -1,0 +1,90 @@
+"""Pieces the FLUX.1 and FLUX.2 packed forwards share: cached layouts of text + image streams, per-token RoPE of
+packed parts, and the attention call of their processors.
+
+TEXT and IMAGE are the two streams of a double block; the single blocks see one joint stream, a row's text and
+image tokens side by side (`joint_stream_layout`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+
+from .layout import PackedLayout
+
+TEXT, IMAGE = 0, 1
+
+
+def joint_stream_layout(layout: PackedLayout) -> PackedLayout:
+    # NOTE: the single blocks' one stream: a row's text and image tokens side by side, as the model's
+    # torch.cat([encoder, hidden], dim=1) has them, so attention reads each part as a view.
+    return cached_layout(tuple(layout.rows), tuple((text + image,) for text, image in layout.lengths),
+                          layout.token_rows[0].device)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_layout(rows: tuple, lengths: tuple, device: torch.device) -> PackedLayout:
+    # NOTE: the same few shapes recur step after step; building a layout is ~30 small kernels (aranges, repeats).
+    return PackedLayout(rows, lengths, device=device)
+
+
+def _same_as_last_call(fn):
+    """Memo of the last call of `fn(layout, part_rotary)`: the same requests usually pack again at the next
+    step, with the same (cached, `_rotary`) part embeddings. The memo holds those, so their ids stay theirs."""
+    last: list = [None]
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def memoized(layout, part_rotary):
+        key = (tuple(layout.rows), tuple(layout.lengths), tuple(map(id, part_rotary)))
+        with lock:
+            entry = last[0]
+        if entry is not None and entry[0] == key:
+            return entry[2]
+        result = fn(layout, part_rotary)
+        with lock:
+            last[0] = (key, list(part_rotary), result)
+        return result
+
+    return memoized
+
+
+@_same_as_last_call
+def stream_rotary(layout, part_rotary):
+    """Per stream (text, image), (cos, sin) for every packed token: each part's positions, repeated per row."""
+    per_stream = [([], []) for _ in range(2)]
+    for part_rows, (text_len, _), (cos, sin) in zip(layout.rows, layout.lengths, part_rotary):
+        for stream, window in ((TEXT, slice(0, text_len)), (IMAGE, slice(text_len, None))):
+            per_stream[stream][0].append(cos[window].repeat(part_rows, 1))
+            per_stream[stream][1].append(sin[window].repeat(part_rows, 1))
+    return [(torch.cat(cos), torch.cat(sin)) for cos, sin in per_stream]
+
+
+@_same_as_last_call
+def joint_stream_rotary(layout, part_rotary):
+    """(cos, sin) for every token of the joint stream (`joint_stream_layout`)."""
+    return tuple(torch.cat([pair[i].repeat(part_rows, 1) for part_rows, pair in zip(layout.rows, part_rotary)])
+                 for i in range(2))
+
+
+def rope(x: torch.Tensor, rotary) -> torch.Tensor:
+    # NOTE: [tokens, heads, dim] seen as one sequence of `tokens` with per-token (cos, sin).
+    return apply_rotary_emb(x.unsqueeze(0), rotary, sequence_dim=1).squeeze(0)
+
+
+def attention_fn(attn):
+    processor = attn.processor
+
+    def attention(query, key, value):
+        return dispatch_attention_fn(query, key, value, attn_mask=None, backend=processor._attention_backend,
+                                     parallel_config=processor._parallel_config)
+
+    return attention
+
+
+def per_head(attn, x):
+    return x.unflatten(-1, (-1, attn.head_dim))
