@@ -1,9 +1,5 @@
-"""Pieces the FLUX.1 and FLUX.2 packed forwards share: cached layouts of text + image streams, per-token RoPE of
-packed parts, and the attention call of their processors.
-
-TEXT and IMAGE are the two streams of a double block; the single blocks see one joint stream, a row's text and
-image tokens side by side (`joint_stream_layout`).
-"""
+"""What FLUX.1's and FLUX.2's packed forwards share: layouts of the TEXT and IMAGE streams (and of the single
+blocks' joint stream), per-token RoPE of packed parts, the attention call of their processors."""
 
 from __future__ import annotations
 
