@@ -4,7 +4,8 @@ Rows: latents, both prompts with their masks, image embeds and timesteps are per
 reordering, refiner and masks work row by row. One decision is not: whether the call is text-to-video, read from
 all image embeds at once (`torch.all(image_embeds == 0)`), so a row with an image beside rows without would lose
 its image; calls merge by rows only with calls of the same kind (`merge_key`). `packing.py` packs calls of other
-frame counts and sizes, each call's kind decided for its own rows.
+frame counts and sizes, each call's kind decided for its own rows; `teacache.py` is the per-row TeaCache forward
+on top of it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from diffusers import HunyuanVideo15Transformer3DModel
 
 from .. import ModelSupport, Packing, register_model
 from .packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key
+from .teacache import HUNYUAN_VIDEO15_COEFFICIENTS, teacache_call
 
 
 def text_to_video(arguments: dict[str, Any]) -> bool | None:
@@ -28,4 +30,5 @@ def text_to_video(arguments: dict[str, Any]) -> bool | None:
 def _hunyuan_video15() -> ModelSupport:
     return ModelSupport(merge_key=text_to_video, trusted=True,
                         packing=Packing(unsupported=hunyuan_video15_packing_unsupported, key=pack_key,
-                                        run=pack_calls))
+                                        run=pack_calls),
+                        teacache_coefficients=HUNYUAN_VIDEO15_COEFFICIENTS, teacache_forward=teacache_call)

@@ -65,18 +65,23 @@ def pack_key(arguments: dict) -> tuple | None:
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
     """One packed forward for calls of different sizes; each output as the model returns it."""
-    outputs = hunyuan_video15_packed_forward(transformer, calls, calls[0].get("attention_kwargs"), packed_attention)
+    outputs = hunyuan_video15_packed_forward(transformer, calls, calls[0].get("attention_kwargs"), packed_attention,
+                                             teacache)
     return [(out,) if not call.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for call, out in zip(calls, outputs)]
 
 
 def hunyuan_video15_packed_forward(transformer, calls: Sequence[dict], attention_kwargs: dict | None = None,
-                                   packed_attention: str = "auto") -> list[torch.Tensor]:
+                                   packed_attention: str = "auto", teacache: Sequence | None = None
+                                   ) -> list[torch.Tensor]:
     """The model's output (`forward(...)[0]`) for every call (its arguments by name), as one packed call.
+
+    `teacache[i]` holds call i's per-row TeaCache states or None (`models/hunyuan_video15/teacache.py`).
 
     >>> outputs = hunyuan_video15_packed_forward(pipe.transformer, [dict(hidden_states=x, timestep=t, ...), ...])
     """
-    return _forward(transformer, calls, attention_kwargs=attention_kwargs, packed_attention=packed_attention)
+    return _forward(transformer, calls, attention_kwargs=attention_kwargs, packed_attention=packed_attention,
+                    teacache=teacache)
 
 
 @dataclass
@@ -115,8 +120,33 @@ def _call_rows(transformer, index: int, call: dict) -> list[_Row]:
 
 
 @apply_lora_scale("attention_kwargs")
-def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto"):
+def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto", teacache=None):
     rows = [row for index, call in enumerate(calls) for row in _call_rows(transformer, index, call)]
+    method = resolve(packed_attention, rows[0].video.device, rows[0].video.dtype)
+    split = not lora_layers(transformer)  # NOTE: as in models/qwenimage/packing.py
+    states = [state for index, call in enumerate(calls)
+              for state in (teacache[index] if teacache is not None and teacache[index] is not None
+                            else [None] * call["hidden_states"].shape[0])]
+    if all(state is None for state in states):
+        videos = packed_blocks(transformer, rows, method, split)
+    else:
+        from .teacache import teacache_blocks  # NOTE: teacache.py builds on this module
+
+        videos = teacache_blocks(transformer, rows, states, method, split)
+
+    hidden = torch.cat(videos)
+    norm_out = transformer.norm_out
+    emb = norm_out.linear(norm_out.silu(torch.stack([row.temb for row in rows])).to(hidden.dtype))
+    tokens = torch.tensor([video.shape[0] for video in videos], device=hidden.device)
+    scale, shift = (values.repeat_interleave(tokens, dim=0) for values in torch.chunk(emb, 2, dim=1))
+    output = transformer.proj_out(norm_out.norm(hidden) * (1 + scale) + shift).split(tokens.tolist())
+    return [_unpatchify(transformer, call["hidden_states"],
+                        torch.stack([output[r] for r in range(len(rows)) if rows[r].call == index]))
+            for index, call in enumerate(calls)]
+
+
+def packed_blocks(transformer, rows: Sequence[_Row], method: str, split: bool) -> list[torch.Tensor]:
+    """Every row's video tokens after the transformer blocks, [video tokens, inner_dim] per row."""
     # NOTE: rows of equal token counts form one part of the layout, so they attend as one batch.
     order = sorted(range(len(rows)), key=lambda r: (rows[r].video.shape[0], rows[r].text.shape[0]))
     ordered = [rows[r] for r in order]
@@ -129,26 +159,16 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto")
     encoder = torch.cat([row.text for row in ordered])
     temb = torch.stack([row.temb for row in ordered])
     rotary = tuple(torch.cat([row.rotary[i] for row in ordered]) for i in range(2))
-    method = resolve(packed_attention, hidden.device, hidden.dtype)
-    split = not lora_layers(transformer)  # NOTE: as in models/qwenimage/packing.py
 
     for block in transformer.transformer_blocks:
         hidden, encoder = _block(block, layout, hidden, encoder, temb, rotary, method, split)
 
-    norm_out = transformer.norm_out
-    emb = norm_out.linear(norm_out.silu(temb).to(hidden.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    scale1, shift = layout.row_values(VIDEO, torch.cat([1 + scale, shift], dim=1), 2)
-    output = transformer.proj_out(layout.modulate(VIDEO, norm_out.norm(hidden), scale1, shift))
-
     per_row, start = [None] * len(rows), 0
     for r in order:
         tokens = rows[r].video.shape[0]
-        per_row[r] = output[start:start + tokens]
+        per_row[r] = hidden[start:start + tokens]
         start += tokens
-    return [_unpatchify(transformer, call["hidden_states"],
-                        torch.stack([per_row[r] for r in range(len(rows)) if rows[r].call == index]))
-            for index, call in enumerate(calls)]
+    return per_row
 
 
 def _unpatchify(transformer, hidden_states, output):

@@ -91,20 +91,23 @@ def pack_key(arguments: dict) -> tuple | None:
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
     """One packed forward for calls of different sizes; each output as the model returns it."""
     first = calls[0]
-    videos, audios = ltx2_packed_forward(transformer, calls, first.get("attention_kwargs"), packed_attention)
+    videos, audios = ltx2_packed_forward(transformer, calls, first.get("attention_kwargs"), packed_attention, teacache)
     return [(video, audio) if not call.get("return_dict", True) else AudioVisualModelOutput(sample=video,
                                                                                             audio_sample=audio)
             for call, video, audio in zip(calls, videos, audios)]
 
 
 def ltx2_packed_forward(transformer, calls: Sequence[dict], attention_kwargs: dict | None = None,
-                        packed_attention: str = "auto") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                        packed_attention: str = "auto", teacache: Sequence | None = None
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(video outputs, audio outputs), one per call, for calls (the forward's arguments by name) whose `pack_key`s
-    are equal, as one packed call. `packed_attention` picks how self-attention stays inside each row.
+    are equal, as one packed call. `packed_attention` picks how self-attention stays inside each row;
+    `teacache[i]` holds call i's per-row TeaCache states or None (`models/ltx2/teacache.py`).
 
     >>> videos, audios = ltx2_packed_forward(pipe.transformer, [dict(hidden_states=x, ...), ...])
     """
-    return _forward(transformer, calls, attention_kwargs=attention_kwargs, packed_attention=packed_attention)
+    return _forward(transformer, calls, attention_kwargs=attention_kwargs, packed_attention=packed_attention,
+                    teacache=teacache)
 
 
 @dataclass
@@ -153,9 +156,32 @@ def _rows(transformer, calls: Sequence[dict]) -> list[_Row]:
 
 
 @apply_lora_scale("attention_kwargs")
-def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto"):
-    config = transformer.config
+def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto", teacache=None):
     rows = _rows(transformer, calls)
+    states = [state for index, call in enumerate(calls)
+              for state in (teacache[index] if teacache is not None and teacache[index] is not None
+                            else [None] * call["hidden_states"].shape[0])]
+    through = None
+    if any(state is not None for state in states):
+        from .teacache import teacache_blocks  # NOTE: teacache.py builds on this module
+
+        def through(signal, hidden, audio, run_rows):
+            return teacache_blocks(rows, states, signal, hidden, audio, run_rows)
+
+    per_row = packed_rows(transformer, calls[0], rows, packed_attention, through)
+    return tuple([torch.stack([per_row[r][stream] for r in range(len(rows)) if rows[r].call == index])
+                  for index in range(len(calls))] for stream in (0, 1))
+
+
+def packed_rows(transformer, flags: dict, rows: Sequence[_Row], packed_attention: str, through=None,
+                final: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every row's (video, audio) output, or with `final=False` its tokens after the blocks, in `rows` order.
+
+    `flags`: a call's arguments (the whole-call options). `through(signal, hidden, audio, run_rows)`, where given,
+    stands in for the blocks: it gets the first block's modulated video input, the video and audio tokens before
+    the blocks (per row) and `run_rows(rows)` (the blocks on those rows only), and returns every row's (video,
+    audio) tokens after the blocks."""
+    config = transformer.config
     # NOTE: rows of equal token counts in every stream form one part: they attend as one batch.
     order = sorted(range(len(rows)), key=lambda r: rows[r].lengths)
     ordered = [rows[r] for r in order]
@@ -194,7 +220,7 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto")
     if transformer.prompt_modulation and config.use_prompt_adaln_single:
         temb_prompt = transformer.prompt_adaln(sigma, batch_size=count, hidden_dtype=hidden.dtype)[0]
         temb_prompt_audio = transformer.audio_prompt_adaln(audio_sigma, batch_size=count, hidden_dtype=audio.dtype)[0]
-    cross_timestep = calls[0].get("use_cross_timestep", False)
+    cross_timestep = flags.get("use_cross_timestep", False)
     gate_factor = config.cross_attn_timestep_scale_multiplier / config.timestep_scale_multiplier
     video_ca_timestep = audio_sigma if cross_timestep else timestep
     audio_ca_timestep = sigma if cross_timestep else audio_timestep
@@ -217,9 +243,22 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto")
     masks = [_mask_bias(layout, ordered, i, dtype) for i, dtype in enumerate((hidden.dtype, audio.dtype))]
 
     context = _Context(layout, single, ropes, masks, method, split,
-                       cross_modal=not calls[0].get("isolate_modalities", False))
-    for block in transformer.transformer_blocks:
-        hidden, audio = _block(block, context, modulation, hidden, audio, text, audio_text)
+                       cross_modal=not flags.get("isolate_modalities", False))
+    if through is None:
+        for block in transformer.transformer_blocks:
+            hidden, audio = _block(block, context, modulation, hidden, audio, text, audio_text)
+    else:
+        first = transformer.transformer_blocks[0]
+        shift_msa, scale_msa = _values(layout, VIDEO, *_params(first.scale_shift_table, modulation.temb)[:2],
+                                       scales=(1,))
+        signal = _split(layout.modulate(VIDEO, first.norm1(hidden), scale_msa, shift_msa), VIDEO, order, rows)
+        after = through(signal, _split(hidden, VIDEO, order, rows), _split(audio, AUDIO, order, rows),
+                        lambda subset: packed_rows(transformer, flags, [rows[r] for r in subset], packed_attention,
+                                                   final=False))
+        hidden = torch.cat([after[r][0] for r in order])
+        audio = torch.cat([after[r][1] for r in order])
+    if not final:
+        return list(zip(_split(hidden, VIDEO, order, rows), _split(audio, AUDIO, order, rows)))
 
     outputs = []
     for stream, x, emb, table, norm, proj in (
@@ -228,20 +267,19 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto")
              transformer.audio_proj_out)):
         values = table[None] + emb[:, None]  # [rows or tokens, 2, dim]: shift, scale
         shift, scale1 = _values(layout, stream, values[:, 0], values[:, 1], scales=(1,))
-        outputs.append(_unpack(layout, stream, proj(layout.modulate(stream, norm(x), scale1, shift)), order,
-                               rows, len(calls)))
-    return outputs[0], outputs[1]
+        outputs.append(_split(proj(layout.modulate(stream, norm(x), scale1, shift)), stream, order, rows))
+    return list(zip(*outputs))
 
 
-def _unpack(layout, stream, output, order, rows, num_calls) -> list[torch.Tensor]:
+def _split(packed, stream, order, rows) -> list[torch.Tensor]:
+    """A stream's packed tokens (rows in `order`) as one tensor per row, in `rows` order."""
     per_row = [None] * len(rows)
     start = 0
     for r in order:
         tokens = rows[r].streams[stream].shape[0]
-        per_row[r] = output[start:start + tokens]
+        per_row[r] = packed[start:start + tokens]
         start += tokens
-    return [torch.stack([per_row[r] for r in range(len(rows)) if rows[r].call == index])
-            for index in range(num_calls)]
+    return per_row
 
 
 def _mask_bias(layout, ordered, which, dtype) -> list[torch.Tensor | None]:

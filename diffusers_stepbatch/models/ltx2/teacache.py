@@ -1,0 +1,93 @@
+"""LTX-2's TeaCache forward: `LTX2VideoTransformer3DModel.forward` with one skip decision per request branch.
+
+The signal is the first block's modulated video input (`norm1(x) * (1 + scale_msa) + shift_msa`), as TeaCache
+takes it for the video models its authors support (TeaCache4LTX-Video, TeaCache4HunyuanVideo); a skipping row adds
+the residuals the blocks made to its video and its audio tokens at its last computed step (the audio stream runs
+beside the video one in every block, so it is skipped with it). Calls run through the packed forward
+(`packing.py`), so a request's decisions and residuals are the same whether its step ran alone, merged or packed.
+
+The rescale polynomial was fitted with `models/flux/teacache.py`'s `fit_coefficients` (signal `signal_hook`) on
+the tiny test model (`testing_ltx_models.tiny_ltx2_pipeline()`, `LTX2_PLAIN`, prompts "a red circle", "a blue
+square", "a green cross", 32x32, 9 frames, 16 steps, guidance 3, negative prompt "bad", degree 1: on the tiny
+model the two changes correlate weakly, and a degree-4 fit went negative just below the fitted range): no LTX-2
+weights were at hand, so fit the real model's polynomial the same way before relying on the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput
+
+from ...cache.teacache import TeaCacheState, row_groups
+from .packing import ltx2_packed_forward, ltx2_packing_unsupported, pack_key
+
+LTX2_COEFFICIENTS = (3.23182117e00, 1.51528717e-02)
+
+
+def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:
+    """A `LTX2VideoTransformer3DModel` call (its arguments by name) with per-row TeaCache decisions, as the model
+    returns it; None when the packed forward can't stand in for the model's (then the call runs as is)."""
+    if pack_key(arguments) is None or ltx2_packing_unsupported(transformer) is not None:
+        return None
+    (video,), (audio,) = ltx2_packed_forward(transformer, [arguments], arguments.get("attention_kwargs"),
+                                             teacache=[states])
+    return (video, audio) if not arguments.get("return_dict", True) else AudioVisualModelOutput(
+        sample=video, audio_sample=audio)
+
+
+def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
+    """`fit_coefficients`' `signal=` for LTX-2: records the first block's modulated video input."""
+    def hook(block, args, kwargs):
+        hidden, temb = kwargs.get("hidden_states", args[0] if args else None), kwargs["temb"]
+        table = block.scale_shift_table
+        values = table[None, None] + temb.reshape(temb.shape[0], temb.shape[1], table.shape[0], -1)
+        shift_msa, scale_msa = values[:, :, 0], values[:, :, 1]
+        record(block.norm1(hidden) * (1 + scale_msa) + shift_msa)
+
+    return transformer.transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def teacache_blocks(rows: Sequence, states: Sequence[TeaCacheState | None], signal: Sequence[torch.Tensor],
+                    video: Sequence[torch.Tensor], audio: Sequence[torch.Tensor],
+                    run_rows: Callable[[list[int]], list]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The blocks with per-state decisions (`states` per row): rows that skip add their cached residuals.
+
+    States change only after the blocks ran, so a failed call retried per shape stays correct."""
+    decisions = []  # (state, rows, signal, compute, accumulated)
+    for state, start, end in row_groups(states):
+        group = range(start, end)
+        own = None if state is None else torch.cat([signal[r] for r in group])
+        compute, accumulated = (True, 0.0) if state is None else _decide(state, own)
+        decisions.append((state, group, own, compute, accumulated))
+
+    compute_rows = [r for _, group, _, compute, _ in decisions if compute for r in group]
+    computed = dict(zip(compute_rows, run_rows(compute_rows))) if compute_rows else {}
+    after = [None] * len(rows)
+    for state, group, _, compute, _ in decisions:
+        if compute:
+            for r in group:
+                after[r] = computed[r]
+        else:
+            cached_video, cached_audio = state.residual
+            pieces = zip(group, cached_video.split([video[r].shape[0] for r in group]),
+                         cached_audio.split([audio[r].shape[0] for r in group]))
+            for r, video_residual, audio_residual in pieces:
+                after[r] = (video[r] + video_residual, audio[r] + audio_residual)
+    for state, group, own, compute, accumulated in decisions:
+        if state is not None:
+            residual = None
+            if compute:
+                residual = (torch.cat([computed[r][0] - video[r] for r in group]),
+                            torch.cat([computed[r][1] - audio[r] for r in group]))
+            state.commit(own.clone(), compute, accumulated, residual)
+    return after
+
+
+def _decide(state: TeaCacheState, signal: torch.Tensor) -> tuple[bool, float]:
+    # NOTE: a request whose rows changed since its last step has nothing to compare with: compute
+    if state.previous_signal is not None and state.previous_signal.shape != signal.shape:
+        return True, 0.0
+    return state.decide(signal)
