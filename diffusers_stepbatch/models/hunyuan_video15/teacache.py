@@ -1,18 +1,10 @@
-"""HunyuanVideo 1.5's TeaCache forward: `HunyuanVideo15Transformer3DModel.forward` with one skip decision per
-request branch.
+"""HunyuanVideo 1.5's TeaCache forward: `HunyuanVideo15Transformer3DModel.forward` with a skip decision per request
+branch. As in TeaCache4HunyuanVideo, the signal is the first block's modulated video input; a skipping row adds
+its video tokens' residual from its last computed step. Calls run through the packed forward and each request's
+signal comes from its own rows, so its decisions are the same alone, merged or packed.
 
-As in TeaCache4HunyuanVideo (github.com/ali-vilab/TeaCache), the signal is the first block's modulated video input
-(`norm1.norm(x) * (1 + scale_msa) + shift_msa`), and a skipping row adds the residual the blocks made to its video
-tokens at its last computed step (the text tokens only feed the blocks, so their change needs no cache). Calls run
-through the packed forward (`packing.py`), and each request's signal is computed from its own rows only, so its
-decisions and residuals are the same whether its step ran alone, merged or packed with other sizes.
-
-The rescale polynomial was fitted with `models/flux/teacache.py`'s `fit_coefficients` (signal `signal_hook`) on
-the tiny test model (`testing_hunyuan_video_models.tiny_hunyuan_video15_pipeline(HunyuanVideo15Size(heads=4,
-head_dim=8, layers=2), guidance_scale=3.0)`, prompts "a red circle", "a blue square", "a green cross", 32x32,
-9 frames, 16 steps, negative prompt "bad", degree 4): no HunyuanVideo 1.5 weights were at hand, and HunyuanVideo
-1.0's published polynomial belongs to another network, so fit the real model's polynomial the same way before
-relying on the default.
+The polynomial was fitted with `fit_coefficients` on the tiny test model (`HunyuanVideo15Size(heads=4, head_dim=8,
+layers=2)`, guidance 3, 32x32, 9 frames, 16 steps): fit the real model's the same way before relying on it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""LTX-2's TeaCache forward: `LTX2VideoTransformer3DModel.forward` with one skip decision per request branch.
+"""LTX-2's TeaCache forward: `LTX2VideoTransformer3DModel.forward` with a skip decision per request branch. The
+signal is the first block's modulated video input (as TeaCache4LTX-Video takes it); a skipping row adds the
+residuals of its video and its audio tokens from its last computed step (audio runs beside video in every block).
+Calls run through the packed forward, so a request's decisions are the same alone, merged or packed.
 
-The signal is the first block's modulated video input (`norm1(x) * (1 + scale_msa) + shift_msa`), as TeaCache
-takes it for the video models its authors support (TeaCache4LTX-Video, TeaCache4HunyuanVideo); a skipping row adds
-the residuals the blocks made to its video and its audio tokens at its last computed step (the audio stream runs
-beside the video one in every block, so it is skipped with it). Calls run through the packed forward
-(`packing.py`), so a request's decisions and residuals are the same whether its step ran alone, merged or packed.
-
-The rescale polynomial was fitted with `models/flux/teacache.py`'s `fit_coefficients` (signal `signal_hook`) on
-the tiny test model (`testing_ltx_models.tiny_ltx2_pipeline()`, `LTX2_PLAIN`, prompts "a red circle", "a blue
-square", "a green cross", 32x32, 9 frames, 16 steps, guidance 3, negative prompt "bad", degree 1: on the tiny
-model the two changes correlate weakly, and a degree-4 fit went negative just below the fitted range): no LTX-2
-weights were at hand, so fit the real model's polynomial the same way before relying on the default.
+The polynomial (degree 1) was fitted with `fit_coefficients` on the tiny test model (`LTX2_PLAIN`, guidance 3,
+32x32, 9 frames, 16 steps): fit the real model's the same way before relying on it.
 """
 
 from __future__ import annotations
