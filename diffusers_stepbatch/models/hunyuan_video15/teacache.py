@@ -48,11 +48,10 @@ def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
 
 def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState | None], method: str,
                     split: bool) -> list[torch.Tensor]:
-    """`packed_blocks` with per-state decisions (`states` per row): rows that skip add their cached residual.
-
-    States change only after the blocks ran, so a failed call retried per shape stays correct."""
+    """`packed_blocks` with per-state decisions (`states` per row): rows that skip add their cached residual;
+    states change only after the blocks ran (a failed call retried per shape stays correct)."""
     first = transformer.transformer_blocks[0]
-    decisions = []  # (state, rows, signal, compute, accumulated)
+    decisions = []
     for state, start, end in row_groups(states):
         group = range(start, end)
         signal = None
