@@ -32,8 +32,7 @@ def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments
 
 
 def hunyuan_video15_signal(block, video: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-    """The TeaCache signal: the first block's modulated video input; `video` [rows, tokens, dim], `temb` [rows,
-    dim]."""
+    """The TeaCache signal: the first block's modulated video input ([rows, tokens, dim])."""
     shift_msa, scale_msa = block.norm1.linear(block.norm1.silu(temb)).chunk(6, dim=1)[:2]
     return block.norm1.norm(video) * (1 + scale_msa[:, None]) + shift_msa[:, None]
 
@@ -56,7 +55,6 @@ def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState 
         group = range(start, end)
         signal = None
         if state is not None:
-            # NOTE: from the request's own rows only, so its decision doesn't depend on who shares the call
             videos = [rows[r].video for r in group]
             if all(video.shape == videos[0].shape for video in videos):
                 signal = hunyuan_video15_signal(first, torch.stack(videos), torch.stack([rows[r].temb for r in group]))
