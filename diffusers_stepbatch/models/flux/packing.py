@@ -23,8 +23,8 @@ from diffusers.utils import apply_lora_scale
 from ...adapters.lora import lora_layers
 from ...cache.teacache import TeaCacheState, row_groups
 from ..packing.attention import resolve
-from ..packing.joint import (IMAGE, TEXT, attention_fn, cached_layout, joint_stream_layout, joint_stream_rotary, rope,
-                             per_head, stream_rotary)
+from ..packing.joint import (IMAGE, TEXT, attention_fn, cached_layout, double_block, joint_stream_layout,
+                             joint_stream_rotary, rope, per_head, stream_rotary)
 from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
 
@@ -171,38 +171,10 @@ def _modulation(layout, stream, norm, temb, chunks):
 
 
 def _double_block(block, layout, hidden, encoder, temb, rotary, method, split):
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(
-        layout, IMAGE, block.norm1, temb, 6)
-    c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _modulation(
-        layout, TEXT, block.norm1_context, temb, 6)
-    norm_hidden = layout.modulate(IMAGE, block.norm1.norm(hidden), scale_msa, shift_msa)
-    norm_encoder = layout.modulate(TEXT, block.norm1_context.norm(encoder), c_scale_msa, c_shift_msa)
-
-    attn = block.attn
-    query, key, value = (attn.norm_q(per_head(attn, attn.to_q(norm_hidden))),
-                         attn.norm_k(per_head(attn, attn.to_k(norm_hidden))), per_head(attn, attn.to_v(norm_hidden)))
-    e_query, e_key, e_value = (attn.norm_added_q(per_head(attn, attn.add_q_proj(norm_encoder))),
-                               attn.norm_added_k(per_head(attn, attn.add_k_proj(norm_encoder))),
-                               per_head(attn, attn.add_v_proj(norm_encoder)))
-    text_out, image_out = attend(
-        layout,
-        [rope(e_query, rotary[TEXT]), rope(query, rotary[IMAGE])],
-        [rope(e_key, rotary[TEXT]), rope(key, rotary[IMAGE])],
-        [e_value, value], attention_fn(attn), method,
-    )
-    attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
-    context_attn_output = attn.to_add_out(text_out.to(query.dtype))
-
-    hidden = layout.gated_add(IMAGE, hidden, gate_msa, attn_output)
-    norm_hidden = layout.modulate(IMAGE, block.norm2(hidden), scale_mlp, shift_mlp)
-    hidden = layout.gated_apply(IMAGE, hidden, gate_mlp, block.ff, norm_hidden, split)
-
-    encoder = layout.gated_add(TEXT, encoder, c_gate_msa, context_attn_output)
-    norm_encoder = layout.modulate(TEXT, block.norm2_context(encoder), c_scale_mlp, c_shift_mlp)
-    encoder = layout.gated_apply(TEXT, encoder, c_gate_mlp, block.ff_context, norm_encoder, split)
-    if encoder.dtype == torch.float16:
-        encoder = encoder.clip(-65504, 65504)
-    return encoder, hidden
+    image_mods = _modulation(layout, IMAGE, block.norm1, temb, 6)
+    text_mods = _modulation(layout, TEXT, block.norm1_context, temb, 6)
+    return double_block(block, layout, hidden, encoder, (block.norm1.norm, block.norm1_context.norm),
+                        image_mods, text_mods, rotary, method, split)
 
 
 def _single_block(block, joint_layout, joint, temb, rotary, method, split, mixed):

@@ -20,8 +20,8 @@ from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, 
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
-from ..packing.joint import (attention_fn, cached_layout, joint_stream_layout, joint_stream_rotary, rope, per_head,
-                             stream_rotary)
+from ..packing.joint import (attention_fn, cached_layout, double_block, joint_stream_layout, joint_stream_rotary,
+                             per_head, rope, stream_rotary)
 from ..packing.attention import resolve
 from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -158,36 +158,8 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
 def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method, split):
     """Flux2TransformerBlock with Flux2AttnProcessor on packed tokens; `*_mods` are the shared modulation
     layers' per-row (shift, 1 + scale, gate) x 2, as each stream's tokens see them."""
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = image_mods
-    c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = text_mods
-    norm_hidden = layout.modulate(IMAGE, block.norm1(hidden), scale_msa, shift_msa)
-    norm_encoder = layout.modulate(TEXT, block.norm1_context(encoder), c_scale_msa, c_shift_msa)
-
-    attn = block.attn
-    query, key, value = (attn.norm_q(per_head(attn, attn.to_q(norm_hidden))),
-                         attn.norm_k(per_head(attn, attn.to_k(norm_hidden))), per_head(attn, attn.to_v(norm_hidden)))
-    e_query, e_key, e_value = (attn.norm_added_q(per_head(attn, attn.add_q_proj(norm_encoder))),
-                               attn.norm_added_k(per_head(attn, attn.add_k_proj(norm_encoder))),
-                               per_head(attn, attn.add_v_proj(norm_encoder)))
-    text_out, image_out = attend(
-        layout,
-        [rope(e_query, rotary[TEXT]), rope(query, rotary[IMAGE])],
-        [rope(e_key, rotary[TEXT]), rope(key, rotary[IMAGE])],
-        [e_value, value], attention_fn(attn), method,
-    )
-    attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
-    context_attn_output = attn.to_add_out(text_out.to(query.dtype))
-
-    hidden = layout.gated_add(IMAGE, hidden, gate_msa, attn_output)
-    norm_hidden = layout.modulate(IMAGE, block.norm2(hidden), scale_mlp, shift_mlp)
-    hidden = layout.gated_apply(IMAGE, hidden, gate_mlp, block.ff, norm_hidden, split)
-
-    encoder = layout.gated_add(TEXT, encoder, c_gate_msa, context_attn_output)
-    norm_encoder = layout.modulate(TEXT, block.norm2_context(encoder), c_scale_mlp, c_shift_mlp)
-    encoder = layout.gated_apply(TEXT, encoder, c_gate_mlp, block.ff_context, norm_encoder, split)
-    if encoder.dtype == torch.float16:
-        encoder = encoder.clip(-65504, 65504)
-    return encoder, hidden
+    return double_block(block, layout, hidden, encoder, (block.norm1, block.norm1_context), image_mods, text_mods,
+                        rotary, method, split)
 
 
 def _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method):

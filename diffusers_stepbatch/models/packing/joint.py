@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .layout import PackedLayout
+from .layout import PackedLayout, attend
 
 TEXT, IMAGE = 0, 1
 
@@ -84,3 +84,38 @@ def attention_fn(attn):
 
 def per_head(attn, x):
     return x.unflatten(-1, (-1, attn.head_dim))
+
+
+def double_block(block, layout, hidden, encoder, norms, image_mods, text_mods, rotary, method, split):
+    """A FLUX.1 / FLUX.2 double-stream block on packed tokens: `norms` are the image and text streams' first
+    norms, `*_mods` each stream's per-row (shift, 1 + scale, gate) x 2 as its tokens see them; joint attention
+    stays inside each row."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = image_mods
+    c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = text_mods
+    norm_hidden = layout.modulate(IMAGE, norms[0](hidden), scale_msa, shift_msa)
+    norm_encoder = layout.modulate(TEXT, norms[1](encoder), c_scale_msa, c_shift_msa)
+    attn = block.attn
+    query, key, value = (attn.norm_q(per_head(attn, attn.to_q(norm_hidden))),
+                         attn.norm_k(per_head(attn, attn.to_k(norm_hidden))), per_head(attn, attn.to_v(norm_hidden)))
+    e_query, e_key, e_value = (attn.norm_added_q(per_head(attn, attn.add_q_proj(norm_encoder))),
+                               attn.norm_added_k(per_head(attn, attn.add_k_proj(norm_encoder))),
+                               per_head(attn, attn.add_v_proj(norm_encoder)))
+    text_out, image_out = attend(
+        layout,
+        [rope(e_query, rotary[TEXT]), rope(query, rotary[IMAGE])],
+        [rope(e_key, rotary[TEXT]), rope(key, rotary[IMAGE])],
+        [e_value, value], attention_fn(attn), method,
+    )
+    attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
+    context_attn_output = attn.to_add_out(text_out.to(query.dtype))
+
+    hidden = layout.gated_add(IMAGE, hidden, gate_msa, attn_output)
+    norm_hidden = layout.modulate(IMAGE, block.norm2(hidden), scale_mlp, shift_mlp)
+    hidden = layout.gated_apply(IMAGE, hidden, gate_mlp, block.ff, norm_hidden, split)
+
+    encoder = layout.gated_add(TEXT, encoder, c_gate_msa, context_attn_output)
+    norm_encoder = layout.modulate(TEXT, block.norm2_context(encoder), c_scale_mlp, c_shift_mlp)
+    encoder = layout.gated_apply(TEXT, encoder, c_gate_mlp, block.ff_context, norm_encoder, split)
+    if encoder.dtype == torch.float16:
+        encoder = encoder.clip(-65504, 65504)
+    return encoder, hidden
