@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,20 +48,28 @@ def latent_rgb_projection(vae: Any, samples: int = 8, size: int | None = None, s
         if vae in _PROJECTIONS:
             return _PROJECTIONS[vae]
     scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    projection = fit_rgb_projection(lambda images: vae.encode(images.to(vae.device, vae.dtype)).latent_dist.mean,
+                                    scale, samples, size, seed)
+    with _PROJECTIONS_LOCK:
+        _PROJECTIONS[vae] = projection
+    return projection
+
+
+def fit_rgb_projection(encode: Callable[[torch.Tensor], torch.Tensor], scale: int, samples: int = 8,
+                       size: int | None = None, seed: int = 0) -> torch.Tensor:
+    """The (channels + 1) x 3 least-squares map from latents to RGB, fitted on smooth random images:
+    `encode(images [N, 3, S, S] in [-1, 1])` gives their latents [N, C, S / scale, S / scale]."""
     size = size or 8 * scale
     generator = torch.Generator().manual_seed(seed)
     coarse = torch.rand(samples, 3, 4, 4, generator=generator) * 2 - 1
     images = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
     with torch.no_grad():
-        latents = vae.encode(images.to(vae.device, vae.dtype)).latent_dist.mean.float().cpu()
+        latents = encode(images).float().cpu()
     pooled = torch.nn.functional.avg_pool2d(images, scale)  # the pixels each latent cell stands for
     x = latents.permute(0, 2, 3, 1).reshape(-1, latents.shape[1])
     x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
     y = pooled.permute(0, 2, 3, 1).reshape(-1, 3)
-    projection = torch.linalg.lstsq(x, y).solution
-    with _PROJECTIONS_LOCK:
-        _PROJECTIONS[vae] = projection
-    return projection
+    return torch.linalg.lstsq(x, y).solution
 
 
 def to_vae_layout(pipe: Any, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

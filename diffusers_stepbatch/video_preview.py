@@ -18,6 +18,8 @@ import numpy as np
 import PIL.Image
 import torch
 
+from .preview import fit_rgb_projection
+
 _PROJECTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 _MAX_PREVIEW_SIDE = 256
@@ -44,21 +46,12 @@ def video_rgb_projection(pipe: Any, samples: int = 8, seed: int = 0) -> torch.Te
         if vae in _PROJECTIONS:
             return _PROJECTIONS[vae]
     scale = getattr(pipe, "vae_scale_factor_spatial", None) or 8
-    size = 8 * scale
-    generator = torch.Generator().manual_seed(seed)
-    coarse = torch.rand(samples, 3, 4, 4, generator=generator) * 2 - 1
-    images = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
     try:
-        with torch.no_grad():
-            encoded = vae.encode(images.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist.mean
+        projection = fit_rgb_projection(
+            lambda images: vae.encode(images.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist.mean[:, :, 0], scale,
+            samples, seed=seed)
     except Exception:  # noqa: BLE001 - a VAE of another kind: no previews, never a failed job
         return None
-    latents = encoded[:, :, 0].float().cpu()
-    pooled = torch.nn.functional.avg_pool2d(images, scale)  # the pixels each latent cell stands for
-    x = latents.permute(0, 2, 3, 1).reshape(-1, latents.shape[1])
-    x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-    y = pooled.permute(0, 2, 3, 1).reshape(-1, 3)
-    projection = torch.linalg.lstsq(x, y).solution
     with _LOCK:
         _PROJECTIONS[vae] = projection
     return projection
