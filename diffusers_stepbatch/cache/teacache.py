@@ -84,9 +84,9 @@ class TeaCacheState:
     skipped_steps: int = 0
 
     def decide(self, signal: torch.Tensor) -> tuple[bool, float]:
-        """(compute?, new accumulated distance) for this step's signal rows; changes nothing."""
+        """(compute?, new accumulated distance) for this signal (of another shape: its rows changed, compute)."""
         edge = self.step == 0 or self.step >= self.num_steps - 1
-        if edge or self.previous_signal is None or self.residual is None:
+        if edge or self.previous_signal is None or self.residual is None or self.previous_signal.shape != signal.shape:
             return True, 0.0
         accumulated = self.accumulated + _polyval(self.coefficients, relative_l1(signal, self.previous_signal))
         if self.threshold > 0 and accumulated < self.threshold:

@@ -61,7 +61,7 @@ def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState 
             else:
                 signal = torch.cat([hunyuan_video15_signal(first, rows[r].video[None], rows[r].temb[None])
                                     for r in group])
-        compute, accumulated = (True, 0.0) if state is None else _decide(state, signal)
+        compute, accumulated = (True, 0.0) if state is None else state.decide(signal)
         decisions.append((state, group, signal, compute, accumulated))
 
     compute_rows = [r for _, group, _, compute, _ in decisions if compute for r in group]
@@ -79,10 +79,3 @@ def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState 
             residual = torch.cat([computed[r] - rows[r].video for r in group]) if compute else None
             state.commit(signal, compute, accumulated, residual)
     return videos
-
-
-def _decide(state: TeaCacheState, signal: torch.Tensor) -> tuple[bool, float]:
-    # NOTE: a request whose rows changed since its last step has nothing to compare with: compute
-    if state.previous_signal is not None and state.previous_signal.shape != signal.shape:
-        return True, 0.0
-    return state.decide(signal)

@@ -54,7 +54,7 @@ def teacache_blocks(rows: Sequence, states: Sequence[TeaCacheState | None], sign
     for state, start, end in row_groups(states):
         group = range(start, end)
         own = None if state is None else torch.cat([signal[r] for r in group])
-        compute, accumulated = (True, 0.0) if state is None else _decide(state, own)
+        compute, accumulated = (True, 0.0) if state is None else state.decide(own)
         decisions.append((state, group, own, compute, accumulated))
 
     compute_rows = [r for _, group, _, compute, _ in decisions if compute for r in group]
@@ -78,10 +78,3 @@ def teacache_blocks(rows: Sequence, states: Sequence[TeaCacheState | None], sign
                             torch.cat([computed[r][1] - audio[r] for r in group]))
             state.commit(own.clone(), compute, accumulated, residual)
     return after
-
-
-def _decide(state: TeaCacheState, signal: torch.Tensor) -> tuple[bool, float]:
-    # NOTE: a request whose rows changed since its last step has nothing to compare with: compute
-    if state.previous_signal is not None and state.previous_signal.shape != signal.shape:
-        return True, 0.0
-    return state.decide(signal)

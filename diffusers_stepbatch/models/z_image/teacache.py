@@ -85,7 +85,7 @@ def _forward(model, states, x, t, cap_feats, patch_size, f_patch_size, joint_att
     decisions = []  # (state, start, end, own signal, compute, accumulated)
     for state, start, end in row_groups(states):
         own = _own_tokens(signal, lengths, start, end)
-        compute, accumulated = (True, 0.0) if state is None else _decide(state, own)
+        compute, accumulated = (True, 0.0) if state is None else state.decide(own)
         decisions.append((state, start, end, own, compute, accumulated))
     compute_rows = [r for _, start, end, _, compute, _ in decisions if compute for r in range(start, end)]
 
@@ -131,10 +131,3 @@ def _layers(model, unified, mask, freqs, adaln_input):
 def _own_tokens(batch: torch.Tensor, lengths: Sequence[int], start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of a padded [rows, tokens, dim] batch as their own tokens only, [their tokens, dim]."""
     return torch.cat([batch[row, :lengths[row]] for row in range(start, end)])
-
-
-def _decide(state: TeaCacheState, signal: torch.Tensor) -> tuple[bool, float]:
-    # NOTE: a request whose rows changed since its last step (CFG ended) has nothing to compare with: compute
-    if state.previous_signal is not None and state.previous_signal.shape != signal.shape:
-        return True, 0.0
-    return state.decide(signal)
