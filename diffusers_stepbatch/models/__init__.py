@@ -29,11 +29,15 @@ class Packing:
         key: (what must match for calls to pack, tokens per row), or None when this call can't pack.
         run: `run(model, calls, packed_attention, teacache)`: one output per call (its arguments by name), as the
             model returns it; `teacache[i]` holds call i's per-row TeaCache states or None.
+        token_rows: `token_rows(model, calls)`: per token stream of the packed call (the `[tokens, ...]` or
+            `[1, tokens, ...]` inputs its LoRA layers see), each token's row, rows numbered across the calls in
+            order; None: calls with per-request LoRA don't pack.
     """
 
     unsupported: Callable[[torch.nn.Module], "str | None"]
     key: Callable[[dict[str, Any]], "tuple[Any, int] | None"]
     run: Callable[[torch.nn.Module, list[dict[str, Any]], str, list], list[Any]]
+    token_rows: Callable[[torch.nn.Module, list[dict[str, Any]]], list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class ModelSupport:
         teacache_coefficients: the model's TeaCache rescale polynomial, highest power first.
         packing: how calls of different sizes share one packed call; None: only equal sizes merge.
         lora_rows: every LoRA layer sees rows (or packed tokens) on dim 0, so per-request LoRA can apply per row.
+        lora_token_rows: `lora_token_rows(arguments)`: for a model whose own forward concatenates its rows' tokens
+            (Z-Image), per such token stream each token's row (as `Packing.token_rows`); None: rows on dim 0 only.
         teacache_forward: `forward(model, states, arguments)`: the call with one TeaCache state per row, as the
             model returns it, or None where the call has arguments it can't reproduce.
     """
@@ -71,6 +77,7 @@ class ModelSupport:
     teacache_coefficients: tuple[float, ...] | None = None
     packing: Packing | None = None
     lora_rows: bool = False
+    lora_token_rows: Callable[[dict[str, Any]], list[torch.Tensor]] | None = None
     teacache_forward: Callable[[torch.nn.Module, list, dict[str, Any]], Any] | None = None
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.lora import streams_ambiguous
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
 from ..cache import encoder_calls
 from ..cache.prompt import PromptCache
@@ -171,32 +172,44 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     # and without states merge
     inputs[TEACACHE] = [teacache] * rows if call.support.teacache_forward is not None and kind == "denoise" else None
     item = WorkItem(kind, key, inputs, functools.partial(_merged_call, module, call), rows=rows)
-    if reason is None and packed_attention is not None and adapters is None and method == "forward":
-        item.pack = _packable(module, call, packed_attention)
+    if reason is None and packed_attention is not None and method == "forward":
+        if adapters is None or call.support.packing.token_rows is not None:
+            item.pack = _packable(module, call, packed_attention, adapters is not None)
     return item, holder
 
 
-def _packable(module, call: ModelCall, packed_attention: str) -> Packable | None:
+def _packable(module, call: ModelCall, packed_attention: str, lora: bool) -> Packable | None:
     packing = call.support.packing
     found = packing.key(call.arguments)
     if found is None:
         return None
     key, tokens = found
     run = functools.partial(_packed_call, module, packing, packed_attention)
-    return Packable(key=("generic.packed", id(module), packed_attention, key), run=run, context=call, tokens=tokens)
+    return Packable(key=("generic.packed", id(module), packed_attention, lora, key), run=run, context=call,
+                    tokens=tokens)
 
 
 def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> list:
     """One packed call for several shapes' batches; each holder gets its rows of its call's output."""
     holders = [inputs.pop(HOLDERS) for _, inputs in shapes]
-    teacache = [inputs.pop(TEACACHE) for _, inputs in shapes]
-    for _, inputs in shapes:
-        inputs.pop(LORA)  # NOTE: always None here: requests with per-row LoRA don't pack
-    calls = [fill(call.template, inputs) for call, inputs in shapes]
-    outputs = packing.run(module, calls, packed_attention, teacache)
+    calls = [fill(call.template, _model_inputs(inputs)) for call, inputs in shapes]
+    lora = [row for _, inputs in shapes for row in inputs[LORA] or ()]
+    streams = packing.token_rows(module, calls) if lora else None
+    if lora and (_has_states(inputs[TEACACHE] for _, inputs in shapes) or streams_ambiguous(len(lora), streams)):
+        # NOTE: TeaCache's packed sub-calls (fewer rows) and token streams of coinciding lengths can't be mapped
+        # to rows by shape: each shape runs its own call, adapters still per row
+        outputs = [_run(module, call, inputs) for call, inputs in shapes]
+    else:
+        teacache = [inputs[TEACACHE] for _, inputs in shapes]
+        with lora_rows(module, lora, token_rows=streams) if lora else contextlib.nullcontext():
+            outputs = packing.run(module, calls, packed_attention, teacache)
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
+
+
+def _has_states(teacache_lists) -> bool:
+    return any(state is not None for states in teacache_lists for state in states or ())
 
 
 def _bounds(holders: list[Holder]) -> list[tuple[int, int]]:
@@ -226,24 +239,41 @@ def _merged_call(module, call: ModelCall, **inputs):
     if len(bounds) == 1:  # one request: its output as the model returned it
         holders[0].output = _run(module, call, inputs)
         return torch.zeros(total)
+    if _lora_streams_ambiguous(call, inputs):  # NOTE: each request's rows alone map to tokens unambiguously
+        parts = [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
+    else:
+        parts = _merged_parts(module, call, inputs, bounds, total)
+    for (begin, _), part in zip(bounds, parts):
+        holders[begin].output = part
+    return torch.zeros(total)
+
+
+def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: int) -> list:
     seen = (id(module), call.method, call.structure)
     try:
         output = _run(module, call, inputs)
     except torch.OutOfMemoryError:
         raise  # NOTE: the engine caps the rows of this key and retries
     except Exception as exc:  # the merged call itself is what fails: these calls run alone from now on
-        parts = _apart(module, call, seen, inputs, bounds, f"a merged call raised {type(exc).__name__}: {exc}")
-    else:
-        try:
-            parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
-        except NotRowWise as exc:
-            parts = _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
-        else:
-            if not call.support.trusted and seen not in _verified:
-                parts = _checked(module, call, seen, inputs, bounds, parts)
-    for (begin, _), part in zip(bounds, parts):
-        holders[begin].output = part
-    return torch.zeros(total)
+        return _apart(module, call, seen, inputs, bounds, f"a merged call raised {type(exc).__name__}: {exc}")
+    try:
+        parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
+    except NotRowWise as exc:
+        return _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
+    if not call.support.trusted and seen not in _verified:
+        parts = _checked(module, call, seen, inputs, bounds, parts)
+    return parts
+
+
+def _lora_streams_ambiguous(call: ModelCall, inputs: dict) -> bool:
+    token_rows, lora = call.support.lora_token_rows, inputs[LORA]
+    if lora is None or token_rows is None:
+        return False
+    return streams_ambiguous(len(lora), token_rows(fill(call.template, _model_inputs(inputs))))
+
+
+def _model_inputs(inputs: dict) -> dict:
+    return {name: value for name, value in inputs.items() if name not in (LORA, TEACACHE)}
 
 
 def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
@@ -270,7 +300,9 @@ def _run(module, call: ModelCall, inputs: dict) -> Any:
     """The model call on these rows, each row with its request's LoRA where it has one."""
     inputs = dict(inputs)
     lora, teacache = inputs.pop(LORA), inputs.pop(TEACACHE)
-    with lora_rows(module, lora) if lora is not None else contextlib.nullcontext():
+    token_rows = call.support.lora_token_rows
+    streams = token_rows(fill(call.template, _model_inputs(inputs))) if lora is not None and token_rows else None
+    with lora_rows(module, lora, token_rows=streams) if lora is not None else contextlib.nullcontext():
         if teacache is not None and any(state is not None for state in teacache):
             output = call.support.teacache_forward(module, teacache, fill(call.template, inputs))
             if output is not None:
