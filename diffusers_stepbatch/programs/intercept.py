@@ -36,6 +36,7 @@ TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaC
 ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
 _not_rowwise: dict[Any, str] = {}  # (model, method, call structure) -> why its merged calls failed: run alone
+_models_not_rowwise: set[tuple[int, str]] = set()  # (model, method) with an entry there: look its calls up
 _verified: set[Any] = set()  # (model, method, call structure): merged outputs matched separate calls
 
 
@@ -158,7 +159,7 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     if reason is None and call.rows is None:
         reason = "its inputs have no batch rows"
     if reason is None:
-        reason = _not_rowwise.get((id(module), method, call.structure))
+        reason = _not_rowwise_reason(module, method, call)
     rows = call.rows or 1
     if reason is not None:
         key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
@@ -283,15 +284,26 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
         reason = f"merged outputs differed from separate calls by {difference:.2e}"
-        _not_rowwise[seen] = reason
+        _mark_not_rowwise(seen, reason)
         log_once(type(module).__name__, reason)
         return alone
     _verified.add(seen)
     return parts
 
 
-def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
+def _not_rowwise_reason(module, method: str, call: ModelCall) -> str | None:
+    if (id(module), method) not in _models_not_rowwise:  # NOTE: skips building the call's structure
+        return None
+    return _not_rowwise.get((id(module), method, call.structure))
+
+
+def _mark_not_rowwise(seen: tuple, reason: str) -> None:
     _not_rowwise[seen] = reason
+    _models_not_rowwise.add(seen[:2])
+
+
+def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
+    _mark_not_rowwise(seen, reason)
     log_once(type(module).__name__, reason)
     return [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
 
