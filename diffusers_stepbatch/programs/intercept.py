@@ -27,6 +27,7 @@ from ..models import Packing, support_for
 from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
 from ..models.calls import run_call, slice_rows
 from ..models.packing.support import packing_refused
+from ..models.row_kernels import solo_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -199,11 +200,15 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
     if lora and (_has_states(inputs[TEACACHE] for _, inputs in shapes) or streams_ambiguous(len(lora), streams)):
         # NOTE: TeaCache's packed sub-calls (fewer rows) and token streams of coinciding lengths can't be mapped
         # to rows by shape: each shape runs its own call, adapters still per row
-        outputs = [_run(module, call, inputs) for call, inputs in shapes]
+        outputs = []
+        for (call, inputs), shape_holders in zip(shapes, holders):
+            with solo_kernels(module, _rows_per_request(shape_holders)):
+                outputs.append(_run(module, call, inputs))
     else:
         teacache = [inputs[TEACACHE] for _, inputs in shapes]
         with lora_rows(module, lora, token_rows=streams) if lora else contextlib.nullcontext():
-            outputs = packing.run(module, calls, packed_attention, teacache)
+            with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
+                outputs = packing.run(module, calls, packed_attention, teacache)
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
@@ -211,6 +216,10 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
 
 def _has_states(teacache_lists) -> bool:
     return any(state is not None for states in teacache_lists for state in states or ())
+
+
+def _rows_per_request(holders: list[Holder]) -> list[int]:
+    return [end - begin for begin, end in _bounds(holders)]
 
 
 def _bounds(holders: list[Holder]) -> list[tuple[int, int]]:
@@ -252,7 +261,8 @@ def _merged_call(module, call: ModelCall, **inputs):
 def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: int) -> list:
     seen = (id(module), call.method, call.structure)
     try:
-        output = _run(module, call, inputs)
+        with solo_kernels(module, [end - begin for begin, end in bounds]):
+            output = _run(module, call, inputs)
     except torch.OutOfMemoryError:
         raise  # NOTE: the engine caps the rows of this key and retries
     except Exception as exc:  # the merged call itself is what fails: these calls run alone from now on
