@@ -240,3 +240,36 @@ def test_klein_kv_requests_with_teacache_compute_the_cached_calls_and_stay_exact
         stats = sb.stats()
     assert max(max_diff(got, want) for got, want in zip(results, expected)) <= TOLERANCE
     assert stats["mixed"]["calls"] == 0 and any("KV cache" in reason for reason in stats["splits"])
+
+
+def test_requests_with_their_own_adapters_and_teacache_share_forwards_and_equal_their_solo_runs():
+    """Per-row LoRA maps layer inputs to rows by count: where some rows of a merged call skip and others compute,
+    every row runs the blocks (the skipping rows keep their residual's output), so the call never falls apart."""
+    from diffusers_stepbatch.testing import add_random_lora_adapters
+
+    pipe = tiny_flux2_klein_pipeline(seed=5)
+    add_random_lora_adapters(pipe.transformer)
+    pipe.set_adapters(["c"], [0.6])
+    steps_and_adapters = [(10, {"a": 1.0}), (13, {"b": 1.0}), (11, {}), (12, {"a": 0.5, "c": 0.5})]
+    requests = [dict(prompt="a red circle", height=32, width=32, num_inference_steps=steps, guidance_scale=1.0,
+                     seed=i, adapters=adapters, **COMMON) for i, (steps, adapters) in enumerate(steps_and_adapters)]
+    teacache = TeaCacheConfig(threshold=0.5)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    passes = BlockPasses(pipe.transformer)
+    try:
+        with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+            blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, adapters={}, teacache=None,
+                           **COMMON)
+            with engine_held(sb, blocker):  # all start in lockstep
+                futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+            batched = [future.result(300).images for future in futures]
+            stats = sb.stats()
+    finally:
+        passes.remove()
+    differences = [max_diff(got, want) for got, want in zip(batched, solo)]
+    assert max(differences) <= TOLERANCE, differences
+    assert not [reason for reason in stats["splits"] if "raised" in reason], stats["splits"]
+    # the four requests shared forwards to near the end of the shortest (10 steps), and skipped steps in them
+    assert stats["rows_histogram"]["denoise"].get(4, 0) >= 8, stats["rows_histogram"]
+    assert passes.skipped > 0

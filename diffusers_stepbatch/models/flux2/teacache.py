@@ -25,7 +25,7 @@ from diffusers.utils import apply_lora_scale
 
 from ...cache.teacache import TeaCacheState, row_groups
 from ..packing.support import reproduces_call
-from .packing import REPRODUCED_ARGUMENTS
+from .packing import REPRODUCED_ARGUMENTS, run_rows
 
 FLUX2_COEFFICIENTS = (1.04582360e02, -6.87605554e00, -8.61659379e-02, 5.37600252e-02)
 
@@ -106,7 +106,7 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep
         decisions.append((state, start, end, compute, accumulated))
     compute_rows = [r for _, start, end, compute, _ in decisions if compute for r in range(start, end)]
 
-    if len(compute_rows) == hidden.shape[0]:
+    if len(run_rows(transformer, compute_rows, hidden.shape[0])) == hidden.shape[0]:
         out = _blocks(transformer, hidden, encoder, mods, rotary, joint_attention_kwargs)
         residual = out - hidden
     else:
@@ -119,9 +119,9 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep
             out[index] = sub
             residual = torch.empty_like(hidden)
             residual[index] = sub - hidden[index]
-        for state, start, end, compute, _ in decisions:
-            if not compute:
-                out[start:end] = hidden[start:end] + state.residual
+    for state, start, end, compute, _ in decisions:
+        if not compute:
+            out[start:end] = hidden[start:end] + state.residual
     output = transformer.proj_out(transformer.norm_out(out, temb))
 
     for state, start, end, compute, accumulated in decisions:
