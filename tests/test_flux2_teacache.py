@@ -78,7 +78,8 @@ def test_teacache_forward_at_threshold_zero_equals_the_model_forward(config, gui
         (want,) = model(**arguments)
         (got,) = teacache_call(model, [None, state, state], arguments)
     assert max_diff(got, want) <= 1e-5
-    assert state.computed_steps == 1 and state.residual.shape == (2, arguments["hidden_states"].shape[1], model.inner_dim)
+    tokens = arguments["hidden_states"].shape[1]  # the reference tokens included
+    assert state.computed_steps == 1 and state.residual.shape == (2, tokens, model.inner_dim)
     # threshold 0 never skips, even where the signal did not move at all
     state.step = 1
     with torch.no_grad():

@@ -1,12 +1,10 @@
 """FLUX.2 (`Flux2Transformer2DModel`: FLUX.2 dev, klein, klein KV, their edit modes).
 
 Rows: latents (an edit row's reference-image tokens appended), text, timestep and guidance are per row. The
-forward reads its RoPE positions from the first row only (`img_ids[0]`, `txt_ids[0]`), so a plain forward merges
-only calls with equal positions (same image grid, same reference images, same text length); `packing.py` packs
-rows of other sizes, aspect ratios, reference images and text lengths into one call, each with its own positions;
-`teacache.py` is the per-row TeaCache forward (packed calls decide per row too). The klein KV variant extracts a
-reference-image KV cache in its first call and reads it in every later call of the same request, so those calls run
-alone (and compute every step).
+forward reads its RoPE positions from the first row only, so a plain forward merges only calls with equal positions
+(image grid, reference images, text length); `packing.py` packs rows of other sizes, reference images and text
+lengths into one call, each with its own positions; `teacache.py` is the per-row TeaCache forward. The klein KV
+variant's reference-image KV cache spans a request's calls, so those calls run alone (computing every step).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """FLUX.2's TeaCache forward: `Flux2Transformer2DModel.forward` with one skip decision per request branch.
 
-The signal is the one TeaCache takes for FLUX.1, the first double block's modulated image input
-`(1 + scale_msa) * norm1(x) + shift_msa`, with shift and scale from FLUX.2's shared `double_stream_modulation_img`
-layer (FLUX.2 has no per-block AdaLN layers). A skipping row adds its residual of all blocks (double and single) to
-its embedded image tokens. An edit row's reference-image tokens are part of its image tokens, so of its signal and
-residual too. Packed calls of several sizes decide the same way (`packing.py`), so a request skips the same steps
-alone, merged or packed.
+The signal is TeaCache's for FLUX.1, the first double block's modulated image input, with shift and scale from
+FLUX.2's shared `double_stream_modulation_img` layer. A skipping row adds its residual of all blocks to its embedded
+image tokens (an edit row's reference tokens included). Packed calls decide the same way (`packing.py`).
 
-The rescale polynomial (highest power first) is the one NVIDIA TensorRT-LLM ships for FLUX.2 dev, fitted on this
-signal (`FLUX2_TEACACHE_COEFFICIENTS["dev"]` in tensorrt_llm/_torch/visual_gen/models/flux/pipeline_flux2.py,
-github.com/NVIDIA/TensorRT-LLM). FLUX.2 klein shares the class but not the weights: fit its polynomial with
-`fit_coefficients(pipe, prompts, signal=signal_hook, ...)` before relying on the default (distilled klein runs
-4 steps, below `TeaCacheConfig.min_steps`, so TeaCache is off for it anyway).
+The rescale polynomial (highest power first) is the one NVIDIA TensorRT-LLM ships for FLUX.2 dev on this signal
+(`FLUX2_TEACACHE_COEFFICIENTS["dev"]` in tensorrt_llm/_torch/visual_gen/models/flux/pipeline_flux2.py,
+github.com/NVIDIA/TensorRT-LLM). Klein shares the class, not the weights: fit its polynomial with
+`fit_coefficients(pipe, prompts, signal=signal_hook, ...)` (distilled klein's 4 steps are below `min_steps`).
 """
 
 from __future__ import annotations
@@ -57,9 +53,8 @@ def flux2_teacache_forward(
 ) -> torch.Tensor:
     """`Flux2Transformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions.
 
-    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute).
-    Rows whose state decides to compute run the blocks as one sub-batch; the others add their residual.
-    The states change only after the forward succeeded, so a failed batch retried row by row stays correct.
+    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute). The
+    states change only after the forward succeeded, so a failed batch retried row by row stays correct.
 
     >>> out = flux2_teacache_forward(pipe.transformer, [state], x, text, t, img_ids, txt_ids)
     """
