@@ -152,7 +152,7 @@ def fit_coefficients(
         try:
             with torch.no_grad():
                 generator = call_kwargs.get("generator") or torch.Generator().manual_seed(seed + index)
-                pipe(prompt, **{**call_kwargs, "generator": generator})
+                pipe(prompt=prompt, **{**call_kwargs, "generator": generator})  # NOTE: FLUX.2 takes `image` first
         finally:
             for hook in hooks:
                 hook.remove()
