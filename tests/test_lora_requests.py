@@ -151,11 +151,7 @@ def test_concurrent_requests_with_their_own_adapters_equal_plain_runs(family, re
     # the adapters matter, and forwards really mixed rows with different adapters
     assert max_diff(expected[0], expected[3]) > 1e-3 and max_diff(expected[0], expected[1]) > 1e-3
     mixed = max(len({tuple(sorted(r.items())) for r in rows}) for rows in recorded_rows)
-    if family == "qwenimage-img2img-generic":
-        # NOTE: requests with adapters merge unpacked, and Qwen-Image keeps each prompt's own text length
-        assert mixed >= 2, recorded_rows
-    else:
-        assert mixed == len(REQUESTS), recorded_rows  # all 8 requests (8 distinct weight sets) in one forward
+    assert mixed == len(REQUESTS), recorded_rows  # all 8 requests (8 distinct weight sets) in one forward
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

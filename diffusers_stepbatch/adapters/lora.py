@@ -16,9 +16,8 @@ Rows are dim 0 of a layer input. For packed inputs (several requests' tokens con
 pass `token_rows`: per token stream, each token's row ([T] each; e.g. Flux's text, image and joint streams). A
 layer input with the rows along dim 0 is weighted per row (per-request embeddings such as the timestep's); one
 of shape [T, ...] or [1, T, ...] per token of the stream with T tokens. Streams whose lengths coincide but
-whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand. Where
-every row carries the same adapters (one request's rows), the mapping doesn't matter: every element of every
-layer input takes them, whatever its shape.
+whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand;
+where every row carries the same adapters (one request's rows) that doesn't matter, as every token takes them.
 
 >>> rows = [{"pixel": 1.0}, {}, {"ink": 0.7, "pixel": 0.3}]
 >>> with per_row_lora(pipe.transformer, rows):
@@ -90,9 +89,10 @@ class RowPlan:
                  token_rows: torch.Tensor | Sequence[torch.Tensor] | None = None):
         self.num_rows = len(rows)
         streams = [] if token_rows is None else [token_rows] if isinstance(token_rows, torch.Tensor) else token_rows
-        # NOTE: rows that all carry the same adapters need no mapping (ambiguous streams included)
-        self.uniform = all(weights == rows[0] for weights in rows[1:])
-        if not self.uniform and streams_ambiguous(self.num_rows, streams):
+        # NOTE: where all rows carry the same adapters, every token takes them, whichever stream of its length
+        # it belongs to: ambiguous streams are fine
+        uniform = all(weights == rows[0] for weights in rows[1:])
+        if not uniform and streams_ambiguous(self.num_rows, streams):
             raise ValueError(f"token streams of lengths {[len(t) for t in streams]} (and {self.num_rows} rows) "
                              "can't be told apart by shape; run these rows per shape")
         self.streams = {int(t.shape[0]): t.cpu() for t in streams}  # element count -> each element's row
@@ -105,7 +105,7 @@ class RowPlan:
 
     def uses(self, x: torch.Tensor) -> tuple[int, list[_Use]]:
         """(the row dim of layer input `x`, where each adapter applies in it)."""
-        if x.shape[0] == self.num_rows or self.uniform:
+        if x.shape[0] == self.num_rows:
             dim, count = 0, None
         elif x.shape[0] in self.streams:  # packed tokens [tokens, ...]
             dim, count = 0, x.shape[0]
