@@ -179,3 +179,42 @@ def _forward_sizes(transformer):
         counts.append(len({tuple(image.shape) for image in images}))
 
     return counts, transformer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("family", ["kontext", "z-image"])
+def test_teacache_sub_batches_keep_each_rows_adapters(family, monkeypatch):
+    """A TeaCache forward computes only the rows whose request decided to (a sub-batch): per-row LoRA follows
+    them (`adapters.lora.row_subset`), so such calls keep merging, and each request equals itself run alone with
+    the same TeaCache config (TeaCache is lossy, but batch-invariant)."""
+    from diffusers_stepbatch.adapters.lora import RowPlan
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    pipe = lora_pipe(family, PACKED_FAMILIES[family][1][0])
+    pipe.set_adapters(*ACTIVE)
+    # NOTE: two sizes, two requests each, all with other step counts: merged calls whose rows decide differently
+    requests = [dict(kwargs, height=height, width=width, num_inference_steps=steps)
+                for kwargs, (height, width), steps in zip(requests_of(family), [(32, 32), (32, 48)] * 2, (6, 7, 8, 9))]
+    for kwargs in requests:
+        if isinstance(kwargs.get("image"), torch.Tensor):
+            kwargs.update(image=kwargs["image"][..., :kwargs["height"], :kwargs["width"]],
+                          max_area=kwargs["height"] * kwargs["width"])
+    sub_batches = []
+    narrowed = RowPlan.narrowed
+
+    def record(plan, rows):
+        sub_batches.append((len(rows), plan.num_rows, len({tuple(sorted(w.items())) for w in plan.rows})))
+        return narrowed(plan, rows)
+
+    monkeypatch.setattr(RowPlan, "narrowed", record)
+    config = SchedulerConfig(max_batch_size=16, cost_aware=False)
+    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.6, min_steps=3), scheduler=config) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+        with engine_held(sb, dict(requests[0], adapters={}, num_inference_steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300).images for future in futures]
+        splits = sb.stats()["splits"]
+    differences = [max_diff(got, want) for got, want in zip(results, solo)]
+    assert max(differences) <= TOLERANCE, differences
+    assert not [reason for reason in splits if "raised" in reason], splits
+    # a merged call of requests with different adapters computed only some of its rows
+    assert any(count < rows and distinct > 1 for count, rows, distinct in sub_batches), sub_batches
