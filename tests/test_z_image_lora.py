@@ -1,0 +1,85 @@
+"""Z-Image's forward joins its rows' patch, caption and SigLIP tokens into single layer inputs; per-row LoRA maps
+them to rows with `models/z_image/lora.py`, so rows of other sizes and caption lengths, each with its own
+adapters, equal the model run on each row alone after `set_adapters`, in basic and omni mode."""
+
+import pytest
+import torch
+from diffusers import ZImageTransformer2DModel
+
+from diffusers_stepbatch.adapters.lora import per_row_lora, streams_ambiguous
+from diffusers_stepbatch.models.z_image.lora import lora_token_rows
+from diffusers_stepbatch.testing import add_random_lora_adapters
+
+from .references import TOLERANCE, max_diff
+
+ROWS = [{"a": 1.0}, {"b": 0.5, "c": 1.0}, {}]
+
+
+def _model(siglip: bool, dim: int, heads: int, axes: tuple):
+    torch.manual_seed(0)
+    model = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=dim, n_layers=2, n_refiner_layers=1,
+        n_heads=heads, n_kv_heads=heads, cap_feat_dim=8, siglip_feat_dim=8 if siglip else None,
+        axes_dims=list(axes), axes_lens=[256, 32, 32]).eval()
+    with torch.no_grad():  # NOTE: the pad tokens start as torch.empty
+        model.x_pad_token.fill_(1.0)
+        model.cap_pad_token.fill_(1.0)
+        if siglip:
+            model.siglip_pad_token.fill_(1.0)
+    add_random_lora_adapters(model)
+    return model
+
+
+def _basic_arguments(g):
+    # image tokens 16, 48 (padded to 32, 64) and 96; captions of 5, 40 and 33 tokens (padded to 32, 64, 64)
+    x = [torch.randn(4, 1, h, w, generator=g) for h, w in [(8, 8), (8, 24), (24, 16)]]
+    captions = [torch.randn(n, 8, generator=g) for n in (5, 40, 33)]
+    return dict(x=x, t=torch.rand(3, generator=g), cap_feats=captions, return_dict=False)
+
+
+def _omni_arguments(g):
+    # per row: condition images with their captions and SigLIP grids, then the target (its SigLIP entry None)
+    x = [[torch.randn(4, 1, 8, 8, generator=g), torch.randn(4, 1, 8, 16, generator=g)],
+         [torch.randn(4, 1, 16, 8, generator=g), torch.randn(4, 1, 8, 8, generator=g), torch.randn(4, 1, 8, 8, generator=g)],
+         [torch.randn(4, 1, 16, 32, generator=g)]]
+    captions = [[torch.randn(n, 8, generator=g) for n in lengths] for lengths in [(4, 9), (3, 35, 6), (12,)]]
+    siglip = [[torch.randn(3, 4, 8, generator=g), None], [torch.randn(9, 8, 8, generator=g), None, None], [None]]
+    masks = [[0, 1], [0, 0, 1], [1]]
+    return dict(x=x, t=torch.rand(3, generator=g), cap_feats=captions, siglip_feats=siglip, image_noise_mask=masks,
+                return_dict=False)
+
+
+def _row(arguments, row):
+    return {name: value[row:row + 1] if name in ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask") else value
+            for name, value in arguments.items()}
+
+
+@pytest.mark.parametrize("size", [(32, 2, (8, 4, 4)), (48, 4, (4, 4, 4))], ids=["narrow", "wide"])
+@pytest.mark.parametrize("mode", ["basic", "omni"])
+def test_rows_of_other_sizes_with_their_own_adapters_equal_each_row_alone(mode, size):
+    omni = mode == "omni"
+    model = _model(omni, *size)
+    arguments = (_omni_arguments if omni else _basic_arguments)(torch.Generator().manual_seed(1))
+    streams = lora_token_rows(arguments)
+    assert len(streams) == (3 if omni else 2) and not streams_ambiguous(len(ROWS), streams)
+    with torch.no_grad():
+        with per_row_lora(model, ROWS, token_rows=streams):
+            together = model(**arguments)[0]
+        for row, adapters in enumerate(ROWS):
+            model.set_adapters(list(adapters) or ["a"], list(adapters.values()) or [0.0])
+            alone = model(**_row(arguments, row))[0]
+            assert max_diff(together[row], alone[0]) <= TOLERANCE, row
+        model.set_adapters(["a"], [0.0])
+        base = model(**_row(arguments, 0))[0]
+    assert max_diff(together[0], base[0]) > 1e-3  # the adapters matter
+
+
+def test_token_rows_follow_the_models_padding():
+    arguments = _basic_arguments(torch.Generator().manual_seed(0))
+    image, caption = lora_token_rows(arguments)
+    assert torch.equal(torch.bincount(image), torch.tensor([32, 64, 96]))
+    assert torch.equal(torch.bincount(caption), torch.tensor([32, 64, 64]))
+    omni = lora_token_rows(_omni_arguments(torch.Generator().manual_seed(0)))
+    # images: 16 + 32 tokens -> 32 + 32; 32 + 16 + 16 -> 3 x 32; 128. Captions: 4 + 9; 3 + 35 + 6; 12.
+    # SigLIP: 12 + None (32 pad tokens); 72 + None x 2; None
+    assert [torch.bincount(stream).tolist() for stream in omni] == [[64, 96, 128], [64, 128, 32], [64, 160, 32]]
