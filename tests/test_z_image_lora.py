@@ -83,3 +83,39 @@ def test_token_rows_follow_the_models_padding():
     # images: 16 + 32 tokens -> 32 + 32; 32 + 16 + 16 -> 3 x 32; 128. Captions: 4 + 9; 3 + 35 + 6; 12.
     # SigLIP: 12 + None (32 pad tokens); 72 + None x 2; None
     assert [torch.bincount(stream).tolist() for stream in omni] == [[64, 96, 128], [64, 128, 32], [64, 160, 32]]
+
+
+def test_requests_whose_token_streams_coincide_in_length_equal_plain_runs(monkeypatch):
+    """A 32x32 image (64 patch tokens per row) with CFG and a caption padded to 96 tokens (its negative to 32): the
+    patch and caption inputs both hold 128 tokens per request, mapped to rows differently. One request's rows
+    carry the same adapters, so that doesn't matter; two such requests merged run apart, adapters per row."""
+    from diffusers_stepbatch import StepBatched
+    from diffusers_stepbatch.adapters import state as adapter_state
+    from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+
+    from .references import seeded
+    from .test_lora_requests import ACTIVE, plain_run
+
+    pipe = tiny_z_image_pipeline(seed=3)
+    add_random_lora_adapters(pipe.transformer)
+    pipe.set_adapters(*ACTIVE)
+    prompt = ("a red circle " * 5)[:60]  # 79 caption tokens with the chat template
+    requests = [dict(prompt=prompt, height=32, width=32, guidance_scale=4.0, num_inference_steps=2, output_type="pt",
+                     seed=seed, adapters=adapters) for seed, adapters in [(0, {"a": 1.0}), (1, {"b": 0.5, "c": 1.0})]]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
+    ambiguous = []
+    real = adapter_state.per_row_lora
+
+    def record(model, rows, token_rows=None):
+        ambiguous.append((len(rows), streams_ambiguous(len(rows), token_rows or [])))
+        return real(model, rows, token_rows)
+
+    monkeypatch.setattr(adapter_state, "per_row_lora", record)
+    with StepBatched(pipe, max_batch_size=8) as sb:
+        alone = sb(**seeded(requests[0])).images
+        futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        together = [future.result(300).images for future in futures]
+    assert max_diff(alone, expected[0]) <= TOLERANCE
+    assert max(max_diff(got, want) for got, want in zip(together, expected)) <= TOLERANCE
+    assert (2, True) in ambiguous, ambiguous  # a request's two rows over streams that coincide in length
+    assert max_diff(expected[0], expected[1]) > 1e-3
