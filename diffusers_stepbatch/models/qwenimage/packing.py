@@ -136,22 +136,32 @@ def packed_token_rows(parts: Sequence[QwenImagePart]) -> list[torch.Tensor]:
     reference tokens are image tokens), rows numbered across `parts` in order. The forward packs rows in its own
     order (`_order`), but its LoRA layers with rows on dim 0 (the time embedding, `img_mod` / `txt_mod`, the
     output norm) see them in this numbering. Per-row LoRA maps layer inputs to rows with it."""
-    rows = _rows(parts)
-    order = _order(rows)
+    tokens = [(part.hidden_states.shape[1], text) for part in parts for text in _kept_text(part)]
+    order = _order(tokens)
     index = torch.tensor(order)
-    return [index.repeat_interleave(torch.tensor([rows[r].text.shape[0] for r in order])),
-            index.repeat_interleave(torch.tensor([rows[r].hidden.shape[0] for r in order]))]
+    return [index.repeat_interleave(torch.tensor([tokens[r][1] for r in order])),
+            index.repeat_interleave(torch.tensor([tokens[r][0] for r in order]))]
 
 
-def _order(rows: list[_Row]) -> list[int]:
+def _kept_text(part: QwenImagePart) -> list[int]:
+    """Each row's text tokens once its padding (mask 0) is dropped, as `_rows` keeps them."""
+    masks = part.text_mask
+    if isinstance(masks, torch.Tensor):
+        return masks.bool().sum(dim=1).tolist()
+    masks = masks if masks is not None else [None] * len(part.text)
+    return [text.shape[0] if mask is None else int(mask.bool().sum()) for text, mask in zip(part.text, masks)]
+
+
+def _order(tokens: list[tuple[int, int]]) -> list[int]:
+    """The packed order of rows with these (image, text) token counts."""
     # NOTE: rows of equal token counts form one part of the layout, so they attend as one batch.
-    return sorted(range(len(rows)), key=lambda r: (rows[r].hidden.shape[0], rows[r].text.shape[0]))
+    return sorted(range(len(tokens)), key=lambda r: tokens[r])
 
 
 @apply_lora_scale("attention_kwargs")
 def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto"):
     rows = _rows(parts)
-    order = _order(rows)
+    order = _order([(row.hidden.shape[0], row.text.shape[0]) for row in rows])
     sizes: dict[tuple[int, int], int] = {}
     for r in order:
         shape = (rows[r].text.shape[0], rows[r].hidden.shape[0])
