@@ -16,7 +16,8 @@ Rows are dim 0 of a layer input. For packed inputs (several requests' tokens con
 pass `token_rows`: per token stream, each token's row ([T] each; e.g. Flux's text, image and joint streams). A
 layer input with the rows along dim 0 is weighted per row (per-request embeddings such as the timestep's); one
 of shape [T, ...] or [1, T, ...] per token of the stream with T tokens. Streams whose lengths coincide but
-whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand.
+whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand;
+where every row carries the same adapters (one request's rows) that doesn't matter, as every token takes them.
 
 >>> rows = [{"pixel": 1.0}, {}, {"ink": 0.7, "pixel": 0.3}]
 >>> with per_row_lora(pipe.transformer, rows):
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (adapter signature, layers)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the RowPlan of its per-row forward
 
 
 def lora_layers(model: torch.nn.Module) -> list[Any]:
@@ -87,8 +89,13 @@ class RowPlan:
     def __init__(self, rows: Sequence[Mapping[str, float]],
                  token_rows: torch.Tensor | Sequence[torch.Tensor] | None = None):
         self.num_rows = len(rows)
+        self.rows = [dict(weights) for weights in rows]
+        self._narrowed: RowPlan | None = None
         streams = [] if token_rows is None else [token_rows] if isinstance(token_rows, torch.Tensor) else token_rows
-        if streams_ambiguous(self.num_rows, streams):
+        # NOTE: where all rows carry the same adapters, every token takes them, whichever stream of its length
+        # it belongs to: ambiguous streams are fine
+        uniform = all(weights == rows[0] for weights in rows[1:])
+        if not uniform and streams_ambiguous(self.num_rows, streams):
             raise ValueError(f"token streams of lengths {[len(t) for t in streams]} (and {self.num_rows} rows) "
                              "can't be told apart by shape; run these rows per shape")
         self.streams = {int(t.shape[0]): t.cpu() for t in streams}  # element count -> each element's row
@@ -101,6 +108,8 @@ class RowPlan:
 
     def uses(self, x: torch.Tensor) -> tuple[int, list[_Use]]:
         """(the row dim of layer input `x`, where each adapter applies in it)."""
+        if self._narrowed is not None:
+            return self._narrowed.uses(x)
         if x.shape[0] == self.num_rows:
             dim, count = 0, None
         elif x.shape[0] in self.streams:  # packed tokens [tokens, ...]
@@ -114,6 +123,15 @@ class RowPlan:
         if key not in self._uses:
             self._uses[key] = [self._use(name, uses, count, x.device) for name, uses in self.adapters.items()]
         return dim, self._uses[key]
+
+    @contextlib.contextmanager
+    def narrowed(self, rows: Sequence[int]) -> Iterator[None]:
+        """Inside, layer inputs hold only `rows` of the plan's rows, on dim 0 (no token streams)."""
+        previous, self._narrowed = self._narrowed, RowPlan([self.rows[r] for r in rows])
+        try:
+            yield
+        finally:
+            self._narrowed = previous
 
     def _use(self, name: str, uses: list[tuple[int, float]], count: int | None, device: Any) -> _Use:
         weight_of_row = torch.zeros(self.num_rows, dtype=torch.float64)
@@ -189,7 +207,26 @@ def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
                                    "LoRA would bypass it")
             layer.forward = functools.partial(forward, layer, plan)
             installed.append(layer)
+        _PLANS[model] = plan
         yield
     finally:
+        _PLANS.pop(model, None)
         for layer in installed:
             vars(layer).pop("forward", None)
+
+
+@contextlib.contextmanager
+def row_subset(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
+    """Inside `per_row_lora(model, ...)`, the body's LoRA layer inputs hold only `rows` of that forward's rows, on
+    dim 0: a sub-batch, such as the rows a step cache computes. Outside one, nothing changes.
+
+    >>> with per_row_lora(model, rows):
+    ...     with row_subset(model, [0, 2]):
+    ...         out = block(hidden[[0, 2]], temb[[0, 2]])
+    """
+    plan = _PLANS.get(model)
+    if plan is None:
+        yield
+        return
+    with plan.narrowed(rows):
+        yield

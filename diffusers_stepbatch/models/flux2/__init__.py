@@ -14,7 +14,7 @@ from typing import Any
 from diffusers import Flux2Transformer2DModel
 
 from .. import ModelSupport, Packing, register_model
-from .packing import flux2_packing_unsupported, pack_calls, pack_key
+from .packing import flux2_packing_unsupported, pack_calls, pack_key, token_rows
 from .teacache import FLUX2_COEFFICIENTS, teacache_call
 
 
@@ -27,7 +27,8 @@ def _kv_cache_refusal(model, arguments: dict[str, Any]) -> str | None:
 @register_model(Flux2Transformer2DModel)
 def _flux2() -> ModelSupport:
     # NOTE: lora_rows: every LoRA layer of the plain forward sees rows on dim 0 ([rows, tokens, dim] or the
-    # [rows, dim] timestep embedding), and the packed forward's see [tokens, dim] or [rows, dim].
+    # [rows, dim] timestep embedding), and the packed forward's see a stream's [tokens, dim] or [rows, dim].
     return ModelSupport(shared=("img_ids", "txt_ids"), refusal=_kv_cache_refusal, trusted=True, lora_rows=True,
-                        packing=Packing(unsupported=flux2_packing_unsupported, key=pack_key, run=pack_calls),
+                        packing=Packing(unsupported=flux2_packing_unsupported, key=pack_key, run=pack_calls,
+                                        token_rows=token_rows),
                         teacache_coefficients=FLUX2_COEFFICIENTS, teacache_forward=teacache_call)
