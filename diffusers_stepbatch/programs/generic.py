@@ -27,14 +27,14 @@ from ..cache.prompt import PromptCache
 from ..engine.batch import WorkItem
 from ..engine.ownership import current_owner, run_for
 from ..engine.split_reasons import named_key
-from ..module_scan import diffusers_hooks, execution_device, marked_modules
+from ..module_scan import all_modules, diffusers_hooks, execution_device, marked_modules
 from .options import PlanContext
 from .pid_generic import plan_generic_pid_exit
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ..models import support_for
-from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once
+from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once, packed_attention_for
 from .request_state import active_view
 from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
 
@@ -75,12 +75,15 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
         log_once(type(pipe).__name__, f"whole calls, unbatched: {reason}")
         program = _whole_call_program(request_pipeline(pipe, context), positional, keywords, reason)
     else:
-        per_row = {name: (_denoiser_adapters(getattr(pipe, name), args, context),
-                          context.options.teacache) for name in denoisers}
+        per_row = {name: (_denoiser_adapters(getattr(pipe, name), args, context), context.options.teacache,
+                          packed_attention_for(getattr(pipe, name), context.options.packed_attention))
+                   for name in denoisers}
         view = request_pipeline(pipe, context)
         _fix_execution_device(view, pipe)
+        walks = {id(model): all_modules(model) for model in pipe.components.values()
+                 if isinstance(model, torch.nn.Module)}  # NOTE: the walks this plan's scans made
         program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention,
-                                  context.options.prompt_cache)
+                                  context.options.prompt_cache, walks)
     if pid is not None:
         program = pid.decoded(program)
     return PlannedRequest(program=program, num_rows=images * branches, num_steps=steps,
@@ -292,41 +295,45 @@ class _Turns:
         self._to_program.put(message)
 
 
-def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str,
-                     prompt_cache: PromptCache | None) -> None:
+def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str | None,
+                     prompt_cache: PromptCache | None, walks: dict[int, tuple]) -> None:
     """The request's view calls the engine for its denoisers, text encoders and VAE, and so do the views of the
-    pipelines it calls (combined pipelines: prior then decoder)."""
+    pipelines it calls (combined pipelines: prior then decoder). `walks`: each model's modules, by id."""
     for name, sub_pipeline in list(view.__dict__.items()):
         if isinstance(sub_pipeline, DiffusionPipeline):
             sub_view = request_view(sub_pipeline)
-            sub_denoisers = dict.fromkeys(_denoiser_names(sub_pipeline), (None, None))
-            _install_proxies(sub_pipeline, sub_view, handoff, sub_denoisers, packed_attention, prompt_cache)
+            sub_denoisers = {name: (None, None, packed_attention_for(getattr(sub_pipeline, name), packed_attention))
+                             for name in _denoiser_names(sub_pipeline)}
+            _install_proxies(sub_pipeline, sub_view, handoff, sub_denoisers, packed_attention, prompt_cache, walks)
             view.__dict__[name] = sub_view
     scheduler = getattr(view, "scheduler", None)
-    for name, (adapters, teacache) in denoisers.items():
+    for name, (adapters, teacache, packed) in denoisers.items():
         model = getattr(pipe, name)
         if teacache is not None and support_for(model).teacache_forward is not None:
             teacache = RequestTeaCache(teacache, model, lambda: len(scheduler.timesteps))
         else:
             teacache = None
         view.__dict__[name] = ModelProxy(model, {"__call__": "denoise"}, handoff.submit,
-                                         functools.partial(_step_index, scheduler), packed_attention, adapters,
-                                         teacache)
+                                         functools.partial(_step_index, scheduler), packed, adapters, teacache,
+                                         walk=walks.get(id(model)))
     for name in ENCODER_NAMES:
         if isinstance(getattr(pipe, name, None), torch.nn.Module):
-            view.__dict__[name] = ModelProxy(getattr(pipe, name), {"__call__": "encode"}, handoff.submit,
-                                             cache=prompt_cache)
+            model = getattr(pipe, name)
+            view.__dict__[name] = ModelProxy(model, {"__call__": "encode"}, handoff.submit, cache=prompt_cache,
+                                             walk=walks.get(id(model)))
     if isinstance(getattr(pipe, "vae", None), torch.nn.Module):
-        view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, handoff.submit)
+        view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, handoff.submit,
+                                          walk=walks.get(id(pipe.vae)))
 
 
 def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, tuple],
-                    packed_attention: str = "auto", prompt_cache: PromptCache | None = None
-                    ) -> Generator[WorkItem, Any, Any]:
-    """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config), either None; `prompt_cache`
-    answers text-encoder calls identical to earlier ones."""
+                    packed_attention: str | None = "auto", prompt_cache: PromptCache | None = None,
+                    walks: dict[int, tuple] | None = None) -> Generator[WorkItem, Any, Any]:
+    """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config, packed attention), each may be
+    None; `prompt_cache` answers text-encoder calls identical to earlier ones; `walks`: the models' modules as
+    the plan found them, by model id."""
     turns = _Turns(view, positional, keywords)
-    _install_proxies(pipe, view, turns, denoisers, packed_attention, prompt_cache)
+    _install_proxies(pipe, view, turns, denoisers, packed_attention, prompt_cache, walks or {})
     try:
         kind, payload = turns.resume()
         while kind == "call":

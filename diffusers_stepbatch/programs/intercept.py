@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -69,10 +69,15 @@ class ModelProxy:
     def __init__(self, module: torch.nn.Module, methods: dict[str, str], submit: Callable[[WorkItem], None],
                  step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
                  adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None,
-                 cache: PromptCache | None = None):
+                 cache: PromptCache | None = None, walk: tuple[torch.nn.Module, ...] | None = None):
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
-                             _packed_attention=packed_attention, _packing_checked=False, _adapters=adapters,
-                             _teacache=teacache, _cache=cache if cache is not None and cache.max_bytes else None)
+                             _packed_attention=packed_attention, _adapters=adapters, _teacache=teacache,
+                             _cache=cache if cache is not None and cache.max_bytes else None, _walk=walk)
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        """The model's modules, from the walk made when the request was planned: diffusers' device lookups
+        (`get_module_execution_device`) walk them at every call."""
+        return iter(self._walk) if self._walk is not None else self._module.modules()
 
     @property
     def __class__(self) -> type:  # NOTE: so that the pipeline's isinstance checks see the model's class
@@ -107,22 +112,11 @@ class ModelProxy:
     def _submitted(self, kind: str, method: str, args: tuple, kwargs: dict) -> Any:
         step = self._step()
         teacache = self._teacache.state(step) if self._teacache is not None else None
-        item, holder = model_item(self._module, kind, method, args, kwargs, self._packing(), self._adapters,
+        item, holder = model_item(self._module, kind, method, args, kwargs, self._packed_attention, self._adapters,
                                   teacache)
         item.step = step
         self._submit(item)
         return holder.output
-
-    def _packing(self) -> str | None:
-        """The packed attention method, once the model's state (processors, hooks) was found to allow packing."""
-        if not self._packing_checked:  # NOTE: once per request: the scan walks the model's modules
-            packing = support_for(self._module).packing
-            reason = None if packing is None else packing.unsupported(self._module)
-            if packing is None or packing_refused(type(self._module).__name__, reason):
-                self.__dict__["_packed_attention"] = None
-            self.__dict__["_packing_checked"] = True
-        return self._packed_attention
-
 
 class RequestTeaCache:
     """One request's TeaCache states for one denoiser: one per call of a step (the CFG branches, in order)."""
@@ -144,6 +138,15 @@ class RequestTeaCache:
         if state is not None:
             state.step = step or 0
         return state
+
+
+def packed_attention_for(module: torch.nn.Module, packed_attention: str | None) -> str | None:
+    """The packed attention method for `module`'s calls, or None where its class has no packing or its state
+    (attention processors, hooks) does not allow one now. NOTE: the check walks the model's modules."""
+    packing = support_for(module).packing
+    if packed_attention is None or packing is None:
+        return None
+    return None if packing_refused(type(module).__name__, packing.unsupported(module)) else packed_attention
 
 
 def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
