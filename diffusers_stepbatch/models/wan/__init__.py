@@ -14,12 +14,13 @@ from __future__ import annotations
 from diffusers import WanTransformer3DModel
 
 from .. import ModelSupport, Packing, register_model
-from .packing import pack_calls, pack_key, wan_packing_unsupported
+from .packing import pack_calls, pack_key, token_rows, wan_packing_unsupported
 from .teacache import WAN_COEFFICIENTS, teacache_call
 
 
 @register_model(WanTransformer3DModel)
 def _wan() -> ModelSupport:
     return ModelSupport(row_blocks=("encoder_hidden_states_image",), trusted=True,
-                        packing=Packing(unsupported=wan_packing_unsupported, key=pack_key, run=pack_calls),
+                        packing=Packing(unsupported=wan_packing_unsupported, key=pack_key, run=pack_calls,
+                                        token_rows=token_rows),
                         teacache_coefficients=WAN_COEFFICIENTS, teacache_forward=teacache_call, lora_rows=True)
