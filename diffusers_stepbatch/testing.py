@@ -411,14 +411,16 @@ def tiny_pixart_or_sana_pipeline(num_layers: int = 1, attention_head_dim: int = 
     return pipe
 
 
-# NOTE: one group of target modules per adapter (names missing from a model are dropped), so adapters touch
-# different layers, Linear and Conv alike, including per-row [B, D] inputs (time embeddings).
+# NOTE: one group of target modules per adapter (names missing from a model, or naming other than Linear and Conv
+# layers there, are dropped), so adapters touch different layers, Linear and Conv alike, including per-row [B, D]
+# inputs (time embeddings) and video patch embeddings.
 _LORA_TARGET_GROUPS = (
     ("to_q", "to_k", "to_v", "to_out.0"),
     ("proj_mlp", "proj_out", "ff.net.2", "linear_1", "conv1", "conv2", "time_emb_proj"),
     ("add_q_proj", "add_k_proj", "to_add_out", "norm1.linear", "x_embedder", "context_embedder", "proj_in",
-     "conv_in", "ff.net.0.proj", "to_q"),
+     "conv_in", "ff.net.0.proj", "to_q", "patch_embedding", "x_embedder.proj"),
 )
+_LORA_LAYER_TYPES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("a", "b", "c"), rank: int = 4,
@@ -433,12 +435,17 @@ def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("
     """
     from peft import LoraConfig
 
-    module_names = [name for name, _ in model.named_modules()]
+    modules = dict(model.named_modules())
+
+    def targetable(target: str) -> bool:  # NOTE: as peft matches names: the module itself or a suffix
+        found = [module for m, module in modules.items() if m == target or m.endswith("." + target)]
+        return bool(found) and all(isinstance(module, _LORA_LAYER_TYPES) for module in found)
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for i, name in enumerate(names):
             group = _LORA_TARGET_GROUPS[i % len(_LORA_TARGET_GROUPS)]
-            targets = [t for t in group if any(m == t or m.endswith("." + t) for m in module_names)]
+            targets = [t for t in group if targetable(t)]
             config = LoraConfig(r=rank, lora_alpha=rank * (i + 1) / 2, target_modules=targets,
                                 init_lora_weights=False, use_rslora=i % 3 == 2)
             model.add_adapter(config, adapter_name=name)

@@ -178,7 +178,10 @@ import contextlib  # noqa: E402
 @contextlib.contextmanager
 def engine_held(sb, blocker_kwargs: dict):
     """Hold the engine on a blocker request's step callback while the body submits, so every request submitted
-    inside starts together, in lockstep; the blocker (`blocker_kwargs`, seeded) finishes on exit."""
+    inside starts together, in lockstep; the blocker (`blocker_kwargs`, seeded) finishes on exit. A pipeline
+    without step callbacks (HunyuanVideo 1.5) is held in the blocker's text-encoder call instead."""
+    import inspect
+
     entered, released = threading.Event(), threading.Event()
 
     def hold_engine_once(step_pipe, i, t, tensors):
@@ -186,13 +189,26 @@ def engine_held(sb, blocker_kwargs: dict):
         released.wait(60)
         return {}
 
-    blocker = sb.submit(**seeded(dict(blocker_kwargs, callback_on_step_end=hold_engine_once)))
+    if "callback_on_step_end" in inspect.signature(type(sb.pipe).__call__).parameters:
+        blocker = sb.submit(**seeded(dict(blocker_kwargs, callback_on_step_end=hold_engine_once)))
+    else:
+        encoder = sb.pipe.text_encoder
+
+        def hold_encoder_once(*args, **kwargs):  # NOTE: the engine thread runs the merged encoder call
+            del encoder.forward
+            hold_engine_once(None, 0, None, {})
+            return encoder.forward(*args, **kwargs)
+
+        encoder.forward = hold_encoder_once
+        blocker = sb.submit(**seeded(blocker_kwargs))
     assert entered.wait(60), "the blocker request never reached its step callback"
     try:
         yield
     finally:
         released.set()
         blocker.result(300)
+        if "callback_on_step_end" not in inspect.signature(type(sb.pipe).__call__).parameters:
+            vars(sb.pipe.text_encoder).pop("forward", None)  # NOTE: where the blocker never reached it
 
 
 class ToyLoopPipeline(DiffusionPipeline):
