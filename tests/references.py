@@ -228,3 +228,26 @@ class ToyLoopPipeline(DiffusionPipeline):
             out, extra = out if isinstance(out, tuple) else (out, 0.0)
             x = x - 0.1 * out + 0.01 * extra
         return x
+
+
+# Per-row adapter sets for model-level LoRA tests ({}: the base model), and the plain reference for one row.
+ROW_ADAPTERS = [{"a": 1.0}, {"b": 0.5}, {}, {"c": 0.6}, {"a": 0.3, "c": 1.0}]
+
+
+def with_adapters(model: torch.nn.Module, adapters: dict, run):
+    """`run()` with `adapters` ({name: weight}; {}: none) set on `model` by `set_adapters`, as a plain call."""
+    if adapters:
+        model.enable_lora()
+        model.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        model.disable_lora()
+    try:
+        return run()
+    finally:
+        model.enable_lora()
+
+
+def call_row(call: dict, row: int, rows: int) -> dict:
+    """A model call's arguments for one of its `rows` rows: every tensor with the rows on dim 0 sliced."""
+    return {name: value[row:row + 1] if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == rows
+            else value for name, value in call.items()}

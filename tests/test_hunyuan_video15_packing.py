@@ -25,7 +25,8 @@ from diffusers_stepbatch.testing_hunyuan_video_models import (
     tiny_hunyuan_video15_transformer,
 )
 
-from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import ROW_ADAPTERS, TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import call_row, with_adapters
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -133,6 +134,37 @@ def test_packed_forward_equals_the_models_forward_per_call(config, method):
     differences = [max_diff(got, want) for got, want in zip(packed, expected)]
     assert max(differences) <= 1e-5, differences
     assert [got.shape for got in packed] == [want.shape for want in expected]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_packed_forward_with_per_row_adapters_equals_set_adapters_per_row(config):
+    """Per-row LoRA over the packed video and text streams, each call's embeddings (patch embedding, text refiner,
+    ByT5 and image projections) on its own rows, the blocks' modulation per row: every row as its plain forward
+    after set_adapters."""
+    from diffusers_stepbatch.adapters.lora import per_row_lora
+    from diffusers_stepbatch.models.hunyuan_video15.packing import token_rows
+    from diffusers_stepbatch.testing import add_random_lora_adapters
+
+    model = tiny_hunyuan_video15_transformer(CONFIGS[config][0])
+    add_random_lora_adapters(model)
+    calls = [_call(1, (3, 4, 8), [7], [8], 1),  # sorts after the next call's rows
+             _call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # rows of one call in another packed order
+             _call(1, (1, 8, 4), [2], [1], 2, image=True),
+             _call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]
+    counts = [call["hidden_states"].shape[0] for call in calls]
+    row_adapters = [ROW_ADAPTERS[r % len(ROW_ADAPTERS)] for r in range(sum(counts))]
+    with torch.no_grad():
+        with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
+            packed = [out[0] for out in pack_calls(model, calls, "recover_scatter", [None] * len(calls))]
+        first = 0
+        for call, count, out in zip(calls, counts, packed):
+            for r in range(count):
+                one = call_row(call, r, count)
+                want = with_adapters(model, row_adapters[first + r], lambda: model(**one)[0])
+                assert max_diff(out[r:r + 1], want) <= TOLERANCE, (first + r, row_adapters[first + r])
+                if first + r == 0:  # the adapters change the row
+                    assert max_diff(want, with_adapters(model, {}, lambda: model(**one)[0])) > 1e-3
+            first += count
 
 
 def test_text_to_video_and_image_conditioned_calls_never_merge_by_rows():

@@ -466,3 +466,36 @@ def test_video_requests_of_different_sizes_with_adapters_pack_and_equal_plain_ru
     assert not [r for r in caplog.records if "packed" in r.getMessage()]  # no packed call failed and fell back
     # every request's rows, with its own adapters, in one packed forward (not one forward per size)
     assert packed_lora_forwards and max(packed_lora_forwards) == len(requests), packed_lora_forwards
+
+
+@pytest.mark.parametrize("config", ["wan-t2v", "ltx2-split", "hv15-patch2-cfg"])
+def test_video_teacache_requests_with_adapters_equal_their_solo_runs(config, caplog):
+    """A TeaCache forward is the packed forward on one size's rows (on some of them where their decisions differ),
+    adapters per row there too: each request equals itself run alone with the same TeaCache config."""
+    from diffusers_stepbatch import SchedulerConfig
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    _, extra, sizes, _ = VIDEO_CONFIGS[config]
+    pipe = video_lora_pipe(config)
+    pipe_adapters = [{"a": 1.0}, {"b": 0.5}, {"a": 0.3, "c": 1.0}]
+    # NOTE: two requests of one size at other step counts: their merged forwards skip for one, not the other
+    requests = [dict(extra, prompt=PROMPTS[i], height=height, width=width, num_frames=frames, adapters=adapters,
+                     num_inference_steps=8 + i, output_type="pt", seed=i)
+                for i, (adapters, (height, width, frames)) in enumerate(zip(pipe_adapters,
+                                                                             [sizes[0], sizes[1], sizes[0]]))]
+    exact = [plain_output(pipe, kwargs) for kwargs in requests]
+    # NOTE: the tiny models' signals change far more than the real models' the published polynomials fit
+    teacache = TeaCacheConfig(threshold=0.5, coefficients=(1.0, 0.0))
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)) for kwargs in requests]
+    caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
+    with StepBatched(pipe, teacache=teacache, scheduler=SchedulerConfig(max_batch_size=16, cost_aware=False)) as sb:
+        with engine_held(sb, dict(requests[1], prompt="a blocker", num_inference_steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300) for future in futures]
+    for kwargs, got, want in zip(requests, results, solo):
+        assert max_diff(got.frames, want.frames) <= TOLERANCE, kwargs
+        if hasattr(want, "audio"):
+            assert max_diff(got.audio, want.audio) <= TOLERANCE, kwargs
+    assert not [r for r in caplog.records if "packed" in r.getMessage()]
+    assert max(max_diff(s.frames, e.frames) for s, e in zip(solo, exact)) > 10 * TOLERANCE, "TeaCache skipped no step"

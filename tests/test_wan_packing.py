@@ -17,7 +17,8 @@ from diffusers_stepbatch.models.wan.packing import WanPart, wan_packed_forward
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline, tiny_wan_transformer
 
-from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import ROW_ADAPTERS, TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import with_adapters
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -165,6 +166,43 @@ def test_packed_forward_equals_the_model_forward_per_shape(case):
     assert [tuple(out.shape) for out in packed] == [tuple(out.shape) for out in own]
     assert max(max_diff(got, want) for got, want in zip(packed, own)) <= 1e-5
     assert min(float(out.abs().mean()) for out in own) > 1e-2  # outputs that a mix-up of rows would change
+
+
+@pytest.mark.parametrize("case", ["t2v", "per-token", "i2v-image-kv", "flf2v"])
+def test_packed_forward_with_per_row_adapters_equals_set_adapters_per_row(case):
+    """Per-row LoRA over the packed streams, and on each shape's rows where the forward runs per shape (patch
+    embedding, image embedding, cross-attention keys and values): every row as its plain forward after
+    set_adapters."""
+    from diffusers_stepbatch.adapters.lora import per_row_lora
+    from diffusers_stepbatch.models.wan.packing import token_rows
+    from diffusers_stepbatch.testing import add_random_lora_adapters
+
+    image_dim = 4 if case.startswith(("i2v", "flf2v")) else None
+    model = tiny_wan_transformer(36 if image_dim else 16, heads=3, head_dim=8, layers=2, image_dim=image_dim,
+                                 image_kv=case == "i2v-image-kv", pos_embed_seq_len=10 if case == "flf2v" else None)
+    add_random_lora_adapters(model)
+    shapes = [(2, 3, 4, 4), (1, 2, 4, 6), (1, 3, 6, 4), (2, 1, 8, 8)]  # rows, frames, height, width (latent)
+    blocks = 2 if case == "flf2v" else 1
+    parts = _parts(model, shapes, torch.Generator().manual_seed(0), per_token=case == "per-token",
+                   image_tokens=5 if image_dim else None, text_lengths=[512] * 4 if case == "i2v-image-kv" else None,
+                   image_blocks=blocks)
+    calls = [dict(hidden_states=p.hidden_states, timestep=p.timestep, encoder_hidden_states=p.encoder_hidden_states,
+                  encoder_hidden_states_image=p.encoder_hidden_states_image) for p in parts]
+    row_adapters = [ROW_ADAPTERS[r % len(ROW_ADAPTERS)] for r in range(sum(rows for rows, *_ in shapes))]
+    with torch.no_grad():
+        with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
+            packed = wan_packed_forward(model, parts)
+        first = 0
+        for part, out in zip(parts, packed):
+            for r in range(part.hidden_states.shape[0]):
+                image = part.encoder_hidden_states_image
+                one = (part.hidden_states[r:r + 1], part.timestep[r:r + 1], part.encoder_hidden_states[r:r + 1],
+                       None if image is None else image[r * blocks:(r + 1) * blocks])
+                want = with_adapters(model, row_adapters[first + r], lambda: model(*one, return_dict=False)[0])
+                assert max_diff(out[r:r + 1], want) <= TOLERANCE, (first + r, row_adapters[first + r])
+                if first + r == 0:  # the adapters change the row
+                    assert max_diff(want, with_adapters(model, {}, lambda: model(*one, return_dict=False)[0])) > 1e-3
+            first += part.hidden_states.shape[0]
 
 
 def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
