@@ -234,15 +234,16 @@ class ToyLoopPipeline(DiffusionPipeline):
 ROW_ADAPTERS = [{"a": 1.0}, {"b": 0.5}, {}, {"c": 0.6}, {"a": 0.3, "c": 1.0}]
 
 
-def with_adapters(model: torch.nn.Module, adapters: dict, run):
-    """`run()` with `adapters` ({name: weight}; {}: none) set on `model` by `set_adapters`, as a plain call."""
+def with_adapters(model: torch.nn.Module, adapters: dict, run, *args, **kwargs):
+    """`run(*args, **kwargs)` with `adapters` ({name: weight}; {}: none) set on `model` by `set_adapters`, as a
+    plain call."""
     if adapters:
         model.enable_lora()
         model.set_adapters(list(adapters), list(adapters.values()))
     else:
         model.disable_lora()
     try:
-        return run()
+        return run(*args, **kwargs)
     finally:
         model.enable_lora()
 
@@ -251,3 +252,24 @@ def call_row(call: dict, row: int, rows: int) -> dict:
     """A model call's arguments for one of its `rows` rows: every tensor with the rows on dim 0 sliced."""
     return {name: value[row:row + 1] if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == rows
             else value for name, value in call.items()}
+
+
+def add_lora_everywhere(model: torch.nn.Module, name: str = "all", rank: int = 2, seed: int = 1) -> None:
+    """A random peft LoRA adapter `name` on every Linear and Conv layer of `model` (those already adapted too)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+
+    layer_types = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    targets, adapted = [], []
+    for module_name, module in model.named_modules():
+        if any(module_name.startswith(prefix + ".") for prefix in adapted):
+            continue  # NOTE: a LoRA layer's own base layer and A/B matrices
+        if isinstance(module, LoraLayer):
+            adapted.append(module_name)
+            targets.append(module_name)
+        elif isinstance(module, layer_types):
+            targets.append(module_name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False),
+                          adapter_name=name)

@@ -6,7 +6,9 @@ Image conditioning (`encoder_hidden_states_image`) holds one CLIP embedding per 
 `packing.py` packs videos of other frame counts and sizes into one call (each row's own patch embedding, RoPE
 grid and modulation; attention inside each row; cross-attention to each row's own text and image tokens);
 `teacache.py` is the per-row TeaCache forward on top of it. Every LoRA layer of a plain forward sees rows on
-dim 0, so per-request LoRA applies per row (requests with adapters merge with equal shapes, unpacked).
+dim 0, so per-request LoRA applies per row; in a packed forward it sees the packed video or text tokens
+(`token_rows`) or, where the forward runs per shape (patch embedding, image embedding, cross-attention keys and
+values), that shape's rows.
 """
 
 from __future__ import annotations
