@@ -17,8 +17,7 @@ pass `token_rows`: per token stream, each token's row ([T] each; e.g. Flux's tex
 layer input with the rows along dim 0 is weighted per row (per-request embeddings such as the timestep's); one
 of shape [T, ...] or [1, T, ...] per token of the stream with T tokens. Streams whose lengths coincide but
 whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand.
-A packed forward that runs some layers on another arrangement of the rows (one video size's rows through a
-patch embedding, its blocks on some rows) says so around them with `lora_layout`.
+A packed forward's steps on another arrangement of the rows say so with `lora_layout`.
 
 >>> rows = [{"pixel": 1.0}, {}, {"ink": 0.7, "pixel": 0.3}]
 >>> with per_row_lora(pipe.transformer, rows):
@@ -88,14 +87,8 @@ def _ambiguous(mappings: Sequence[torch.Tensor]) -> bool:
 
 
 class LoraLayout:
-    """Which of a per-row forward's rows each entry of a LoRA layer input belongs to, told by the input's shape.
-
-    Args:
-        rows: for inputs with rows on dim 0 ([len(rows), ...]), each entry's row.
-        token_rows: per packed token stream (inputs [tokens, ...] or [1, tokens, ...]), each token's row.
-
-    Raises ValueError where two of them have the same length but map to rows differently.
-    """
+    """Each entry's row in a LoRA layer input, by its shape: `rows` for inputs with rows on dim 0, `token_rows` per
+    packed token stream. ValueError where two of equal length map to rows differently."""
 
     def __init__(self, rows: torch.Tensor | Sequence[int], token_rows: Sequence[torch.Tensor] = ()):
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
@@ -116,7 +109,7 @@ class RowPlan:
                  token_rows: torch.Tensor | Sequence[torch.Tensor] | None = None):
         self.num_rows = len(rows)
         streams = [] if token_rows is None else [token_rows] if isinstance(token_rows, torch.Tensor) else token_rows
-        self.layout = LoraLayout(torch.arange(self.num_rows), streams)  # see `lora_layout`
+        self.layout = LoraLayout(torch.arange(self.num_rows), streams)
         self.adapters: dict[str, list[tuple[int, float]]] = {}
         for row, weights in enumerate(rows):
             for name, weight in weights.items():
@@ -171,9 +164,7 @@ def lora_active(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def lora_layout(model: torch.nn.Module, layout: LoraLayout | None) -> Iterator[None]:
     """Inside a `per_row_lora` forward of `model`, LoRA layer inputs map to its rows by `layout` (a no-op outside
-    one, or with None). For forwards that run layers on another arrangement of the rows than the one
-    `per_row_lora` was given: a packed forward's per-shape steps (the rows of one video size through a patch
-    embedding: `LoraLayout(their rows)`), or its blocks on some of the rows.
+    one, or with None): for steps that run on another arrangement of the rows (one video size's rows).
 
     >>> with lora_layout(transformer, LoraLayout(rows=[2, 3])):   # rows 2 and 3 of the forward, on dim 0
     ...     embedded = transformer.patch_embedding(videos_of_one_size)

@@ -4,10 +4,8 @@ Rows: video and audio latents, both prompts with their masks, the timesteps and 
 (`video_coords`, `audio_coords`) are per row; `num_frames`, `height`, `width`, `fps` and `audio_num_frames` are
 numbers for the whole call, so plain forwards merge only when they are equal (the call's signature holds them);
 `packing.py` packs rows of other frame counts, sizes, audio lengths and prompt lengths into one call (video
-timesteps per row or per token, as image-to-video passes them); `teacache.py` is the per-row TeaCache forward on
-top of it. Every LoRA layer sees rows on dim 0 or packed tokens, so per-request LoRA applies per row, packed too;
-the one exception of a plain forward, the timestep embedders on per-token video timesteps ([rows * video tokens]),
-is a token stream (`lora_token_rows`).
+timesteps per row or per token); `teacache.py` is the per-row TeaCache forward on top of it. LoRA layers see rows
+on dim 0 or packed tokens (per-token video timesteps, flattened, too), so per-request LoRA applies per row.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from .teacache import LTX2_COEFFICIENTS, teacache_call
 
 
 def timestep_token_rows(arguments: dict[str, Any]) -> list[torch.Tensor]:
-    """The model's forward flattens a per-token video timestep ([rows, video tokens]) before embedding it: each
-    entry's row."""
+    """Each entry's row in a per-token video timestep, which the model's forward flattens before embedding it."""
     hidden, timestep = arguments.get("hidden_states"), arguments.get("timestep")
     if not isinstance(hidden, torch.Tensor) or not isinstance(timestep, torch.Tensor):
         return []

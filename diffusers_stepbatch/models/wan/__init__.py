@@ -5,10 +5,8 @@ Image conditioning (`encoder_hidden_states_image`) holds one CLIP embedding per 
 (first and last frame) for first-last-frame-to-video, which the model folds in pairs: rows are blocks.
 `packing.py` packs videos of other frame counts and sizes into one call (each row's own patch embedding, RoPE
 grid and modulation; attention inside each row; cross-attention to each row's own text and image tokens);
-`teacache.py` is the per-row TeaCache forward on top of it. Every LoRA layer of a plain forward sees rows on
-dim 0, so per-request LoRA applies per row; in a packed forward it sees the packed video or text tokens
-(`token_rows`) or, where the forward runs per shape (patch embedding, image embedding, cross-attention keys and
-values), that shape's rows.
+`teacache.py` is the per-row TeaCache forward on top of it. Per-request LoRA applies per row: LoRA layers see
+rows on dim 0, packed tokens (`token_rows`), or in a packed forward's per-shape steps that shape's rows.
 """
 
 from __future__ import annotations
