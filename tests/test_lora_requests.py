@@ -399,11 +399,12 @@ VIDEO_CONFIGS = {
                                                                  layers=1, rope_type="interleaved", gated_attn=True,
                                                                  cross_attn_mod=True)),
                 dict(LTX2_PLAIN, frame_rate=25.0, guidance_scale=1.0, use_cross_timestep=True), LTX2_SIZES, False),
-    "hv15-tiny": (functools.partial(tiny_hunyuan_video15_pipeline, HunyuanVideo15Size()), {}, HV15_SIZES, False),
-    "hv15-patch2-cfg": (functools.partial(tiny_hunyuan_video15_pipeline,
-                                          HunyuanVideo15Size(heads=4, head_dim=8, layers=2, patch_size=2),
-                                          guidance_scale=3.0),
-                        dict(negative_prompt="blurry"), HV15_SIZES, False),
+    "hunyuan-video15-tiny": (functools.partial(tiny_hunyuan_video15_pipeline, HunyuanVideo15Size()), {},
+                             HV15_SIZES, False),
+    "hunyuan-video15-patch2-cfg": (functools.partial(tiny_hunyuan_video15_pipeline,
+                                                     HunyuanVideo15Size(heads=4, head_dim=8, layers=2, patch_size=2),
+                                                     guidance_scale=3.0),
+                                   dict(negative_prompt="blurry"), HV15_SIZES, False),
 }
 MIXED_ADAPTERS = [{"a": 1.0}, {"b": 0.5}, {}, None, {"a": 0.3, "c": 1.0}]  # None: the pipeline's active adapters
 PROMPTS = ["a fox", 'a sign that reads "open"', "a red ball on green grass", "a cat", "a boat at dusk"]
@@ -468,7 +469,7 @@ def test_video_requests_of_different_sizes_with_adapters_pack_and_equal_plain_ru
     assert packed_lora_forwards and max(packed_lora_forwards) == len(requests), packed_lora_forwards
 
 
-@pytest.mark.parametrize("config", ["wan-t2v", "ltx2-split", "hv15-patch2-cfg"])
+@pytest.mark.parametrize("config", ["wan-t2v", "ltx2-split", "hunyuan-video15-patch2-cfg"])
 def test_video_teacache_requests_with_adapters_equal_their_solo_runs(config, caplog):
     """A TeaCache forward is the packed forward on one size's rows (on some of them where their decisions differ),
     adapters per row there too: each request equals itself run alone with the same TeaCache config."""
