@@ -30,11 +30,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import WORKLOADS, command_line, in_worker_thread, measure_ceiling, run_sequential  # noqa: E402
+from throughput import WORKLOADS, Workload, command_line, in_worker_thread, measure_ceiling, run_sequential  # noqa: E402
 from throughput import run_stepbatched, write_report  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.programs import generic, program_for  # noqa: E402
+from diffusers_stepbatch.testing import FluxSize  # noqa: E402
 
 
 def _generic_only(pipeline_class):
@@ -58,6 +59,14 @@ def _flux_pair():
     return dedicated, generic_pipe, 256, dict(max_sequence_length=32, guidance_scale=3.5), False
 
 
+def _flux_small_pair():
+    from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline
+
+    dedicated = tiny_flux_pipeline(guidance_embeds=True, size=FluxSize(), vae_blocks=2)
+    generic_pipe = _generic_only(type(dedicated))(**dedicated.components)
+    return dedicated, generic_pipe, SMALL_SIDE, dict(max_sequence_length=32, guidance_scale=3.5), False
+
+
 def _flux_img2img_pair():
     from diffusers import FluxImg2ImgPipeline
 
@@ -74,7 +83,9 @@ def _unet_pair():
     return dedicated, generic_pipe, 64, dict(guidance_scale=3.0), False
 
 
-PAIRS = {"flux": _flux_pair, "flux-img2img": _flux_img2img_pair, "unet": _unet_pair}
+SMALL_SIDE = 32  # 64 image tokens and a 2-block VAE: per-call host work dominates every stage
+PAIRS = {"flux": _flux_pair, "flux-small": _flux_small_pair, "flux-img2img": _flux_img2img_pair, "unet": _unet_pair}
+CEILINGS = {"flux": WORKLOADS["overhead-bound"], "flux-small": Workload("flux-small", FluxSize(), SMALL_SIDE)}
 
 
 def _kwargs(side: int, extra: dict, steps: int, image: torch.Tensor | None):
@@ -121,8 +132,8 @@ def bench_pair(name: str, n: int, steps: int, rounds: int) -> dict:
                           "rounds": runs}
     summary["generic_vs_dedicated"] = (summary["generic"]["stepbatched_images_per_s"]
                                        / summary["dedicated"]["stepbatched_images_per_s"])
-    if name == "flux":  # NOTE: the same tiny FLUX.1 and side as throughput.py's overhead-bound workload
-        ceiling = in_worker_thread(measure_ceiling, dedicated, WORKLOADS["overhead-bound"], n, steps, 5)
+    if name in CEILINGS:
+        ceiling = in_worker_thread(measure_ceiling, dedicated, CEILINGS[name], n, steps, 5)
         summary["ceiling_images_per_s"] = ceiling["throughput_images_per_s"]
         summary["ceiling_vs_sequential"] = ceiling["throughput_images_per_s"] / summary["dedicated"][
             "sequential_images_per_s"]

@@ -416,9 +416,12 @@ def tiny_pixart_or_sana_pipeline(num_layers: int = 1, attention_head_dim: int = 
 # inputs (time embeddings) and video patch embeddings.
 _LORA_TARGET_GROUPS = (
     ("to_q", "to_k", "to_v", "to_out.0"),
-    ("proj_mlp", "proj_out", "ff.net.2", "linear_1", "conv1", "conv2", "time_emb_proj"),
+    ("proj_mlp", "proj_out", "ff.net.2", "linear_1", "conv1", "conv2", "time_emb_proj", "to_qkv_mlp_proj",
+     "feed_forward.w2", "t_embedder.mlp.2", "all_final_layer.2-1.adaLN_modulation.1", "siglip_embedder.1"),
     ("add_q_proj", "add_k_proj", "to_add_out", "norm1.linear", "x_embedder", "context_embedder", "proj_in",
-     "conv_in", "ff.net.0.proj", "to_q", "patch_embedding", "x_embedder.proj"),
+     "conv_in", "ff.net.0.proj", "to_q", "all_x_embedder.2-1", "cap_embedder.1",
+     "layers.0.adaLN_modulation.0", "noise_refiner.0.adaLN_modulation.0", "feed_forward.w1", "patch_embedding",
+     "x_embedder.proj"),
 )
 _LORA_LAYER_TYPES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 

@@ -111,7 +111,49 @@ def test_streams_that_coincide_in_length_but_not_in_rows_are_refused():
     assert streams_ambiguous(2, [same, torch.tensor([0, 1, 1])])  # 3 tokens each, different rows
     assert streams_ambiguous(2, [torch.tensor([1, 0])])  # as long as the rows, in another order
     with pytest.raises(ValueError, match="can't be told apart by shape"):
-        RowPlan([{}, {}], [same, torch.tensor([0, 1, 1])])
+        RowPlan([{"a": 1.0}, {}], [same, torch.tensor([0, 1, 1])])
+
+
+def test_rows_that_all_carry_the_same_adapters_need_no_token_mapping():
+    """One request's rows: ambiguous streams are accepted, since every token takes the same adapters."""
+    model, _, _ = flux_model()
+    layer = model.transformer_blocks[0].attn.to_q  # a LoRA layer of adapter "a"
+    rows = [{"a": 0.4, "c": 2.0}] * 2
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with per_row_lora(model, rows, token_rows=[torch.tensor([0, 0, 1]), torch.tensor([0, 1, 1])]):
+            got = layer(x)
+        model.set_adapters(["a", "c"], [0.4, 2.0])
+        want = layer(x)
+        model.set_adapters(["a"], [0.0])
+        base = layer(x)
+    assert max_diff(got, want) <= TOLERANCE and max_diff(got, base) > 1e-3
+    with pytest.raises(RuntimeError, match="matches neither 2 rows or 3 tokens"):  # other shapes stay errors
+        with torch.no_grad(), per_row_lora(model, rows, token_rows=[torch.tensor([0, 0, 1])]):
+            layer(torch.randn(5, layer.in_features))
+
+
+def test_a_sub_batch_of_rows_keeps_each_rows_adapters():
+    """`row_subset`: inside a per-row forward, layer inputs holding only some of its rows (a step cache's rows that
+    compute) take those rows' adapters."""
+    from diffusers_stepbatch.adapters.lora import row_subset
+
+    model, _, _ = flux_model()
+    layer = model.transformer_blocks[0].attn.to_q  # a LoRA layer of adapters "a" and "c"
+    rows = [{"a": 1.0}, {}, {"a": 0.4, "c": 2.0}, {"c": 0.5}]
+    x = torch.randn(2, 6, layer.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        with per_row_lora(model, rows):
+            with row_subset(model, [2, 0]):
+                got = layer(x)
+            with pytest.raises(RuntimeError, match="matches neither 4 rows"):  # the subset ends with its block
+                layer(x)
+        for i, adapters in enumerate([rows[2], rows[0]]):
+            model.set_adapters(list(adapters), list(adapters.values()))
+            assert max_diff(got[i], layer(x[i:i + 1])[0]) <= TOLERANCE
+        model.set_adapters(["a"], [0.0])
+        assert max_diff(got[0], layer(x[:1])[0]) > 1e-3  # the adapters matter
+
 
 
 def test_a_layout_maps_a_steps_inputs_to_other_rows_of_the_forward():

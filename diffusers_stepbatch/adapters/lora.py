@@ -16,8 +16,9 @@ Rows are dim 0 of a layer input. For packed inputs (several requests' tokens con
 pass `token_rows`: per token stream, each token's row ([T] each; e.g. Flux's text, image and joint streams). A
 layer input with the rows along dim 0 is weighted per row (per-request embeddings such as the timestep's); one
 of shape [T, ...] or [1, T, ...] per token of the stream with T tokens. Streams whose lengths coincide but
-whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand.
-A packed forward's steps on another arrangement of the rows say so with `lora_layout`.
+whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand;
+where every row carries the same adapters (one request's rows) that doesn't matter, as every token takes them.
+A forward's steps on another arrangement of the rows say so with `lora_layout` (or `row_subset`).
 
 >>> rows = [{"pixel": 1.0}, {}, {"ink": 0.7, "pixel": 0.3}]
 >>> with per_row_lora(pipe.transformer, rows):
@@ -36,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (adapter signature, layers)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the RowPlan of its per-row forward
 
 
 def lora_layers(model: torch.nn.Module) -> list[Any]:
@@ -88,15 +90,14 @@ def _ambiguous(mappings: Sequence[torch.Tensor]) -> bool:
 
 class LoraLayout:
     """Each entry's row in a LoRA layer input, by its shape: `rows` for inputs with rows on dim 0, `token_rows` per
-    packed token stream. ValueError where two of equal length map to rows differently."""
+    packed token stream (`ambiguous`: two of equal length map to rows differently)."""
 
     def __init__(self, rows: torch.Tensor | Sequence[int], token_rows: Sequence[torch.Tensor] = ()):
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         mappings = [rows, *(t.cpu() for t in token_rows)]
-        if _ambiguous(mappings):
-            raise ValueError(f"token streams of lengths {[len(t) for t in mappings[1:]]} (and {len(rows)} rows) "
-                             "can't be told apart by shape; run these rows per shape")
+        self.ambiguous = _ambiguous(mappings)
         self.num_rows = len(rows)
+        self.lengths = [len(t) for t in mappings[1:]]
         self.by_length = {}  # element count -> each element's row
         for mapping in mappings:
             self.by_length.setdefault(int(mapping.shape[0]), mapping)
@@ -108,8 +109,11 @@ class RowPlan:
     def __init__(self, rows: Sequence[Mapping[str, float]],
                  token_rows: torch.Tensor | Sequence[torch.Tensor] | None = None):
         self.num_rows = len(rows)
+        self.rows = [dict(weights) for weights in rows]
+        # NOTE: rows that all carry the same adapters may have ambiguous streams: every token takes the same
+        self.uniform = all(weights == rows[0] for weights in rows[1:])
         streams = [] if token_rows is None else [token_rows] if isinstance(token_rows, torch.Tensor) else token_rows
-        self.layout = LoraLayout(torch.arange(self.num_rows), streams)
+        self.layout = self.check(LoraLayout(torch.arange(self.num_rows), streams))
         self.adapters: dict[str, list[tuple[int, float]]] = {}
         for row, weights in enumerate(rows):
             for name, weight in weights.items():
@@ -135,6 +139,23 @@ class RowPlan:
                                if (use := self._use(name, uses, mapping, x.device)) is not None]
         return dim, self._uses[key]
 
+    def check(self, layout: LoraLayout) -> LoraLayout:
+        if layout.ambiguous and not self.uniform:
+            raise ValueError(f"token streams of lengths {layout.lengths} (and {layout.num_rows} rows) can't be told "
+                             "apart by shape; run these rows per shape")
+        return layout
+
+    @contextlib.contextmanager
+    def laid_out(self, layout: LoraLayout) -> Iterator[None]:
+        previous, self.layout = self.layout, self.check(layout)
+        try:
+            yield
+        finally:
+            self.layout = previous
+
+    def narrowed(self, rows: Sequence[int]) -> contextlib.AbstractContextManager:
+        return self.laid_out(LoraLayout(rows))
+
     def _use(self, name: str, uses: list[tuple[int, float]], mapping: torch.Tensor, device: Any) -> _Use | None:
         weight_of_row = torch.zeros(self.num_rows, dtype=torch.float64)
         for row, weight in uses:
@@ -153,9 +174,6 @@ class RowPlan:
         return _Use(name, None, used.to(device), weight)
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the RowPlan of its per-row forward
-
-
 def lora_active(model: torch.nn.Module) -> bool:
     """Whether `model` is inside a `per_row_lora` forward (its LoRA layers map inputs to rows)."""
     return model in _PLANS
@@ -164,20 +182,11 @@ def lora_active(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def lora_layout(model: torch.nn.Module, layout: LoraLayout | None) -> Iterator[None]:
     """Inside a `per_row_lora` forward of `model`, LoRA layer inputs map to its rows by `layout` (a no-op outside
-    one, or with None): for steps that run on another arrangement of the rows (one video size's rows).
-
-    >>> with lora_layout(transformer, LoraLayout(rows=[2, 3])):   # rows 2 and 3 of the forward, on dim 0
-    ...     embedded = transformer.patch_embedding(videos_of_one_size)
-    """
+    one, or with None): for steps that run on another arrangement of the rows, such as a packed forward's blocks
+    on some rows' token streams; `with lora_layout(model, LoraLayout(rows, token_rows)): ...`."""
     plan = _PLANS.get(model)
-    if plan is None or layout is None:
+    with contextlib.nullcontext() if plan is None or layout is None else plan.laid_out(layout):
         yield
-        return
-    previous, plan.layout = plan.layout, layout
-    try:
-        yield
-    finally:
-        plan.layout = previous
 
 
 def _base_forward(layer: Any, plan: RowPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -246,3 +255,12 @@ def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
         _PLANS.pop(model, None)
         for layer in installed:
             vars(layer).pop("forward", None)
+
+
+@contextlib.contextmanager
+def row_subset(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
+    """`lora_layout` for a sub-batch: the body's LoRA layer inputs hold only `rows` of the forward's rows, on dim 0
+    (the rows a step cache computes, one size's rows); `with row_subset(model, [0, 2]): block(hidden[[0, 2]])`."""
+    plan = _PLANS.get(model)
+    with contextlib.nullcontext() if plan is None else plan.narrowed(rows):
+        yield

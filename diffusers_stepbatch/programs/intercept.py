@@ -27,6 +27,7 @@ from ..models import Packing, support_for
 from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
 from ..models.calls import run_call, slice_rows
 from ..models.packing.support import packing_refused
+from ..models.row_kernels import solo_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaC
 ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
 _not_rowwise: dict[Any, str] = {}  # (model, method, call structure) -> why its merged calls failed: run alone
+_models_not_rowwise: set[tuple[int, str]] = set()  # (model, method) with an entry there: look its calls up
 _verified: set[Any] = set()  # (model, method, call structure): merged outputs matched separate calls
 
 
@@ -158,7 +160,7 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     if reason is None and call.rows is None:
         reason = "its inputs have no batch rows"
     if reason is None:
-        reason = _not_rowwise.get((id(module), method, call.structure))
+        reason = _not_rowwise_reason(module, method, call)
     rows = call.rows or 1
     if reason is not None:
         key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
@@ -198,11 +200,15 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
     if lora and (_has_states(inputs[TEACACHE] for _, inputs in shapes) or streams_ambiguous(len(lora), streams)):
         # NOTE: TeaCache's packed sub-calls (fewer rows) and token streams of coinciding lengths can't be mapped
         # to rows by shape: each shape runs its own call, adapters still per row
-        outputs = [_run(module, call, inputs) for call, inputs in shapes]
+        outputs = []
+        for (call, inputs), shape_holders in zip(shapes, holders):
+            with solo_kernels(module, _rows_per_request(shape_holders)):
+                outputs.append(_run(module, call, inputs))
     else:
         teacache = [inputs[TEACACHE] for _, inputs in shapes]
         with lora_rows(module, lora, token_rows=streams) if lora else contextlib.nullcontext():
-            outputs = packing.run(module, calls, packed_attention, teacache)
+            with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
+                outputs = packing.run(module, calls, packed_attention, teacache)
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
@@ -210,6 +216,10 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
 
 def _has_states(teacache_lists) -> bool:
     return any(state is not None for states in teacache_lists for state in states or ())
+
+
+def _rows_per_request(holders: list[Holder]) -> list[int]:
+    return [end - begin for begin, end in _bounds(holders)]
 
 
 def _bounds(holders: list[Holder]) -> list[tuple[int, int]]:
@@ -251,7 +261,8 @@ def _merged_call(module, call: ModelCall, **inputs):
 def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: int) -> list:
     seen = (id(module), call.method, call.structure)
     try:
-        output = _run(module, call, inputs)
+        with solo_kernels(module, [end - begin for begin, end in bounds]):
+            output = _run(module, call, inputs)
     except torch.OutOfMemoryError:
         raise  # NOTE: the engine caps the rows of this key and retries
     except Exception as exc:  # the merged call itself is what fails: these calls run alone from now on
@@ -283,15 +294,26 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
         reason = f"merged outputs differed from separate calls by {difference:.2e}"
-        _not_rowwise[seen] = reason
+        _mark_not_rowwise(seen, reason)
         log_once(type(module).__name__, reason)
         return alone
     _verified.add(seen)
     return parts
 
 
-def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
+def _not_rowwise_reason(module, method: str, call: ModelCall) -> str | None:
+    if (id(module), method) not in _models_not_rowwise:  # NOTE: skips building the call's structure
+        return None
+    return _not_rowwise.get((id(module), method, call.structure))
+
+
+def _mark_not_rowwise(seen: tuple, reason: str) -> None:
     _not_rowwise[seen] = reason
+    _models_not_rowwise.add(seen[:2])
+
+
+def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
+    _mark_not_rowwise(seen, reason)
     log_once(type(module).__name__, reason)
     return [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
 

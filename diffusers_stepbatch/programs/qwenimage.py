@@ -37,7 +37,7 @@ from ..module_scan import execution_device
 from ..models.packing.attention import check_can_run as check_packed_attention_runs
 from ..models.qwenimage.packing import (
     QwenImagePart,
-    packed_row_order,
+    packed_token_rows,
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
@@ -301,13 +301,12 @@ def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
     if not lora_layers(transformer):
         return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
                                         packed_attention=packed_attention)
-    # Per-row LoRA over the packed streams: the packed forward orders the rows itself (packed_row_order).
+    # Per-row LoRA over the packed text and image streams (packed_token_rows).
     lora = [row for _, inputs in shapes for row in inputs["lora"]]
-    order, tokens = packed_row_order(parts)
-    streams = [torch.arange(len(order)).repeat_interleave(torch.tensor([n[k] for n in tokens])) for k in (0, 1)]
+    streams = packed_token_rows(parts)
     if streams_ambiguous(len(lora), streams):  # NOTE: shapes can't tell these streams apart: one call per grid
         return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
-    with lora_rows(transformer, [lora[r] for r in order], token_rows=streams):
+    with lora_rows(transformer, lora, token_rows=streams):
         return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
                                         packed_attention=packed_attention)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 from diffusers import FluxTransformer2DModel
 
 from .. import ModelSupport, Packing, register_model
-from .packing import flux_packing_unsupported, pack_calls, pack_key
+from .packing import flux_packing_unsupported, pack_calls, pack_key, token_rows
 from .teacache import FLUX_COEFFICIENTS, teacache_call
 
 
 @register_model(FluxTransformer2DModel)
 def _flux() -> ModelSupport:
     return ModelSupport(shared=("img_ids", "txt_ids"), trusted=True, teacache_coefficients=FLUX_COEFFICIENTS,
-                        packing=Packing(unsupported=flux_packing_unsupported, key=pack_key, run=pack_calls),
+                        packing=Packing(unsupported=flux_packing_unsupported, key=pack_key, run=pack_calls,
+                                        token_rows=token_rows),
                         teacache_forward=teacache_call, lora_rows=True)

@@ -23,8 +23,8 @@ from diffusers.utils import apply_lora_scale
 from ...adapters.lora import lora_layers
 from ...cache.teacache import TeaCacheState, row_groups
 from ..packing.attention import resolve
-from ..packing.joint import (IMAGE, TEXT, attention_fn, cached_layout, double_block, joint_stream_layout,
-                             joint_stream_rotary, rope, per_head, stream_rotary)
+from ..packing.joint import (IMAGE, TEXT, attention_fn, double_block, joint_stream_layout, joint_stream_rotary,
+                             parts_layout, per_head, rope, stream_rotary, token_streams)
 from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
 
@@ -78,35 +78,39 @@ def pack_key(arguments: dict) -> tuple | None:
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
     """One packed forward for calls of different sizes; each call's output as the model would return it."""
-    def ids(tensor):
-        return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
-
-    parts = [FluxPart(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
-                      pooled_projections=c["pooled_projections"], timestep=c["timestep"], guidance=c.get("guidance"),
-                      txt_ids=ids(c["txt_ids"]), img_ids=ids(c["img_ids"]), teacache=states)
-             for c, states in zip(calls, teacache)]
+    parts = _parts(calls, teacache)
     outputs = flux_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
     return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]
 
 
+def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
+    """`Packing.token_rows`: each token's row in the text, image (Kontext's reference tokens included) and joint
+    streams of `pack_calls`' forward; its other LoRA layer inputs (the time, guidance and pooled-text embedding,
+    the modulation layers) hold rows on dim 0, in call order."""
+    return flux_token_streams(_parts(calls, [None] * len(calls)))
+
+
+def _parts(calls: Sequence[dict], teacache: Sequence) -> list[FluxPart]:
+    def ids(tensor):
+        return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
+
+    return [FluxPart(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
+                     pooled_projections=c["pooled_projections"], timestep=c["timestep"], guidance=c.get("guidance"),
+                     txt_ids=ids(c["txt_ids"]), img_ids=ids(c["img_ids"]), teacache=states)
+            for c, states in zip(calls, teacache)]
+
+
 def flux_token_streams(parts: Sequence[FluxPart]) -> list[torch.Tensor]:
     """The row of every token in each packed stream the forward runs layers on: text, image, and the single
     blocks' joint stream (each row's text then image tokens). Per-row LoRA maps layer inputs to rows with it."""
-    layout = _layout(parts)
-    return [*layout.token_rows, joint_stream_layout(layout).token_rows[0]]
-
-
-def _layout(parts):
-    return cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
-                          tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
-                          parts[0].hidden_states.device)
+    return token_streams(parts)
 
 
 @apply_lora_scale("joint_attention_kwargs")
 def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="auto"):
     first = parts[0]
-    layout = _layout(parts)
+    layout = parts_layout(parts)
     hidden = transformer.x_embedder(layout.pack(IMAGE, [p.hidden_states for p in parts]))
     method = resolve(packed_attention, hidden.device, hidden.dtype)
     timestep = torch.cat([p.timestep for p in parts]).to(hidden.dtype) * 1000

@@ -14,6 +14,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
+from ...adapters.lora import row_subset
 from ...cache.teacache import TeaCacheState, relative_l1, row_groups
 from ..packing.support import reproduces_call
 from .packing import REPRODUCED_ARGUMENTS
@@ -90,7 +91,8 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, pooled_p
         residual = None
         if compute_rows:
             index = torch.tensor(compute_rows, device=hidden.device)
-            sub = _blocks(transformer, hidden[index], encoder[index], temb[index], rotary, joint_attention_kwargs)
+            with row_subset(transformer, compute_rows):  # NOTE: per-row LoRA: these rows' own adapters
+                sub = _blocks(transformer, hidden[index], encoder[index], temb[index], rotary, joint_attention_kwargs)
             out[index] = sub
             residual = torch.empty_like(hidden)
             residual[index] = sub - hidden[index]
@@ -152,7 +154,7 @@ def fit_coefficients(
         try:
             with torch.no_grad():
                 generator = call_kwargs.get("generator") or torch.Generator().manual_seed(seed + index)
-                pipe(prompt, **{**call_kwargs, "generator": generator})
+                pipe(prompt=prompt, **{**call_kwargs, "generator": generator})  # NOTE: FLUX.2 takes `image` first
         finally:
             for hook in hooks:
                 hook.remove()

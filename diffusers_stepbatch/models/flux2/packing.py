@@ -6,7 +6,9 @@ differences that keep each row's result its own: tokens of all rows are packed w
 `single_stream_modulation` layers of its own timestep and guidance) reaches only its own tokens, and attention runs
 inside each row with the row's own 4-axis RoPE positions. An edit row's reference-image tokens are part of its image
 tokens (the pipelines append them to the latents, with their own time-axis offsets in `img_ids`), so they pack as
-that row's tokens and come back in its output, as the model returns them.
+that row's tokens and come back in its output, as the model returns them. TeaCache decisions stay per request and
+CFG branch, as in `teacache.py`, whose states hold layout-free [rows, tokens, dim] tensors, so a request may
+alternate between packed and ordinary calls.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, 
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
-from ..packing.joint import (attention_fn, cached_layout, double_block, joint_stream_layout, joint_stream_rotary,
-                             per_head, rope, stream_rotary)
+from ...cache.teacache import TeaCacheState, row_groups
+from ..packing.joint import (attention_fn, double_block, joint_stream_layout, joint_stream_rotary,
+                             parts_layout, per_head, rope, stream_rotary, token_streams)
 from ..packing.attention import resolve
 from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -39,6 +42,7 @@ class Flux2Part:
     guidance: torch.Tensor | None  # [rows] (FLUX.2 dev) or None (klein)
     txt_ids: torch.Tensor  # [text tokens, 4]
     img_ids: torch.Tensor  # [image tokens, 4]
+    teacache: Sequence[TeaCacheState | None] | None = None  # per row
 
 
 def flux2_packing_unsupported(transformer) -> str | None:
@@ -58,8 +62,8 @@ def flux2_packed_forward(transformer, parts: Sequence[Flux2Part], joint_attentio
                     packed_attention=packed_attention)
 
 
-# the forward's arguments a packed call reproduces; a call with any other argument set (the klein KV cache's
-# kv_cache, kv_cache_mode, num_ref_tokens, ref_fixed_timestep) runs as is
+# the forward's arguments that the packed and TeaCache forwards reproduce; a call with any other argument set (the
+# klein KV cache's kv_cache, kv_cache_mode, num_ref_tokens, ref_fixed_timestep) runs as is
 REPRODUCED_ARGUMENTS = frozenset({"hidden_states", "encoder_hidden_states", "timestep", "guidance", "txt_ids",
                                   "img_ids", "joint_attention_kwargs", "return_dict"})
 
@@ -85,22 +89,27 @@ def pack_key(arguments: dict) -> tuple | None:
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
     """One packed forward for calls of different sizes; each call's output as the model would return it."""
-    def ids(tensor):
-        return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
-
-    parts = [Flux2Part(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
-                       timestep=c["timestep"], guidance=c.get("guidance"), txt_ids=ids(c["txt_ids"]),
-                       img_ids=ids(c["img_ids"]))
-             for c in calls]
-    outputs = flux2_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
+    outputs = flux2_packed_forward(transformer, _parts(calls, teacache), calls[0].get("joint_attention_kwargs"),
+                                   packed_attention)
     return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]
 
 
-def _layout(parts):
-    return cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
-                          tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
-                          parts[0].hidden_states.device)
+def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
+    """`Packing.token_rows`: each token's row in the text, image (an edit row's reference tokens included) and joint
+    streams of `pack_calls`' forward; its other LoRA layer inputs (the time and guidance embedding, the shared
+    modulation layers) hold rows on dim 0, in call order."""
+    return token_streams(_parts(calls))
+
+
+def _parts(calls: Sequence[dict], teacache: Sequence | None = None) -> list[Flux2Part]:
+    def ids(tensor):
+        return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
+
+    return [Flux2Part(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
+                      timestep=c["timestep"], guidance=c.get("guidance"), txt_ids=ids(c["txt_ids"]),
+                      img_ids=ids(c["img_ids"]), teacache=states)
+            for c, states in zip(calls, teacache or [None] * len(calls))]
 
 
 def _part_rotary(transformer, part: Flux2Part):
@@ -118,7 +127,7 @@ def _part_rotary(transformer, part: Flux2Part):
 @apply_lora_scale("joint_attention_kwargs")
 def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="auto"):
     first = parts[0]
-    layout = _layout(parts)
+    layout = parts_layout(parts)
     raw = layout.pack(IMAGE, [p.hidden_states for p in parts])
     timestep = torch.cat([p.timestep for p in parts]).to(raw.dtype) * 1000
     guidance = None
@@ -133,10 +142,29 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
     encoder = transformer.context_embedder(layout.pack(TEXT, [p.encoder_hidden_states for p in parts]))
     method = resolve(packed_attention, hidden.device, hidden.dtype)
     part_rotary = [_part_rotary(transformer, part) for part in parts]
+    mods = (mod_img, mod_txt, mod_single)
+
+    states = [s for p in parts for s in (p.teacache or [None] * p.hidden_states.shape[0])]
+    if all(state is None for state in states) or not len(transformer.transformer_blocks):
+        hidden = _blocks(transformer, layout, hidden, encoder, mods, part_rotary, method)
+    else:
+        hidden = _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_rotary, method)
+
+    norm_out = transformer.norm_out
+    emb = norm_out.linear(norm_out.silu(temb).to(hidden.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
+    out = layout.modulate(IMAGE, norm_out.norm(hidden), scale1, shift)
+    return layout.unpack(IMAGE, transformer.proj_out(out))
+
+
+def _blocks(transformer, layout, hidden, encoder, mods, part_rotary, method):
+    """The double and single blocks on packed tokens; `mods` are the shared modulation layers' outputs per row
+    (image, text, single stream). Returns the image tokens."""
+    mod_img, mod_txt, mod_single = mods
     # NOTE: MLPs may run per part (temporaries of one part's size) unless per-row LoRA maps their inputs to
     # rows by token count, which a part's slice would not match.
     split = not lora_layers(transformer)
-
     if len(transformer.transformer_blocks):
         rotary = stream_rotary(layout, part_rotary)
         image_mods = adaln_values(layout, IMAGE, mod_img, 6)
@@ -146,13 +174,57 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
                                             split)
     if len(transformer.single_transformer_blocks):
         hidden = _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method)
+    return hidden
 
-    norm_out = transformer.norm_out
-    emb = norm_out.linear(norm_out.silu(temb).to(hidden.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
-    out = layout.modulate(IMAGE, norm_out.norm(hidden), scale1, shift)
-    return layout.unpack(IMAGE, transformer.proj_out(out))
+
+def _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_rotary, method):
+    """`_blocks` with per-state TeaCache decisions: skipping rows add their cached residual instead."""
+    # NOTE: the signal op for op as the TeaCache forward computes it on an ordinary call, so a request's decisions
+    # don't depend on whether its step ran packed.
+    shift, scale = mods[0].index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
+    signal = (1 + scale) * transformer.transformer_blocks[0].norm1(hidden) + shift
+
+    decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
+    for state, start, end in row_groups(states):
+        if state is None:  # NOTE: rows without a state may span parts; they compute
+            decisions.append((None, range(start, end), None, None, True, 0.0))
+            continue
+        part, inner = layout.part_of_row(start)
+        tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
+        own = signal[tokens].unflatten(0, (end - start, -1))
+        compute, accumulated = state.decide(own)
+        decisions.append((state, range(start, end), tokens, own, compute, accumulated))
+    compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
+
+    out = torch.empty_like(hidden)
+    residual = None
+    run = run_rows(transformer, compute_rows, layout.num_rows)
+    if run:
+        sub_layout, (text_index, image_index) = layout.select_rows(run)
+        kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in run))  # select_rows' order
+        rows = torch.tensor(run, device=hidden.device)
+        sub_hidden = hidden.index_select(0, image_index)
+        sub_out = _blocks(transformer, sub_layout, sub_hidden, encoder.index_select(0, text_index),
+                          tuple(mod.index_select(0, rows) for mod in mods), [part_rotary[p] for p in kept_parts],
+                          method)
+        out[image_index] = sub_out
+        residual = torch.empty_like(hidden)
+        residual[image_index] = sub_out - sub_hidden
+    for state, rows, tokens, _, compute, _ in decisions:
+        if not compute:
+            out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
+    for state, rows, tokens, own, compute, accumulated in decisions:
+        if state is not None:
+            own_residual = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
+            state.commit(own.clone(), compute, accumulated, own_residual)
+    return out
+
+
+def run_rows(transformer, compute_rows: list[int], rows: int) -> list[int]:
+    """The rows to run the blocks on: those that compute, or every row (when any computes) of a model with LoRA
+    layers. NOTE: per-row LoRA maps each layer input to rows by its row (or token) count, which a sub-batch would
+    not match; the skipping rows' outputs are replaced by their residual's."""
+    return list(range(rows)) if compute_rows and lora_layers(transformer) else compute_rows
 
 
 def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method, split):

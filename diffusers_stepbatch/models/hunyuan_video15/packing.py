@@ -25,7 +25,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from diffusers.utils import apply_lora_scale
 
-from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout
+from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout, row_subset
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -165,8 +165,8 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto",
     rows = []
     for index, call in enumerate(calls):
         first, count = len(rows), call["hidden_states"].shape[0]
-        with lora_layout(transformer, LoraLayout(range(first, first + count)) if lora_active(transformer) else None):
-            rows += _call_rows(transformer, index, call, first)  # NOTE: the call's embeddings run on its rows
+        with row_subset(transformer, range(first, first + count)):  # NOTE: the call's embeddings, on its rows
+            rows += _call_rows(transformer, index, call, first)
     method = resolve(packed_attention, rows[0].video.device, rows[0].video.dtype)
     split = not lora_layers(transformer)  # NOTE: as in models/qwenimage/packing.py
     states = [state for index, call in enumerate(calls)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from ...adapters.lora import LoraLayout, lora_active, lora_layout
+from ...adapters.lora import row_subset
 from ...cache.teacache import TeaCacheState, row_groups
 from .packing import hunyuan_video15_packed_forward, hunyuan_video15_packing_unsupported, pack_key, packed_blocks
 
@@ -46,11 +46,6 @@ def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
     return transformer.transformer_blocks[0].register_forward_pre_hook(hook)
 
 
-def _on_rows(transformer, rows: list[int]):
-    """Per-row LoRA layers see these rows of the forward on dim 0 (a no-op without per-row LoRA)."""
-    return lora_layout(transformer, LoraLayout(rows) if lora_active(transformer) else None)
-
-
 def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState | None], method: str,
                     split: bool) -> list[torch.Tensor]:
     """`packed_blocks` with per-state decisions (`states` per row): rows that skip add their cached residual;
@@ -63,13 +58,13 @@ def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState 
         if state is not None:
             videos = [rows[r].video for r in group]
             if all(video.shape == videos[0].shape for video in videos):
-                with _on_rows(transformer, [rows[r].index for r in group]):
+                with row_subset(transformer, [rows[r].index for r in group]):
                     signal = hunyuan_video15_signal(first, torch.stack(videos),
                                                     torch.stack([rows[r].temb for r in group]))
             else:
                 signal = []
                 for r in group:
-                    with _on_rows(transformer, [rows[r].index]):
+                    with row_subset(transformer, [rows[r].index]):
                         signal.append(hunyuan_video15_signal(first, rows[r].video[None], rows[r].temb[None]))
                 signal = torch.cat(signal)
         compute, accumulated = (True, 0.0) if state is None else state.decide(signal)

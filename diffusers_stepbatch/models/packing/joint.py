@@ -15,6 +15,22 @@ from .layout import PackedLayout, attend
 TEXT, IMAGE = 0, 1
 
 
+def parts_layout(parts) -> PackedLayout:
+    """The TEXT and IMAGE layout of packed parts (each with `[rows, tokens, dim]` `encoder_hidden_states` and
+    `hidden_states`)."""
+    return cached_layout(tuple(p.hidden_states.shape[0] for p in parts),
+                         tuple((p.encoder_hidden_states.shape[1], p.hidden_states.shape[1]) for p in parts),
+                         parts[0].hidden_states.device)
+
+
+def token_streams(parts) -> list[torch.Tensor]:
+    """The row of every token in each packed stream a FLUX.1 / FLUX.2 packed forward runs layers on: text, image
+    (reference-image tokens included), and the single blocks' joint stream (each row's text then image tokens);
+    rows numbered across the parts in order. Per-row LoRA maps layer inputs to rows with it."""
+    layout = parts_layout(parts)
+    return [*layout.token_rows, joint_stream_layout(layout).token_rows[0]]
+
+
 def joint_stream_layout(layout: PackedLayout) -> PackedLayout:
     # NOTE: the single blocks' one stream: a row's text and image tokens side by side, as the model's
     # torch.cat([encoder, hidden], dim=1) has them, so attention reads each part as a view.

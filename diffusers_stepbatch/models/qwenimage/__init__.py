@@ -10,10 +10,10 @@ from __future__ import annotations
 from diffusers import QwenImageTransformer2DModel
 
 from .. import ModelSupport, Packing, register_model
-from .packing import pack_calls, pack_key, qwenimage_packing_unsupported
+from .packing import pack_calls, pack_key, qwenimage_packing_unsupported, token_rows
 
 
 @register_model(QwenImageTransformer2DModel)
 def _qwenimage() -> ModelSupport:
     return ModelSupport(trusted=True, packing=Packing(unsupported=qwenimage_packing_unsupported, key=pack_key,
-                                                      run=pack_calls), lora_rows=True)
+                                                      run=pack_calls, token_rows=token_rows), lora_rows=True)

@@ -89,12 +89,15 @@ def pack_key(arguments: dict) -> tuple | None:
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
     """One packed forward for calls of different grids and text lengths; each output as the model returns it."""
-    parts = [QwenImagePart(hidden_states=c["hidden_states"], timestep=c["timestep"], text=c["encoder_hidden_states"],
-                           text_mask=c.get("encoder_hidden_states_mask"), img_shapes=c["img_shapes"][0])
-             for c in calls]
-    outputs = qwenimage_packed_forward(transformer, parts, calls[0].get("attention_kwargs"), packed_attention)
+    outputs = qwenimage_packed_forward(transformer, _parts(calls), calls[0].get("attention_kwargs"), packed_attention)
     return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]
+
+
+def _parts(calls: Sequence[dict]) -> list[QwenImagePart]:
+    return [QwenImagePart(hidden_states=c["hidden_states"], timestep=c["timestep"], text=c["encoder_hidden_states"],
+                          text_mask=c.get("encoder_hidden_states_mask"), img_shapes=c["img_shapes"][0])
+            for c in calls]
 
 
 @dataclass
@@ -123,25 +126,42 @@ def _rows(parts: Sequence[QwenImagePart]) -> list[_Row]:
     return rows
 
 
-def packed_row_order(parts: Sequence[QwenImagePart]) -> tuple[list[int], list[tuple[int, int]]]:
-    """(the order the packed forward puts the rows of `parts` in, each of those rows' (text, image) tokens).
-
-    Per-row inputs inside the packed forward follow this order; its token streams hold those rows' tokens one
-    after another (text padding dropped). Per-row LoRA maps layer inputs to rows with it.
-    """
-    rows = _rows(parts)
-    return _order(rows), [(rows[r].text.shape[0], rows[r].hidden.shape[0]) for r in _order(rows)]
+def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
+    """`Packing.token_rows` of `pack_calls`' forward (`packed_token_rows`)."""
+    return packed_token_rows(_parts(calls))
 
 
-def _order(rows: list[_Row]) -> list[int]:
+def packed_token_rows(parts: Sequence[QwenImagePart]) -> list[torch.Tensor]:
+    """Each token's row in the text and image streams of the packed forward (text padding dropped; an edit row's
+    reference tokens are image tokens), rows numbered across `parts` in order. The forward packs rows in its own
+    order (`_order`), but its LoRA layers with rows on dim 0 (the time embedding, `img_mod` / `txt_mod`, the
+    output norm) see them in this numbering. Per-row LoRA maps layer inputs to rows with it."""
+    tokens = [(part.hidden_states.shape[1], text) for part in parts for text in _kept_text(part)]
+    order = _order(tokens)
+    index = torch.tensor(order)
+    return [index.repeat_interleave(torch.tensor([tokens[r][1] for r in order])),
+            index.repeat_interleave(torch.tensor([tokens[r][0] for r in order]))]
+
+
+def _kept_text(part: QwenImagePart) -> list[int]:
+    """Each row's text tokens once its padding (mask 0) is dropped, as `_rows` keeps them."""
+    masks = part.text_mask
+    if isinstance(masks, torch.Tensor):
+        return masks.bool().sum(dim=1).tolist()
+    masks = masks if masks is not None else [None] * len(part.text)
+    return [text.shape[0] if mask is None else int(mask.bool().sum()) for text, mask in zip(part.text, masks)]
+
+
+def _order(tokens: list[tuple[int, int]]) -> list[int]:
+    """The packed order of rows with these (image, text) token counts."""
     # NOTE: rows of equal token counts form one part of the layout, so they attend as one batch.
-    return sorted(range(len(rows)), key=lambda r: (rows[r].hidden.shape[0], rows[r].text.shape[0]))
+    return sorted(range(len(tokens)), key=lambda r: tokens[r])
 
 
 @apply_lora_scale("attention_kwargs")
 def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto"):
     rows = _rows(parts)
-    order = _order(rows)
+    order = _order([(row.hidden.shape[0], row.text.shape[0]) for row in rows])
     sizes: dict[tuple[int, int], int] = {}
     for r in order:
         shape = (rows[r].text.shape[0], rows[r].hidden.shape[0])
@@ -152,16 +172,19 @@ def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto")
     hidden = transformer.img_in(torch.cat([rows[r].hidden for r in order]))
     method = resolve(packed_attention, hidden.device, hidden.dtype)
     split = not lora_layers(transformer)  # NOTE: as in models/flux/packing.py: per-row LoRA maps inputs by token count
-    timestep = torch.cat([rows[r].timestep for r in order]).to(hidden.dtype)
+    # NOTE: the per-row layers (time embedding, modulation) run on the rows in the parts' order, as per-row LoRA
+    # numbers them (`packed_token_rows`); their outputs are then taken in the packed order
+    packed = None if order == sorted(order) else torch.tensor(order, device=device)
+    timestep = torch.cat([row.timestep for row in rows]).to(hidden.dtype)
     encoder = transformer.txt_in(transformer.txt_norm(torch.cat([rows[r].text for r in order])))
     temb = transformer.time_text_embed(timestep, hidden)
     rotary = _packed_rotary(transformer, [rows[r] for r in order], device)
 
     for block in transformer.transformer_blocks:
-        encoder, hidden = _block(block, layout, hidden, encoder, temb, rotary, method, split)
+        encoder, hidden = _block(block, layout, hidden, encoder, temb, packed, rotary, method, split)
 
     norm_out = transformer.norm_out
-    emb = norm_out.linear(norm_out.silu(temb).to(hidden.dtype))
+    emb = _in_order(norm_out.linear(norm_out.silu(temb).to(hidden.dtype)), packed)
     scale, shift = torch.chunk(emb, 2, dim=1)
     scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
     hidden = layout.modulate(IMAGE, norm_out.norm(hidden), scale1, shift)
@@ -202,11 +225,16 @@ def _rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return apply_rotary_emb_qwen(x.unsqueeze(0), freqs, use_real=False).squeeze(0)
 
 
-def _block(block, layout, hidden, encoder, temb, rotary, method, split):
+def _in_order(per_row: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """Rows in the parts' order -> rows in the packed order (None: the same order)."""
+    return per_row if packed is None else per_row.index_select(0, packed)
+
+
+def _block(block, layout, hidden, encoder, temb, packed, rotary, method, split):
     img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = adaln_values(
-        layout, IMAGE, block.img_mod(temb), 6)
+        layout, IMAGE, _in_order(block.img_mod(temb), packed), 6)
     txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = adaln_values(
-        layout, TEXT, block.txt_mod(temb), 6)
+        layout, TEXT, _in_order(block.txt_mod(temb), packed), 6)
     img_modulated = layout.modulate(IMAGE, block.img_norm1(hidden), img_scale1, img_shift1)
     txt_modulated = layout.modulate(TEXT, block.txt_norm1(encoder), txt_scale1, txt_shift1)
 

@@ -24,7 +24,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.utils import apply_lora_scale
 
-from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout
+from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout, row_subset
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, RowValues, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -278,7 +278,7 @@ def _conditions(transformer, parts, ordered):
     for part, rows in zip(parts, _part_rows(parts)):
         image = part.encoder_hidden_states_image
         if image is not None:
-            with lora_layout(transformer, LoraLayout(rows) if lora_active(transformer) else None):
+            with row_subset(transformer, rows):  # NOTE: this part's rows, on dim 0
                 image = embedder.image_embedder(image)
             if image.shape[0] != part.encoder_hidden_states.shape[0]:
                 raise ValueError(f"encoder_hidden_states_image folds to {image.shape[0]} rows, but the call has "
@@ -306,8 +306,7 @@ def _patch_embed(transformer, parts, ordered):
     embedded: dict[int, torch.Tensor] = {}
     part_rows = _part_rows(parts)
     for indices in by_shape.values():
-        layout = LoraLayout([r for i in indices for r in part_rows[i]]) if lora_active(transformer) else None
-        with lora_layout(transformer, layout):  # NOTE: this shape's rows, on dim 0
+        with row_subset(transformer, [r for i in indices for r in part_rows[i]]):  # NOTE: this shape's rows
             out = transformer.patch_embedding(torch.cat([parts[i].hidden_states for i in indices]))
         out = out.flatten(2).transpose(1, 2)
         for i, chunk in zip(indices, out.split([parts[i].hidden_states.shape[0] for i in indices])):

@@ -21,6 +21,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
+from ...adapters.lora import row_subset
 from ...cache.teacache import TeaCacheState, row_groups
 from ..packing.support import reproduces_call
 
@@ -100,7 +101,8 @@ def _forward(model, states, x, t, cap_feats, patch_size, f_patch_size, joint_att
             longest = max(lengths[r] for r in compute_rows)
             sub_mask = None if all(lengths[r] == longest for r in compute_rows) else mask[index, :longest]
             sub_input = unified[index, :longest]
-            computed = _layers(model, sub_input, sub_mask, freqs[index, :longest], adaln_input[index])
+            with row_subset(model, compute_rows):  # NOTE: per-row LoRA: these rows' own adapters
+                computed = _layers(model, sub_input, sub_mask, freqs[index, :longest], adaln_input[index])
             out, residual = unified.clone(), torch.zeros_like(unified)
             out[index, :longest] = computed
             residual[index, :longest] = computed - sub_input

@@ -1,0 +1,146 @@
+"""FLUX.2's TeaCache forward: `Flux2Transformer2DModel.forward` with one skip decision per request branch.
+
+The signal is TeaCache's for FLUX.1, the first double block's modulated image input, with shift and scale from
+FLUX.2's shared `double_stream_modulation_img` layer. A skipping row adds its residual of all blocks to its embedded
+image tokens (an edit row's reference tokens included). Packed calls decide the same way (`packing.py`).
+
+The rescale polynomial (highest power first) is the one NVIDIA TensorRT-LLM ships for FLUX.2 dev on this signal
+(`FLUX2_TEACACHE_COEFFICIENTS["dev"]` in tensorrt_llm/_torch/visual_gen/models/flux/pipeline_flux2.py,
+github.com/NVIDIA/TensorRT-LLM). Klein shares the class, not the weights: fit its polynomial with
+`fit_coefficients(pipe, prompts, signal=signal_hook, ...)` (distilled klein's 4 steps are below `min_steps`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_flux2 import Flux2Modulation, Flux2Transformer2DModelOutput
+from diffusers.utils import apply_lora_scale
+
+from ...cache.teacache import TeaCacheState, row_groups
+from ..packing.support import reproduces_call
+from .packing import REPRODUCED_ARGUMENTS, run_rows
+
+FLUX2_COEFFICIENTS = (1.04582360e02, -6.87605554e00, -8.61659379e-02, 5.37600252e-02)
+
+
+def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:
+    """A `Flux2Transformer2DModel` call (its arguments by name) with per-row TeaCache decisions, as the model
+    returns it; None when the call has arguments this forward doesn't reproduce (the klein KV cache's, ...)."""
+    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "joint_attention_kwargs") or \
+            not len(transformer.transformer_blocks):
+        return None
+    ids = {name: arguments[name][0] if arguments[name].ndim == 3 else arguments[name]
+           for name in ("txt_ids", "img_ids")}  # NOTE: the model reads a 3-D tensor's first row too
+    output = flux2_teacache_forward(
+        transformer, states, arguments["hidden_states"], arguments["encoder_hidden_states"], arguments["timestep"],
+        ids["img_ids"], ids["txt_ids"], arguments.get("guidance"), arguments.get("joint_attention_kwargs"))
+    return (output,) if not arguments.get("return_dict", True) else Flux2Transformer2DModelOutput(sample=output)
+
+
+def flux2_teacache_forward(
+    transformer: Any,
+    states: Sequence[TeaCacheState | None],
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    img_ids: torch.Tensor,
+    txt_ids: torch.Tensor,
+    guidance: torch.Tensor | None = None,
+    joint_attention_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """`Flux2Transformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions.
+
+    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute). The
+    states change only after the forward succeeded, so a failed batch retried row by row stays correct.
+
+    >>> out = flux2_teacache_forward(pipe.transformer, [state], x, text, t, img_ids, txt_ids)
+    """
+    return _forward(transformer, states, hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                    timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
+                    joint_attention_kwargs=joint_attention_kwargs)
+
+
+def flux2_signal(block, hidden: torch.Tensor, mod_img: torch.Tensor) -> torch.Tensor:
+    """The TeaCache signal: `block`'s modulated image input, [rows, tokens, dim], as the block computes it."""
+    (shift_msa, scale_msa, _), _ = Flux2Modulation.split(mod_img, 2)
+    return (1 + scale_msa) * block.norm1(hidden) + shift_msa
+
+
+def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
+    """`fit_coefficients`' `signal=` for FLUX.2: records `flux2_signal` at the first double block."""
+    def hook(block, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        record(flux2_signal(block, hidden, kwargs["temb_mod_img"]))
+
+    return transformer.transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@apply_lora_scale("joint_attention_kwargs")
+def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance,
+             joint_attention_kwargs):
+    # NOTE: the embeddings mirror Flux2Transformer2DModel.forward op for op, so with every row computing the
+    # output is the model's own (tested).
+    timestep = timestep.to(hidden_states.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance.to(hidden_states.dtype) * 1000
+    temb = transformer.time_guidance_embed(timestep, guidance)
+    mods = (transformer.double_stream_modulation_img(temb), transformer.double_stream_modulation_txt(temb),
+            transformer.single_stream_modulation(temb))
+    hidden = transformer.x_embedder(hidden_states)
+    encoder = transformer.context_embedder(encoder_hidden_states)
+    image_rotary, text_rotary = transformer.pos_embed(img_ids), transformer.pos_embed(txt_ids)
+    rotary = (torch.cat([text_rotary[0], image_rotary[0]], dim=0), torch.cat([text_rotary[1], image_rotary[1]], dim=0))
+    signal = flux2_signal(transformer.transformer_blocks[0], hidden, mods[0])
+
+    decisions = []  # (state, start, end, compute, accumulated)
+    for state, start, end in row_groups(states):
+        compute, accumulated = (True, 0.0) if state is None else state.decide(signal[start:end])
+        decisions.append((state, start, end, compute, accumulated))
+    compute_rows = [r for _, start, end, compute, _ in decisions if compute for r in range(start, end)]
+
+    if len(run_rows(transformer, compute_rows, hidden.shape[0])) == hidden.shape[0]:
+        out = _blocks(transformer, hidden, encoder, mods, rotary, joint_attention_kwargs)
+        residual = out - hidden
+    else:
+        out = torch.empty_like(hidden)
+        residual = None
+        if compute_rows:
+            index = torch.tensor(compute_rows, device=hidden.device)
+            sub = _blocks(transformer, hidden[index], encoder[index], tuple(mod[index] for mod in mods), rotary,
+                          joint_attention_kwargs)
+            out[index] = sub
+            residual = torch.empty_like(hidden)
+            residual[index] = sub - hidden[index]
+    for state, start, end, compute, _ in decisions:
+        if not compute:
+            out[start:end] = hidden[start:end] + state.residual
+    output = transformer.proj_out(transformer.norm_out(out, temb))
+
+    for state, start, end, compute, accumulated in decisions:
+        if state is not None:
+            residual_rows = _own(residual, start, end) if compute else None
+            state.commit(_own(signal, start, end), compute, accumulated, residual_rows)
+    return output
+
+
+def _own(batch: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) that don't keep the rest of the batch alive."""
+    return batch if (start, end) == (0, batch.shape[0]) else batch[start:end].clone()
+
+
+def _blocks(transformer, hidden, encoder, mods, rotary, joint_attention_kwargs):
+    """The double then single blocks as the model runs them; returns the image tokens."""
+    mod_img, mod_txt, mod_single = mods
+    for block in transformer.transformer_blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb_mod_img=mod_img,
+                                temb_mod_txt=mod_txt, image_rotary_emb=rotary,
+                                joint_attention_kwargs=joint_attention_kwargs)
+    text_tokens = encoder.shape[1]
+    joint = torch.cat([encoder, hidden], dim=1)
+    for block in transformer.single_transformer_blocks:
+        joint = block(hidden_states=joint, encoder_hidden_states=None, temb_mod=mod_single, image_rotary_emb=rotary,
+                      joint_attention_kwargs=joint_attention_kwargs)
+    return joint[:, text_tokens:]

@@ -1,0 +1,136 @@
+"""Merged linear layers that compute each request's rows with the kernel its solo call would use.
+
+A CPU GEMM picks its kernel by the number of rows M: below a small M (a few rows) it takes another path than
+for larger M, and the two round differently. A per-row embedding (`[rows, features]`) has M = 1 or 2 in a request's
+solo call and M = 8 in a merged one, so its rows come out a float32 rounding apart; most pipelines carry that
+rounding harmlessly, some amplify it past 1e-4 (Kandinsky's image-embedding UNets, Stable Cascade's prior). Above
+that M, a row's result does not depend on M.
+
+`solo_kernels(model, rows)` makes every `nn.Linear` of `model` compute, for one merged call, each request's rows
+whose solo M would be below that limit as a call of their own; the others stay one call. The limit is measured
+per layer shape, once: the smallest M from which a layer's rows equal those of a 16-row call.
+
+>>> with solo_kernels(pipe.unet, [2, 2, 2, 2]):    # four CFG requests of two rows each
+...     out = pipe.unet(sample, t, encoder_hidden_states=text)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+PROBE_ROWS = 16
+_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (adapter signature, nn.Linear layers)
+_limits: dict[tuple, int] = {}  # (in, out, dtype, device type, bias) -> the smallest row-invariant M
+_batched: dict[tuple, bool] = {}  # (in, out, dtype, device type, bias, M) -> batched matmul == F.linear
+
+
+def linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's `nn.Linear` layers (peft's LoRA base layers and adapter matrices included), cached per model
+    and loaded-adapter set."""
+    signature = tuple(getattr(model, "peft_config", None) or ())
+    cached = _LINEARS.get(model)
+    if cached is None or cached[0] != signature:
+        cached = _LINEARS[model] = (signature, [m for m in model.modules() if type(m) is torch.nn.Linear])
+    return cached[1]
+
+
+def invariant_rows(layer: torch.nn.Linear) -> int:
+    """The smallest M from which the layer's output rows don't depend on M (1: none do)."""
+    weight = layer.weight
+    key = (layer.in_features, layer.out_features, weight.dtype, weight.device.type, layer.bias is not None)
+    if key not in _limits:
+        with torch.no_grad():
+            x = torch.randn(PROBE_ROWS, layer.in_features, generator=torch.Generator().manual_seed(0))
+            x = x.to(device=weight.device, dtype=weight.dtype)
+            full = F.linear(x, weight, layer.bias)
+            limit = 1
+            for m in range(PROBE_ROWS - 1, 0, -1):
+                if not torch.equal(F.linear(x[:m], weight, layer.bias), full[:m]):
+                    limit = m + 1
+                    break
+        _limits[key] = limit
+    return _limits[key]
+
+
+@contextlib.contextmanager
+def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
+    """Inside, `model`'s linear layers give each request (`rows[i]` consecutive rows on dim 0) its solo kernel.
+
+    Not thread-safe: the model must not run elsewhere meanwhile (the engine thread owns it). Layers that already
+    carry an instance `forward` (an accelerate hook) are left as they are.
+    """
+    if len(rows) < 2 or not all(r > 0 for r in rows):
+        yield
+        return
+    installed = []
+    try:
+        for layer in linears(model):
+            if "forward" not in vars(layer) and layer.weight.device.type == "cpu":
+                layer.forward = functools.partial(_forward, layer, tuple(rows), sum(rows))
+                installed.append(layer)
+        yield
+    finally:
+        for layer in installed:
+            vars(layer).pop("forward", None)
+
+
+def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() < 2 or x.shape[0] != total:
+        return F.linear(x, layer.weight, layer.bias)
+    per_row = x[0].numel() // max(x.shape[-1], 1)  # the GEMM rows one batch row brings
+    limit = invariant_rows(layer)
+    if min(rows) * per_row >= limit:
+        return F.linear(x, layer.weight, layer.bias)
+    by_count: dict[int, list[int]] = {}  # a small request's row count -> the first rows of such requests
+    grouped, first = [], 0
+    for count in rows:
+        if count * per_row < limit:
+            by_count.setdefault(count, []).append(first)
+        else:
+            grouped.append(torch.arange(first, first + count))
+        first += count
+    pieces = [piece for count, starts in by_count.items() for piece in _solo_pieces(layer, x, count, starts)]
+    if grouped:
+        index = torch.cat(grouped).to(x.device)
+        pieces.append((index, F.linear(x.index_select(0, index), layer.weight, layer.bias)))
+    out = pieces[0][1].new_empty(*x.shape[:-1], layer.out_features)
+    for index, piece in pieces:
+        out.index_copy_(0, index, piece)
+    return out
+
+
+def _solo_pieces(layer: torch.nn.Linear, x: torch.Tensor, count: int, starts: list[int]) -> list:
+    """(row index, output) for requests of `count` rows each, computed as their solo calls compute them: one
+    batched matmul of `count`-row problems where it gives the same bits as `F.linear` on each, else one call each."""
+    index = torch.tensor([b + i for b in starts for i in range(count)], device=x.device)
+    if len(starts) > 1 and _batched_matches(layer, count * (x[0].numel() // x.shape[-1])):
+        problems = x.index_select(0, index).reshape(len(starts), -1, x.shape[-1])
+        return [(index, _batched_linear(layer, problems).reshape(len(index), *x.shape[1:-1], layer.out_features))]
+    return [(index[i * count:(i + 1) * count], F.linear(x[b:b + count], layer.weight, layer.bias))
+            for i, b in enumerate(starts)]
+
+
+def _batched_linear(layer: torch.nn.Linear, problems: torch.Tensor) -> torch.Tensor:
+    weight = layer.weight.t().expand(problems.shape[0], -1, -1)
+    if layer.bias is None:
+        return torch.bmm(problems, weight)
+    return torch.baddbmm(layer.bias.expand(problems.shape[0], problems.shape[1], -1), problems, weight)
+
+
+def _batched_matches(layer: torch.nn.Linear, m: int) -> bool:
+    """Whether a batched matmul of m-row problems gives exactly `F.linear`'s m-row results (measured once)."""
+    weight = layer.weight
+    key = (layer.in_features, layer.out_features, weight.dtype, weight.device.type, layer.bias is not None, m)
+    if key not in _batched:
+        with torch.no_grad():
+            x = torch.randn(4, m, layer.in_features, generator=torch.Generator().manual_seed(0))
+            x = x.to(device=weight.device, dtype=weight.dtype)
+            alone = torch.stack([F.linear(problem, weight, layer.bias) for problem in x])
+            _batched[key] = torch.equal(_batched_linear(layer, x), alone)
+    return _batched[key]

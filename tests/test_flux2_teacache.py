@@ -1,0 +1,276 @@
+"""FLUX.2 TeaCache per request: the same skips in shared (merged or packed) forwards as alone
+(`models/flux2/teacache.py`).
+
+FLUX.2 dev and klein requests of different sizes, aspect ratios, reference images and step counts pack into one
+transformer call; each request's TeaCache state decides for its own rows from its own tokens, so its result equals
+its solo run with the same TeaCache config, and a request with `teacache=None` equals the plain pipeline.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux2Transformer2DModel
+from PIL import Image
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.cache import TeaCacheConfig
+from diffusers_stepbatch.cache.teacache import TeaCacheState
+from diffusers_stepbatch.models import support_for
+from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.models.flux2.teacache import FLUX2_COEFFICIENTS, signal_hook, teacache_call
+from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
+
+from .references import TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# transformer configs: attention heads, head dim, RoPE axes (4 axes: time, height, width, text position)
+CONFIGS = {"narrow": dict(heads=2, head_dim=16, axes_dims=(4, 4, 4, 4)),
+           "wide": dict(heads=4, head_dim=8, axes_dims=(2, 2, 2, 2))}
+BUILDERS = {"klein": tiny_flux2_klein_pipeline, "dev": tiny_flux2_pipeline}
+COMMON = dict(output_type="pt", text_encoder_out_layers=(1,), max_sequence_length=32)
+
+
+@functools.cache
+def _pipe(variant, config):
+    return BUILDERS[variant](**CONFIGS[config])
+
+
+def _image(height, width, seed):
+    # NOTE: the FLUX.2 image processor wants both sides >= 64 px
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def _model(config, guidance_embeds):
+    spec = CONFIGS[config]
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
+                                   attention_head_dim=spec["head_dim"], num_attention_heads=spec["heads"],
+                                   joint_attention_dim=16, axes_dims_rope=list(spec["axes_dims"]),
+                                   guidance_embeds=guidance_embeds).eval()
+
+
+def _arguments(model, rows=3, height=3, width=4, references=((2, 2),), text=5):
+    """A call as the FLUX.2 pipelines make it: an edit row's reference tokens appended, with their own ids."""
+    def grid(h, w, t):
+        return torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w), torch.arange(1))
+
+    generator = torch.Generator().manual_seed(1)
+    img_ids = torch.cat([grid(height, width, 0)] + [grid(h, w, 10 + 10 * i) for i, (h, w) in enumerate(references)])
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text))
+    guidance = 4 * torch.rand(rows, generator=generator) if model.config.guidance_embeds else None
+    return dict(hidden_states=torch.randn(rows, img_ids.shape[0], 4, generator=generator),
+                encoder_hidden_states=torch.randn(rows, text, 16, generator=generator),
+                timestep=torch.rand(rows, generator=generator), guidance=guidance,
+                img_ids=img_ids[None].expand(rows, -1, -1), txt_ids=txt_ids[None].expand(rows, -1, -1),
+                return_dict=False)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("guidance_embeds", [False, True])
+def test_teacache_forward_at_threshold_zero_equals_the_model_forward(config, guidance_embeds):
+    model = _model(config, guidance_embeds)
+    arguments = _arguments(model)
+    state = TeaCacheState(0.0, FLUX2_COEFFICIENTS, num_steps=10)
+    with torch.no_grad():
+        (want,) = model(**arguments)
+        (got,) = teacache_call(model, [None, state, state], arguments)
+    assert max_diff(got, want) <= 1e-5
+    tokens = arguments["hidden_states"].shape[1]  # the reference tokens included
+    assert state.computed_steps == 1 and state.residual.shape == (2, tokens, model.inner_dim)
+    # threshold 0 never skips, even where the signal did not move at all
+    state.step = 1
+    with torch.no_grad():
+        (again,) = teacache_call(model, [None, state, state], arguments)
+    assert state.computed_steps == 2 and state.skipped_steps == 0
+    assert max_diff(again, want) <= 1e-5
+    # a skipping row adds its residual: with the same inputs at the next step, the output is the computed one,
+    # beside a row that computes
+    state.step, state.threshold = 2, 1e9
+    with torch.no_grad():
+        (skipped,) = teacache_call(model, [None, state, state], arguments)
+    assert state.skipped_steps == 1
+    assert max_diff(skipped, want) <= 1e-5
+
+
+def test_teacache_forward_leaves_the_klein_kv_calls_to_the_model():
+    model = _model("narrow", False)
+    arguments = dict(_arguments(model, rows=1), kv_cache_mode="extract", num_ref_tokens=4)
+    assert teacache_call(model, [TeaCacheState(0.4, FLUX2_COEFFICIENTS, 10)], arguments) is None
+    assert support_for(model).teacache_forward is teacache_call
+    assert support_for(model).teacache_coefficients == FLUX2_COEFFICIENTS
+
+
+def test_signal_hook_records_the_signal_the_teacache_forward_decides_on():
+    model = _model("wide", True)
+    arguments = _arguments(model, rows=2)
+    state = TeaCacheState(0.4, FLUX2_COEFFICIENTS, num_steps=10)
+    recorded = []
+    hook = signal_hook(model, recorded.append)
+    try:
+        with torch.no_grad():
+            model(**arguments)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        teacache_call(model, [state, state], arguments)
+    assert max_diff(recorded[0], state.previous_signal) <= 1e-6
+
+
+def test_fitted_coefficients_explain_the_output_change():
+    pipe = _pipe("klein", "narrow")
+    call = dict(height=32, width=32, num_inference_steps=12, guidance_scale=1.0, output_type="latent",
+                text_encoder_out_layers=(1,), max_sequence_length=32)
+    coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
+    signals, outputs = [], []
+    hooks = [signal_hook(pipe.transformer, lambda tensor: signals.append(tensor.double())),
+             pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out[0].double()))]
+    try:
+        with torch.no_grad():
+            pipe(prompt="a yellow cross", **call)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    xs = [float((signals[i] - signals[i - 1]).abs().mean() / signals[i - 1].abs().mean())
+          for i in range(1, len(signals))]
+    ys = [float((outputs[i] - outputs[i - 1]).abs().mean() / outputs[i - 1].abs().mean())
+          for i in range(1, len(outputs))]
+    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
+    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
+    assert fitted < constant
+
+
+class BlockPasses:
+    """Per transformer forward (plain or packed): image tokens in, and image tokens that ran the first block."""
+
+    def __init__(self, transformer):
+        self.forwards: list[list[int]] = []
+        self._handles = [
+            transformer.x_embedder.register_forward_pre_hook(
+                lambda m, a: self.forwards.append([a[0].shape[:-1].numel(), 0, a[0].ndim == 2])),
+            # NOTE: the first double block's image query: the plain and the packed forward both call it
+            transformer.transformer_blocks[0].attn.to_q.register_forward_pre_hook(self._entered),
+        ]
+
+    def _entered(self, module, args):
+        self.forwards[-1][1] += args[0].shape[:-1].numel()
+
+    @property
+    def skipped(self) -> int:
+        return sum(tokens - entered for tokens, entered, _ in self.forwards)
+
+    @property
+    def packed_with_skips(self) -> int:
+        """Packed forwards in which some rows skipped the blocks and others ran them."""
+        return sum(packed and 0 < entered < tokens for tokens, entered, packed in self.forwards)
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+
+
+def _requests():
+    """Text-to-image and edit requests at 4 sizes (non-square too) and 4 step counts; the second runs without
+    TeaCache. Klein runs CFG (guidance_scale > 1) as two calls a step, one state each; dev embeds guidance."""
+    references = [None, [_image(64, 64, 0)], None, [_image(64, 96, 1), _image(80, 64, 2)], None]
+    shapes = [(32, 32, 12), (32, 48, 13), (48, 32, 12), (48, 48, 14), (32, 48, 11)]
+    requests = []
+    for i, ((height, width, steps), images) in enumerate(zip(shapes, references)):
+        kwargs = dict(prompt=f"a shape {i}" if i % 2 else "a red circle", height=height, width=width,
+                      num_inference_steps=steps, guidance_scale=[4.0, 1.0, 3.0][i % 3], seed=i, **COMMON)
+        if images is not None:
+            kwargs["image"] = images
+        requests.append(kwargs)
+    requests[1]["teacache"] = None  # computes every step, beside the others
+    return requests
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("variant", sorted(BUILDERS))
+def test_teacache_in_shared_packed_forwards_equals_teacache_alone(variant, config):
+    pipe = _pipe(variant, config)
+    requests = _requests()
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    teacache = TeaCacheConfig(threshold=0.5)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    passes = BlockPasses(pipe.transformer)
+    try:
+        with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+            blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, teacache=None, **COMMON)
+            with engine_held(sb, blocker):  # all start in lockstep
+                futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+            batched = [future.result(300).images for future in futures]
+            stats = sb.stats()
+    finally:
+        passes.remove()
+    differences = [max_diff(got, want) for got, want in zip(batched, solo)]
+    assert max(differences) <= TOLERANCE, differences
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
+    assert max_diff(solo[1], exact[1]) <= TOLERANCE  # teacache=None: every step computed
+    assert min(max_diff(solo[i], exact[i]) for i in (0, 2, 3, 4)) > 10 * TOLERANCE, "TeaCache skipped no step"
+    assert passes.skipped > 0 and passes.packed_with_skips > 0, passes.forwards
+
+
+@pytest.mark.parametrize("variant", sorted(BUILDERS))
+def test_threshold_zero_never_skips(variant):
+    pipe = _pipe(variant, "narrow")
+    kwargs = _requests()[3]  # an edit request; klein with CFG
+    exact = pipe(**seeded(kwargs)).images
+    # NOTE: a polynomial that is negative everywhere: any positive threshold would skip every inner step
+    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.0, coefficients=(-1.0,))) as sb:
+        assert max_diff(sb(**seeded(kwargs)).images, exact) <= TOLERANCE
+
+
+def test_klein_kv_requests_with_teacache_compute_the_cached_calls_and_stay_exact():
+    from diffusers import Flux2KleinKVPipeline
+
+    pipe = Flux2KleinKVPipeline(**_pipe("klein", "narrow").components)
+    pipe.set_progress_bar_config(disable=True)
+    requests = [dict(prompt="a cat", image=_image(64, 64, 0), height=32, width=32, num_inference_steps=10, seed=0,
+                     **COMMON),
+                dict(prompt="a dog", image=[_image(64, 96, 1)], height=32, width=48, num_inference_steps=11, seed=1,
+                     **COMMON)]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    # NOTE: a polynomial that is negative everywhere: any call TeaCache decided on would skip
+    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.5, coefficients=(-1.0,)), max_batch_size=16) as sb:
+        futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300).images for future in futures]
+        stats = sb.stats()
+    assert max(max_diff(got, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert stats["mixed"]["calls"] == 0 and any("KV cache" in reason for reason in stats["splits"])
+
+
+def test_requests_with_their_own_adapters_and_teacache_share_forwards_and_equal_their_solo_runs():
+    """Per-row LoRA maps layer inputs to rows by count: where some rows of a merged call skip and others compute,
+    every row runs the blocks (the skipping rows keep their residual's output), so the call never falls apart."""
+    from diffusers_stepbatch.testing import add_random_lora_adapters
+
+    pipe = tiny_flux2_klein_pipeline(seed=5)
+    add_random_lora_adapters(pipe.transformer)
+    pipe.set_adapters(["c"], [0.6])
+    steps_and_adapters = [(10, {"a": 1.0}), (13, {"b": 1.0}), (11, {}), (12, {"a": 0.5, "c": 0.5})]
+    requests = [dict(prompt="a red circle", height=32, width=32, num_inference_steps=steps, guidance_scale=1.0,
+                     seed=i, adapters=adapters, **COMMON) for i, (steps, adapters) in enumerate(steps_and_adapters)]
+    teacache = TeaCacheConfig(threshold=0.5)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    passes = BlockPasses(pipe.transformer)
+    try:
+        with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+            blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, adapters={}, teacache=None,
+                           **COMMON)
+            with engine_held(sb, blocker):  # all start in lockstep
+                futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+            batched = [future.result(300).images for future in futures]
+            stats = sb.stats()
+    finally:
+        passes.remove()
+    differences = [max_diff(got, want) for got, want in zip(batched, solo)]
+    assert max(differences) <= TOLERANCE, differences
+    assert not [reason for reason in stats["splits"] if "raised" in reason], stats["splits"]
+    # the four requests shared forwards to near the end of the shortest (10 steps), and skipped steps in them
+    assert stats["rows_histogram"]["denoise"].get(4, 0) >= 8, stats["rows_histogram"]
+    assert passes.skipped > 0
