@@ -411,16 +411,19 @@ def tiny_pixart_or_sana_pipeline(num_layers: int = 1, attention_head_dim: int = 
     return pipe
 
 
-# NOTE: one group of target modules per adapter (names missing from a model are dropped), so adapters touch
-# different layers, Linear and Conv alike, including per-row [B, D] inputs (time embeddings).
+# NOTE: one group of target modules per adapter (names missing from a model, or naming other than Linear and Conv
+# layers there, are dropped), so adapters touch different layers, Linear and Conv alike, including per-row [B, D]
+# inputs (time embeddings) and video patch embeddings.
 _LORA_TARGET_GROUPS = (
     ("to_q", "to_k", "to_v", "to_out.0"),
     ("proj_mlp", "proj_out", "ff.net.2", "linear_1", "conv1", "conv2", "time_emb_proj", "to_qkv_mlp_proj",
      "feed_forward.w2", "t_embedder.mlp.2", "all_final_layer.2-1.adaLN_modulation.1", "siglip_embedder.1"),
     ("add_q_proj", "add_k_proj", "to_add_out", "norm1.linear", "x_embedder", "context_embedder", "proj_in",
      "conv_in", "ff.net.0.proj", "to_q", "all_x_embedder.2-1", "cap_embedder.1",
-     "layers.0.adaLN_modulation.0", "noise_refiner.0.adaLN_modulation.0", "feed_forward.w1"),
+     "layers.0.adaLN_modulation.0", "noise_refiner.0.adaLN_modulation.0", "feed_forward.w1", "patch_embedding",
+     "x_embedder.proj"),
 )
+_LORA_LAYER_TYPES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("a", "b", "c"), rank: int = 4,
@@ -435,12 +438,17 @@ def add_random_lora_adapters(model: torch.nn.Module, names: tuple[str, ...] = ("
     """
     from peft import LoraConfig
 
-    module_names = [name for name, _ in model.named_modules()]
+    modules = dict(model.named_modules())
+
+    def targetable(target: str) -> bool:  # NOTE: as peft matches names: the module itself or a suffix
+        found = [module for m, module in modules.items() if m == target or m.endswith("." + target)]
+        return bool(found) and all(isinstance(module, _LORA_LAYER_TYPES) for module in found)
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for i, name in enumerate(names):
             group = _LORA_TARGET_GROUPS[i % len(_LORA_TARGET_GROUPS)]
-            targets = [t for t in group if any(m == t or m.endswith("." + t) for m in module_names)]
+            targets = [t for t in group if targetable(t)]
             config = LoraConfig(r=rank, lora_alpha=rank * (i + 1) / 2, target_modules=targets,
                                 init_lora_weights=False, use_rslora=i % 3 == 2)
             model.add_adapter(config, adapter_name=name)

@@ -178,7 +178,10 @@ import contextlib  # noqa: E402
 @contextlib.contextmanager
 def engine_held(sb, blocker_kwargs: dict):
     """Hold the engine on a blocker request's step callback while the body submits, so every request submitted
-    inside starts together, in lockstep; the blocker (`blocker_kwargs`, seeded) finishes on exit."""
+    inside starts together, in lockstep; the blocker (`blocker_kwargs`, seeded) finishes on exit. A pipeline
+    without step callbacks (HunyuanVideo 1.5) is held in the blocker's text-encoder call instead."""
+    import inspect
+
     entered, released = threading.Event(), threading.Event()
 
     def hold_engine_once(step_pipe, i, t, tensors):
@@ -186,13 +189,26 @@ def engine_held(sb, blocker_kwargs: dict):
         released.wait(60)
         return {}
 
-    blocker = sb.submit(**seeded(dict(blocker_kwargs, callback_on_step_end=hold_engine_once)))
+    if "callback_on_step_end" in inspect.signature(type(sb.pipe).__call__).parameters:
+        blocker = sb.submit(**seeded(dict(blocker_kwargs, callback_on_step_end=hold_engine_once)))
+    else:
+        encoder = sb.pipe.text_encoder
+
+        def hold_encoder_once(*args, **kwargs):  # NOTE: the engine thread runs the merged encoder call
+            del encoder.forward
+            hold_engine_once(None, 0, None, {})
+            return encoder.forward(*args, **kwargs)
+
+        encoder.forward = hold_encoder_once
+        blocker = sb.submit(**seeded(blocker_kwargs))
     assert entered.wait(60), "the blocker request never reached its step callback"
     try:
         yield
     finally:
         released.set()
         blocker.result(300)
+        if "callback_on_step_end" not in inspect.signature(type(sb.pipe).__call__).parameters:
+            vars(sb.pipe.text_encoder).pop("forward", None)  # NOTE: where the blocker never reached it
 
 
 class ToyLoopPipeline(DiffusionPipeline):
@@ -212,3 +228,48 @@ class ToyLoopPipeline(DiffusionPipeline):
             out, extra = out if isinstance(out, tuple) else (out, 0.0)
             x = x - 0.1 * out + 0.01 * extra
         return x
+
+
+# Per-row adapter sets for model-level LoRA tests ({}: the base model), and the plain reference for one row.
+ROW_ADAPTERS = [{"a": 1.0}, {"b": 0.5}, {}, {"c": 0.6}, {"a": 0.3, "c": 1.0}]
+
+
+def with_adapters(model: torch.nn.Module, adapters: dict, run, *args, **kwargs):
+    """`run(*args, **kwargs)` with `adapters` ({name: weight}; {}: none) set on `model` by `set_adapters`, as a
+    plain call."""
+    if adapters:
+        model.enable_lora()
+        model.set_adapters(list(adapters), list(adapters.values()))
+    else:
+        model.disable_lora()
+    try:
+        return run(*args, **kwargs)
+    finally:
+        model.enable_lora()
+
+
+def call_row(call: dict, row: int, rows: int) -> dict:
+    """A model call's arguments for one of its `rows` rows: every tensor with the rows on dim 0 sliced."""
+    return {name: value[row:row + 1] if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == rows
+            else value for name, value in call.items()}
+
+
+def add_lora_everywhere(model: torch.nn.Module, name: str = "all", rank: int = 2, seed: int = 1) -> None:
+    """A random peft LoRA adapter `name` on every Linear and Conv layer of `model` (those already adapted too)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+
+    layer_types = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    targets, adapted = [], []
+    for module_name, module in model.named_modules():
+        if any(module_name.startswith(prefix + ".") for prefix in adapted):
+            continue  # NOTE: a LoRA layer's own base layer and A/B matrices
+        if isinstance(module, LoraLayer):
+            adapted.append(module_name)
+            targets.append(module_name)
+        elif isinstance(module, layer_types):
+            targets.append(module_name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False),
+                          adapter_name=name)

@@ -9,8 +9,6 @@ import torch
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.adapters import state as adapter_state
-from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 from diffusers_stepbatch.testing import (
     add_random_lora_adapters,
     tiny_flux_pipeline,
@@ -19,6 +17,10 @@ from diffusers_stepbatch.testing import (
     tiny_sd_pipeline,
     tiny_sdxl_pipeline,
 )
+from diffusers_stepbatch.testing_hunyuan_video_models import HunyuanVideo15Size, tiny_hunyuan_video15_pipeline
+from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+from diffusers_stepbatch.testing_ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline
+from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 
 from .references import TOLERANCE, engine_held, max_diff, seeded, submit_all
 
@@ -44,6 +46,11 @@ FAMILIES = {
     "wan-generic": (functools.partial(tiny_wan_pipeline, layers=1), "transformer", "attention_kwargs",
                     dict(height=16, width=32, num_frames=5, max_sequence_length=16, negative_prompt="blur",
                          guidance_scale=4.0)),
+    "ltx2-generic": (functools.partial(tiny_ltx2_pipeline, LTX2Size(layers=1)), "transformer", "attention_kwargs",
+                     dict(LTX2_PLAIN, height=32, width=64, num_frames=5, frame_rate=25.0, negative_prompt="blurry",
+                          guidance_scale=3.0, audio_guidance_scale=1.5)),
+    "hunyuan-video15-generic": (functools.partial(tiny_hunyuan_video15_pipeline, guidance_scale=3.0), "transformer",
+                                "attention_kwargs", dict(height=16, width=32, num_frames=5, negative_prompt="blurry")),
     # generic: the model's own forward joins its rows' tokens (`ModelSupport.lora_token_rows`); CFG rows in one call
     "z-image-generic": (tiny_z_image_pipeline, "transformer", "joint_attention_kwargs",
                         dict(height=32, width=32, guidance_scale=4.0)),
@@ -51,7 +58,9 @@ FAMILIES = {
 
 
 def _images(output):
-    """A pipeline output's images, or a video pipeline's frames."""
+    """A pipeline output's images, or a video pipeline's frames (LTX-2: its frames and audio, flattened)."""
+    if hasattr(output, "audio"):
+        return torch.cat([torch.as_tensor(output.frames).flatten(), torch.as_tensor(output.audio).flatten()])
     return output.frames if hasattr(output, "frames") else output.images
 
 
@@ -92,6 +101,12 @@ def lora_pipe(family):
     return pipe
 
 
+def lora_owner(pipe):
+    """What `set_adapters` is called on: the pipeline, or its transformer where the pipeline has no LoRA loader
+    (HunyuanVideo 1.5)."""
+    return pipe if hasattr(pipe, "set_adapters") else pipe.transformer
+
+
 def call_kwargs(family, adapters, scale, prompt, seed, steps=3):
     _, _, kwargs_name, extra = FAMILIES[family]
     kwargs = dict(prompt=prompt, num_inference_steps=steps, seed=seed, output_type="pt", **extra)
@@ -103,7 +118,12 @@ def call_kwargs(family, adapters, scale, prompt, seed, steps=3):
 
 
 def plain_run(pipe, kwargs):
-    """The unwrapped pipeline after `set_adapters` for this request, run alone."""
+    """The unwrapped pipeline after `set_adapters` for this request, run alone: its images (or frames)."""
+    return _images(plain_output(pipe, kwargs))
+
+
+def plain_output(pipe, kwargs):
+    """The unwrapped pipeline's output after `set_adapters` for this request, run alone."""
     kwargs = dict(kwargs)
     adapters = kwargs.pop("adapters", None)
     if adapters is None:
@@ -111,15 +131,15 @@ def plain_run(pipe, kwargs):
     elif isinstance(adapters, list):
         adapters = dict.fromkeys(adapters, 1.0)
     if adapters:
-        pipe.enable_lora()
-        pipe.set_adapters(list(adapters), list(adapters.values()))
+        lora_owner(pipe).enable_lora()
+        lora_owner(pipe).set_adapters(list(adapters), list(adapters.values()))
     else:
-        pipe.disable_lora()
+        lora_owner(pipe).disable_lora()
     try:
-        return _images(pipe(**seeded(kwargs)))
+        return pipe(**seeded(kwargs))
     finally:
-        pipe.enable_lora()
-        pipe.set_adapters(*ACTIVE)
+        lora_owner(pipe).enable_lora()
+        lora_owner(pipe).set_adapters(*ACTIVE)
 
 
 @pytest.fixture
@@ -139,7 +159,7 @@ def recorded_rows(monkeypatch):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_concurrent_requests_with_their_own_adapters_equal_plain_runs(family, recorded_rows):
     pipe = lora_pipe(family)
-    pipe.set_adapters(*ACTIVE)
+    lora_owner(pipe).set_adapters(*ACTIVE)
     requests = [call_kwargs(family, *request) for request in REQUESTS]
     expected = [plain_run(pipe, kwargs) for kwargs in requests]
     with StepBatched(pipe, max_batch_size=16) as sb:
@@ -158,21 +178,21 @@ def test_concurrent_requests_with_their_own_adapters_equal_plain_runs(family, re
 def test_submit_keeps_the_adapters_active_at_submit(family):
     pipe = lora_pipe(family)
     first, second = call_kwargs(family, None, None, "a red circle", 0), call_kwargs(family, None, None, "a cat", 1)
-    pipe.set_adapters(["a"], [1.0])
+    lora_owner(pipe).set_adapters(["a"], [1.0])
     want_first = _images(pipe(**seeded(first)))
-    pipe.set_adapters(["b", "c"], [0.5, 1.0])
+    lora_owner(pipe).set_adapters(["b", "c"], [0.5, 1.0])
     want_second = _images(pipe(**seeded(second)))
     try:
         with StepBatched(pipe) as sb:
-            pipe.set_adapters(["a"], [1.0])
+            lora_owner(pipe).set_adapters(["a"], [1.0])
             future_first = sb.submit(**seeded(first))
-            pipe.set_adapters(["b", "c"], [0.5, 1.0])
+            lora_owner(pipe).set_adapters(["b", "c"], [0.5, 1.0])
             future_second = sb.submit(**seeded(second))
-            pipe.disable_lora()  # later changes don't reach submitted requests
+            lora_owner(pipe).disable_lora()  # later changes don't reach submitted requests
             got_first, got_second = _images(future_first.result(300)), _images(future_second.result(300))
     finally:
-        pipe.enable_lora()
-        pipe.set_adapters(*ACTIVE)
+        lora_owner(pipe).enable_lora()
+        lora_owner(pipe).set_adapters(*ACTIVE)
     assert max_diff(got_first, want_first) <= TOLERANCE
     assert max_diff(got_second, want_second) <= TOLERANCE
 
@@ -350,3 +370,133 @@ def plain_run_with(pipe, kwargs, adapters):
         return _images(pipe(**seeded(kwargs)))
     finally:
         pipe.enable_lora()
+
+
+# ------------------------------------------------------------------ video models: adapters inside packed forwards
+def _video_image(height, width, seed):
+    import PIL.Image
+
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed))
+    return PIL.Image.fromarray(pixels.to(torch.uint8).numpy())
+
+
+WAN_SIZES = [(16, 32, 5), (32, 16, 9), (16, 16, 1), (16, 32, 5), (32, 32, 9)]  # (height, width, num_frames)
+LTX2_SIZES = [(32, 32, 5), (32, 64, 9), (64, 32, 5), (32, 32, 9), (32, 64, 1)]
+HV15_SIZES = [(16, 16, 5), (16, 32, 9), (32, 16, 5), (16, 16, 9), (32, 32, 1)]
+# config: (builder, request kwargs, each request's (height, width, num_frames), whether requests pass an image)
+VIDEO_CONFIGS = {
+    "wan-t2v": (functools.partial(tiny_wan_pipeline, layers=1),
+                dict(max_sequence_length=16, negative_prompt="blur", guidance_scale=4.0), WAN_SIZES, False),
+    # image key/value projections and the image embedder run per size inside the packed forward
+    "wan-i2v": (functools.partial(tiny_wan_pipeline, heads=3, head_dim=8, layers=1, image_to_video=True,
+                                  image_kv=True),
+                dict(max_sequence_length=16, negative_prompt="blur", guidance_scale=3.0), WAN_SIZES, True),
+    "ltx2-split": (functools.partial(tiny_ltx2_pipeline, LTX2Size(layers=1)),
+                   dict(LTX2_PLAIN, frame_rate=25.0, negative_prompt="blurry", guidance_scale=3.0,
+                        audio_guidance_scale=1.5), LTX2_SIZES, False),
+    # interleaved RoPE, gated attention and LTX-2.3's timestep-modulated prompts (per-row prompt AdaLN)
+    "ltx2-23": (functools.partial(tiny_ltx2_pipeline, LTX2Size(heads=4, head_dim=8, audio_heads=2, audio_head_dim=8,
+                                                                 layers=1, rope_type="interleaved", gated_attn=True,
+                                                                 cross_attn_mod=True)),
+                dict(LTX2_PLAIN, frame_rate=25.0, guidance_scale=1.0, use_cross_timestep=True), LTX2_SIZES, False),
+    "hunyuan-video15-tiny": (functools.partial(tiny_hunyuan_video15_pipeline, HunyuanVideo15Size()), {},
+                             HV15_SIZES, False),
+    "hunyuan-video15-patch2-cfg": (functools.partial(tiny_hunyuan_video15_pipeline,
+                                                     HunyuanVideo15Size(heads=4, head_dim=8, layers=2, patch_size=2),
+                                                     guidance_scale=3.0),
+                                   dict(negative_prompt="blurry"), HV15_SIZES, False),
+}
+MIXED_ADAPTERS = [{"a": 1.0}, {"b": 0.5}, {}, None, {"a": 0.3, "c": 1.0}]  # None: the pipeline's active adapters
+PROMPTS = ["a fox", 'a sign that reads "open"', "a red ball on green grass", "a cat", "a boat at dusk"]
+
+
+@functools.cache
+def video_lora_pipe(config):
+    pipe = VIDEO_CONFIGS[config][0]()
+    add_random_lora_adapters(pipe.transformer)
+    return pipe
+
+
+@pytest.fixture
+def packed_lora_forwards(monkeypatch):
+    """Per per-row LoRA forward over packed token streams, the number of distinct adapter sets among its rows."""
+    forwards = []
+    real = adapter_state.per_row_lora
+
+    def record(model, row_weights, token_rows=None):
+        if token_rows:  # NOTE: plain forwards pass no streams (or LTX-2's empty list)
+            forwards.append(len({tuple(sorted(w.items())) for w in row_weights}))
+        return real(model, row_weights, token_rows)
+
+    monkeypatch.setattr(adapter_state, "per_row_lora", record)
+    return forwards
+
+
+@pytest.mark.parametrize("config", list(VIDEO_CONFIGS))
+def test_video_requests_of_different_sizes_with_adapters_pack_and_equal_plain_runs(config, packed_lora_forwards,
+                                                                                   caplog):
+    """Five requests with their own adapters over three frame counts and sizes share packed forwards (patch
+    embeddings, image embeddings and cross-attention keys per size on their own rows); each equals the plain
+    pipeline after set_adapters for it, run alone."""
+    from diffusers_stepbatch import SchedulerConfig
+
+    _, extra, sizes, image = VIDEO_CONFIGS[config]
+    pipe = video_lora_pipe(config)
+    lora_owner(pipe).set_adapters(*ACTIVE)
+    requests = []
+    for i, (adapters, (height, width, frames)) in enumerate(zip(MIXED_ADAPTERS, sizes)):
+        kwargs = dict(extra, prompt=PROMPTS[i], height=height, width=width, num_frames=frames,
+                      num_inference_steps=2 + i % 2, output_type="pt", seed=i)
+        if adapters is not None:
+            kwargs["adapters"] = adapters
+        if image:
+            kwargs["image"] = _video_image(height, width, i)
+        requests.append(kwargs)
+    expected = [plain_output(pipe, kwargs) for kwargs in requests]
+    caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
+    with StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=16, cost_aware=False)) as sb:
+        with engine_held(sb, dict(requests[2], prompt="a blocker", num_inference_steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300) for future in futures]
+        mixed_calls = sb.stats()["mixed"]["calls"]
+    for kwargs, got, want in zip(requests, results, expected):
+        assert max_diff(got.frames, want.frames) <= TOLERANCE, kwargs
+        if hasattr(want, "audio"):  # LTX-2
+            assert max_diff(got.audio, want.audio) <= TOLERANCE, kwargs
+    assert mixed_calls > 0
+    assert not [r for r in caplog.records if "packed" in r.getMessage()]  # no packed call failed and fell back
+    # every request's rows, with its own adapters, in one packed forward (not one forward per size)
+    assert packed_lora_forwards and max(packed_lora_forwards) == len(requests), packed_lora_forwards
+
+
+@pytest.mark.parametrize("config", ["wan-t2v", "ltx2-split", "hunyuan-video15-patch2-cfg"])
+def test_video_teacache_requests_with_adapters_equal_their_solo_runs(config, caplog):
+    """A TeaCache forward is the packed forward on one size's rows (on some of them where their decisions differ),
+    adapters per row there too: each request equals itself run alone with the same TeaCache config."""
+    from diffusers_stepbatch import SchedulerConfig
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    _, extra, sizes, _ = VIDEO_CONFIGS[config]
+    pipe = video_lora_pipe(config)
+    pipe_adapters = [{"a": 1.0}, {"b": 0.5}, {"a": 0.3, "c": 1.0}]
+    # NOTE: two requests of one size at other step counts: their merged forwards skip for one, not the other
+    requests = [dict(extra, prompt=PROMPTS[i], height=height, width=width, num_frames=frames, adapters=adapters,
+                     num_inference_steps=8 + i, output_type="pt", seed=i)
+                for i, (adapters, (height, width, frames)) in enumerate(zip(pipe_adapters,
+                                                                             [sizes[0], sizes[1], sizes[0]]))]
+    exact = [plain_output(pipe, kwargs) for kwargs in requests]
+    # NOTE: the tiny models' signals change far more than the real models' the published polynomials fit
+    teacache = TeaCacheConfig(threshold=0.5, coefficients=(1.0, 0.0))
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)) for kwargs in requests]
+    caplog.set_level("WARNING", logger="diffusers_stepbatch.engine.core")
+    with StepBatched(pipe, teacache=teacache, scheduler=SchedulerConfig(max_batch_size=16, cost_aware=False)) as sb:
+        with engine_held(sb, dict(requests[1], prompt="a blocker", num_inference_steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300) for future in futures]
+    for kwargs, got, want in zip(requests, results, solo):
+        assert max_diff(got.frames, want.frames) <= TOLERANCE, kwargs
+        if hasattr(want, "audio"):
+            assert max_diff(got.audio, want.audio) <= TOLERANCE, kwargs
+    assert not [r for r in caplog.records if "packed" in r.getMessage()]
+    assert max(max_diff(s.frames, e.frames) for s, e in zip(solo, exact)) > 10 * TOLERANCE, "TeaCache skipped no step"

@@ -153,3 +153,35 @@ def test_a_sub_batch_of_rows_keeps_each_rows_adapters():
             assert max_diff(got[i], layer(x[i:i + 1])[0]) <= TOLERANCE
         model.set_adapters(["a"], [0.0])
         assert max_diff(got[0], layer(x[:1])[0]) > 1e-3  # the adapters matter
+
+
+
+def test_a_layout_maps_a_steps_inputs_to_other_rows_of_the_forward():
+    """`lora_layout`: inside it a layer input holds the rows it names (a packed forward's per-shape step); the
+    forward's own rows again after it, and a no-op outside a per-row forward."""
+    from diffusers_stepbatch.adapters.lora import LoraLayout, lora_layout
+
+    model, _, _ = flux_model()
+    layer = model.transformer_blocks[0].attn.to_q  # a LoRA layer of adapters "a" and "c"
+    rows = [{"a": 1.0}, {}, {"a": 0.4, "c": 2.0}]
+    g = torch.Generator().manual_seed(2)
+    x, own = torch.randn(2, 5, layer.in_features, generator=g), torch.randn(3, 5, layer.in_features, generator=g)
+    with torch.no_grad():
+        with lora_layout(model, LoraLayout([2, 0])):  # no per-row forward: the layer as it is
+            assert max_diff(layer(x), layer.base_layer(x)) > 1e-3  # its own active adapter ("c") applies
+        with per_row_lora(model, rows):
+            with lora_layout(model, LoraLayout([2, 0])):  # rows 2 and 0 of the forward, in that order
+                mapped = layer(x)
+            with lora_layout(model, LoraLayout([1])):  # a row without adapters
+                base = layer(x[:1])
+                with pytest.raises(RuntimeError, match="matches neither 1 rows"):
+                    layer(x)
+            by_row = layer(own)
+        expected = []
+        for adapters, inputs in [(rows[2], x[0:1]), (rows[0], x[1:2]), ({}, x[:1])] + [
+                (adapters, own[r:r + 1]) for r, adapters in enumerate(rows)]:
+            model.set_adapters(list(adapters) or ["a"], list(adapters.values()) or [0.0])
+            expected.append(layer(inputs))
+    got = [mapped[0:1], mapped[1:2], base] + [by_row[r:r + 1] for r in range(3)]
+    assert max(max_diff(a, b) for a, b in zip(got, expected)) <= TOLERANCE
+    assert max_diff(mapped[0:1], layer.base_layer(x[0:1])) > 1e-3  # the adapters apply

@@ -17,7 +17,17 @@ from diffusers_stepbatch.models.ltx2.packing import ltx2_packing_unsupported, pa
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing_ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
 
-from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import (  # noqa: F401
+    ROW_ADAPTERS,
+    TOLERANCE,
+    add_lora_everywhere,
+    call_row,
+    max_diff,
+    seeded,
+    single_thread,
+    submit_all,
+    with_adapters,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -191,6 +201,84 @@ def _check_packed(model, method, calls):
     differences = [max_diff(got, want) for outputs in zip(packed, expected) for got, want in zip(*outputs)]
     assert max(differences) <= 1e-5, differences
     assert [tuple(o.shape) for o, _ in packed] == [tuple(o.shape) for o, _ in expected]
+
+
+EVERY_LAYER_ADAPTERS = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}]
+
+
+def _check_per_row_adapters(model, calls, forward, sets=ROW_ADAPTERS):
+    """`forward(row_adapters)` (one output pair per call) equals each row's plain forward after set_adapters."""
+    counts = [call["hidden_states"].shape[0] for call in calls]
+    row_adapters = [sets[r % len(sets)] for r in range(sum(counts))]
+    with torch.no_grad():
+        outputs = forward(row_adapters)
+        first = 0
+        for call, count, output in zip(calls, counts, outputs):
+            for r in range(count):
+                one = call_row(call, r, count)
+                want = with_adapters(model, row_adapters[first + r], model, **one)
+                for got, expected in zip(output, want):  # video, then audio
+                    assert max_diff(got[r:r + 1], expected) <= TOLERANCE, (first + r, row_adapters[first + r])
+                if first + r == 0:  # the adapters change the row
+                    assert max_diff(want[0], with_adapters(model, {}, model, **one)[0]) > 1e-3
+            first += count
+
+
+@pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
+@pytest.mark.parametrize("forward", ["packed", "plain"])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_forward_with_per_row_adapters_equals_set_adapters_per_row(per_token, forward, everywhere):
+    """Per-row LoRA in the model's own forward (rows on dim 0; per-token video timesteps as a token stream) and in
+    the packed forward (over the packed video, audio and prompt streams, per-row timestep embeddings on the
+    forward's rows): every row as its plain forward after set_adapters. `every-layer`: an adapter on every Linear
+    and Conv layer of the model."""
+    from diffusers_stepbatch.adapters.lora import per_row_lora
+    from diffusers_stepbatch.models.ltx2.packing import token_rows
+    from diffusers_stepbatch.testing import add_random_lora_adapters
+
+    model = tiny_ltx2_transformer(CONFIGS["ltx2-23"])
+    add_random_lora_adapters(model)
+    if everywhere:
+        add_lora_everywhere(model)
+    calls = [_call(model, 1, (3, 2, 4), 9, 16, 1, per_token=per_token),  # sorts after the next call's rows
+             _call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16], per_token=per_token),
+             _call(model, 2, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0)]
+
+    def packed(row_adapters):
+        with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
+            return pack_calls(model, calls, "recover_scatter", [None] * len(calls))
+
+    def plain(row_adapters):
+        outputs, first = [], 0
+        for call in calls:
+            count = call["hidden_states"].shape[0]
+            with per_row_lora(model, row_adapters[first:first + count],
+                              token_rows=support_for(model).lora_token_rows(call)):
+                outputs.append(model(**call))
+            first += count
+        return outputs
+
+    _check_per_row_adapters(model, calls, packed if forward == "packed" else plain,
+                            EVERY_LAYER_ADAPTERS if everywhere else ROW_ADAPTERS)
+
+
+def test_plain_forward_with_per_token_timesteps_maps_their_embeddings_to_rows():
+    """The model's own forward flattens per-token video timesteps ([rows * tokens]) before embedding them: the
+    model layer's token rows map them to their rows."""
+    from diffusers_stepbatch.adapters.lora import per_row_lora
+    from diffusers_stepbatch.testing import add_random_lora_adapters
+
+    model = tiny_ltx2_transformer(CONFIGS["ltx2-split"])
+    add_random_lora_adapters(model)
+    call = _call(model, 3, (2, 2, 2), 5, 16, 0, per_token=True)
+    (streams,) = support_for(model).lora_token_rows(call)
+    assert streams.tolist() == [r for r in range(3) for _ in range(8)]
+
+    def plain(row_adapters):
+        with per_row_lora(model, row_adapters, token_rows=[streams]):
+            return [model(**call)]
+
+    _check_per_row_adapters(model, [call], plain)
 
 
 def test_calls_the_packed_forward_does_not_reproduce_have_no_pack_key():

@@ -18,6 +18,7 @@ layer input with the rows along dim 0 is weighted per row (per-request embedding
 of shape [T, ...] or [1, T, ...] per token of the stream with T tokens. Streams whose lengths coincide but
 whose tokens map to rows differently can't be told apart by shape: `streams_ambiguous` says so beforehand;
 where every row carries the same adapters (one request's rows) that doesn't matter, as every token takes them.
+A forward's steps on another arrangement of the rows say so with `lora_layout` (or `row_subset`).
 
 >>> rows = [{"pixel": 1.0}, {}, {"ink": 0.7, "pixel": 0.3}]
 >>> with per_row_lora(pipe.transformer, rows):
@@ -74,13 +75,32 @@ class _Use(NamedTuple):
 def streams_ambiguous(num_rows: int, token_rows: Sequence[torch.Tensor]) -> bool:
     """True when two token streams (or a stream and the rows) have the same length but map to rows differently:
     their inputs can't be told apart by shape, so `per_row_lora` refuses them (run such rows per shape)."""
-    seen = {num_rows: torch.arange(num_rows)}
-    for mapping in token_rows:
+    return _ambiguous([torch.arange(num_rows), *token_rows])
+
+
+def _ambiguous(mappings: Sequence[torch.Tensor]) -> bool:
+    seen: dict[int, torch.Tensor] = {}
+    for mapping in mappings:
         mapping = mapping.cpu()
         other = seen.setdefault(mapping.shape[0], mapping)
         if other is not mapping and not torch.equal(other, mapping):
             return True
     return False
+
+
+class LoraLayout:
+    """Each entry's row in a LoRA layer input, by its shape: `rows` for inputs with rows on dim 0, `token_rows` per
+    packed token stream (`ambiguous`: two of equal length map to rows differently)."""
+
+    def __init__(self, rows: torch.Tensor | Sequence[int], token_rows: Sequence[torch.Tensor] = ()):
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        mappings = [rows, *(t.cpu() for t in token_rows)]
+        self.ambiguous = _ambiguous(mappings)
+        self.num_rows = len(rows)
+        self.lengths = [len(t) for t in mappings[1:]]
+        self.by_length = {}  # element count -> each element's row
+        for mapping in mappings:
+            self.by_length.setdefault(int(mapping.shape[0]), mapping)
 
 
 class RowPlan:
@@ -90,15 +110,10 @@ class RowPlan:
                  token_rows: torch.Tensor | Sequence[torch.Tensor] | None = None):
         self.num_rows = len(rows)
         self.rows = [dict(weights) for weights in rows]
-        self._narrowed: RowPlan | None = None
+        # NOTE: rows that all carry the same adapters may have ambiguous streams: every token takes the same
+        self.uniform = all(weights == rows[0] for weights in rows[1:])
         streams = [] if token_rows is None else [token_rows] if isinstance(token_rows, torch.Tensor) else token_rows
-        # NOTE: where all rows carry the same adapters, every token takes them, whichever stream of its length
-        # it belongs to: ambiguous streams are fine
-        uniform = all(weights == rows[0] for weights in rows[1:])
-        if not uniform and streams_ambiguous(self.num_rows, streams):
-            raise ValueError(f"token streams of lengths {[len(t) for t in streams]} (and {self.num_rows} rows) "
-                             "can't be told apart by shape; run these rows per shape")
-        self.streams = {int(t.shape[0]): t.cpu() for t in streams}  # element count -> each element's row
+        self.layout = self.check(LoraLayout(torch.arange(self.num_rows), streams))
         self.adapters: dict[str, list[tuple[int, float]]] = {}
         for row, weights in enumerate(rows):
             for name, weight in weights.items():
@@ -108,37 +123,47 @@ class RowPlan:
 
     def uses(self, x: torch.Tensor) -> tuple[int, list[_Use]]:
         """(the row dim of layer input `x`, where each adapter applies in it)."""
-        if self._narrowed is not None:
-            return self._narrowed.uses(x)
-        if x.shape[0] == self.num_rows:
-            dim, count = 0, None
-        elif x.shape[0] in self.streams:  # packed tokens [tokens, ...]
+        layout = self.layout
+        if x.shape[0] in layout.by_length:  # rows, or packed tokens [tokens, ...]
             dim, count = 0, x.shape[0]
-        elif x.dim() >= 3 and x.shape[0] == 1 and x.shape[1] in self.streams:  # packed tokens [1, tokens, ...]
+        elif x.dim() >= 3 and x.shape[0] == 1 and x.shape[1] in layout.by_length:  # packed tokens [1, tokens, ...]
             dim, count = 1, x.shape[1]
         else:
-            expected = " or ".join([f"{self.num_rows} rows"] + [f"{n} tokens" for n in self.streams])
+            expected = " or ".join([f"{layout.num_rows} rows"] + [f"{n} tokens" for n in layout.by_length
+                                                                   if n != layout.num_rows])
             raise RuntimeError(f"a LoRA layer input of shape {tuple(x.shape)} matches neither {expected}")
-        key = (dim, count, x.device)
+        key = (layout, dim, count, x.device)  # NOTE: the layout itself, kept alive by the key (not its id)
         if key not in self._uses:
-            self._uses[key] = [self._use(name, uses, count, x.device) for name, uses in self.adapters.items()]
+            mapping = layout.by_length[count]
+            self._uses[key] = [use for name, uses in self.adapters.items()
+                               if (use := self._use(name, uses, mapping, x.device)) is not None]
         return dim, self._uses[key]
 
+    def check(self, layout: LoraLayout) -> LoraLayout:
+        if layout.ambiguous and not self.uniform:
+            raise ValueError(f"token streams of lengths {layout.lengths} (and {layout.num_rows} rows) can't be told "
+                             "apart by shape; run these rows per shape")
+        return layout
+
     @contextlib.contextmanager
-    def narrowed(self, rows: Sequence[int]) -> Iterator[None]:
-        """Inside, layer inputs hold only `rows` of the plan's rows, on dim 0 (no token streams)."""
-        previous, self._narrowed = self._narrowed, RowPlan([self.rows[r] for r in rows])
+    def laid_out(self, layout: LoraLayout) -> Iterator[None]:
+        previous, self.layout = self.layout, self.check(layout)
         try:
             yield
         finally:
-            self._narrowed = previous
+            self.layout = previous
 
-    def _use(self, name: str, uses: list[tuple[int, float]], count: int | None, device: Any) -> _Use:
+    def narrowed(self, rows: Sequence[int]) -> contextlib.AbstractContextManager:
+        return self.laid_out(LoraLayout(rows))
+
+    def _use(self, name: str, uses: list[tuple[int, float]], mapping: torch.Tensor, device: Any) -> _Use | None:
         weight_of_row = torch.zeros(self.num_rows, dtype=torch.float64)
         for row, weight in uses:
             weight_of_row[row] = weight
-        every = weight_of_row if count is None else weight_of_row[self.streams[count]]  # a token takes its row's
+        every = weight_of_row[mapping]  # an element takes its row's weight
         used = torch.nonzero(every, as_tuple=True)[0]
+        if used.numel() == 0:  # NOTE: none of this layout's rows uses the adapter
+            return None
         weights = every[used]
         weight = float(weights[0]) if bool((weights == weights[0]).all()) else weights.to(device)
         first, count = int(used[0]), used.numel()
@@ -147,6 +172,21 @@ class RowPlan:
         if int(used[-1]) - first + 1 == count:  # NOTE: contiguous (a request's rows): slice, don't gather
             return _Use(name, (first, count), None, weight)
         return _Use(name, None, used.to(device), weight)
+
+
+def lora_active(model: torch.nn.Module) -> bool:
+    """Whether `model` is inside a `per_row_lora` forward (its LoRA layers map inputs to rows)."""
+    return model in _PLANS
+
+
+@contextlib.contextmanager
+def lora_layout(model: torch.nn.Module, layout: LoraLayout | None) -> Iterator[None]:
+    """Inside a `per_row_lora` forward of `model`, LoRA layer inputs map to its rows by `layout` (a no-op outside
+    one, or with None): for steps that run on another arrangement of the rows, such as a packed forward's blocks
+    on some rows' token streams; `with lora_layout(model, LoraLayout(rows, token_rows)): ...`."""
+    plan = _PLANS.get(model)
+    with contextlib.nullcontext() if plan is None or layout is None else plan.laid_out(layout):
+        yield
 
 
 def _base_forward(layer: Any, plan: RowPlan, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -197,6 +237,8 @@ def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
         yield
         return
     plan = RowPlan(rows, token_rows)
+    if model in _PLANS:
+        raise RuntimeError(f"{type(model).__name__} is already inside a per-row LoRA forward")
     # NOTE: no row uses an adapter: the base layers (fused adapters included, as peft runs a merged layer)
     forward = _row_forward if plan.adapters else _base_forward
     installed = []
@@ -217,16 +259,8 @@ def per_row_lora(model: torch.nn.Module, rows: Sequence[Mapping[str, float]],
 
 @contextlib.contextmanager
 def row_subset(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
-    """Inside `per_row_lora(model, ...)`, the body's LoRA layer inputs hold only `rows` of that forward's rows, on
-    dim 0: a sub-batch, such as the rows a step cache computes. Outside one, nothing changes.
-
-    >>> with per_row_lora(model, rows):
-    ...     with row_subset(model, [0, 2]):
-    ...         out = block(hidden[[0, 2]], temb[[0, 2]])
-    """
+    """`lora_layout` for a sub-batch: the body's LoRA layer inputs hold only `rows` of the forward's rows, on dim 0
+    (the rows a step cache computes, one size's rows); `with row_subset(model, [0, 2]): block(hidden[[0, 2]])`."""
     plan = _PLANS.get(model)
-    if plan is None:
-        yield
-        return
-    with plan.narrowed(rows):
+    with contextlib.nullcontext() if plan is None else plan.narrowed(rows):
         yield

@@ -5,7 +5,8 @@ reordering, refiner and masks work row by row. One decision is not: whether the 
 all image embeds at once (`torch.all(image_embeds == 0)`), so a row with an image beside rows without would lose
 its image; calls merge by rows only with calls of the same kind (`merge_key`). `packing.py` packs calls of other
 frame counts and sizes, each call's kind decided for its own rows; `teacache.py` is the per-row TeaCache forward
-on top of it.
+on top of it. Every LoRA layer sees rows on dim 0 (the token refiner and the image and ByT5 projections
+included) or packed tokens, so per-request LoRA applies per row, packed too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 
 from .. import ModelSupport, Packing, register_model
-from .packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key
+from .packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key, token_rows
 from .teacache import HUNYUAN_VIDEO15_COEFFICIENTS, teacache_call
 
 
@@ -30,5 +31,6 @@ def text_to_video(arguments: dict[str, Any]) -> bool | None:
 def _hunyuan_video15() -> ModelSupport:
     return ModelSupport(merge_key=text_to_video, trusted=True,
                         packing=Packing(unsupported=hunyuan_video15_packing_unsupported, key=pack_key,
-                                        run=pack_calls),
-                        teacache_coefficients=HUNYUAN_VIDEO15_COEFFICIENTS, teacache_forward=teacache_call)
+                                        run=pack_calls, token_rows=token_rows),
+                        teacache_coefficients=HUNYUAN_VIDEO15_COEFFICIENTS, teacache_forward=teacache_call,
+                        lora_rows=True)

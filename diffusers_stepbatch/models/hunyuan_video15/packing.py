@@ -25,7 +25,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 from diffusers.utils import apply_lora_scale
 
-from ...adapters.lora import lora_layers
+from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout, row_subset
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -71,6 +71,45 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
             for call, out in zip(calls, outputs)]
 
 
+def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
+    """Per token stream of `pack_calls`' forward (video tokens, kept text tokens, in packed order), each token's row
+    (calls' rows in call order). Each call's embeddings run on its own rows (`lora_layout`)."""
+    config = transformer.config
+    lengths = []
+    for call in calls:
+        frames, height, width = call["hidden_states"].shape[2:]
+        video = (frames // config.patch_size_t) * (height // config.patch_size) * (width // config.patch_size)
+        image_embeds = call["image_embeds"]
+        image = 0 if torch.all(image_embeds == 0) else image_embeds.shape[1]  # NOTE: as `_call_rows` keeps them
+        kept = call["encoder_attention_mask"].bool().sum(1) + call["encoder_attention_mask_2"].bool().sum(1) + image
+        lengths.extend((video, int(text)) for text in kept)
+    return _token_streams(lengths, range(len(lengths)))
+
+
+def _order(lengths: Sequence[tuple[int, int]]) -> list[int]:
+    # NOTE: rows of equal token counts form one part of the layout, so they attend as one batch.
+    return sorted(range(len(lengths)), key=lambda r: lengths[r])
+
+
+def _token_streams(lengths: Sequence[tuple[int, int]], ids: Sequence[int]) -> list[torch.Tensor]:
+    """Each packed video and text token's row (`ids[r]`: row r's number in the forward), rows in `_order`."""
+    order = _order(lengths)
+    ordered = torch.tensor([ids[r] for r in order])
+    return [ordered.repeat_interleave(torch.tensor([lengths[r][stream] for r in order])) for stream in (VIDEO, TEXT)]
+
+
+def _lengths(rows) -> list[tuple[int, int]]:
+    return [(row.video.shape[0], row.text.shape[0]) for row in rows]
+
+
+def _lora_layout(transformer, rows) -> LoraLayout | None:
+    """Per-row values in `rows` order, token streams in packed order; None without per-row LoRA."""
+    if not lora_active(transformer):
+        return None
+    ids = [row.index for row in rows]
+    return LoraLayout(ids, _token_streams(_lengths(rows), ids))
+
+
 def hunyuan_video15_packed_forward(transformer, calls: Sequence[dict], attention_kwargs: dict | None = None,
                                    packed_attention: str = "auto", teacache: Sequence | None = None
                                    ) -> list[torch.Tensor]:
@@ -87,14 +126,16 @@ def hunyuan_video15_packed_forward(transformer, calls: Sequence[dict], attention
 @dataclass
 class _Row:
     call: int
+    index: int  # its row in the forward: calls' rows in call order
     video: torch.Tensor  # [video tokens, inner_dim], patch-embedded
     text: torch.Tensor  # [kept text tokens, inner_dim]: valid image, ByT5 and refined MLLM tokens
     temb: torch.Tensor  # [inner_dim]
     rotary: tuple[torch.Tensor, torch.Tensor]  # per video token (cos, sin)
 
 
-def _call_rows(transformer, index: int, call: dict) -> list[_Row]:
-    """The model's embeddings of one call (`forward` up to the blocks), as rows with their text padding dropped."""
+def _call_rows(transformer, index: int, call: dict, first: int) -> list[_Row]:
+    """The model's embeddings of one call (`forward` up to the blocks), as rows with their text padding dropped;
+    `first`: its first row's number in the forward."""
     hidden, timestep, mask = call["hidden_states"], call["timestep"], call["encoder_attention_mask"]
     rotary = transformer.rope(hidden)
     temb = transformer.time_embed(timestep, timestep_r=call.get("timestep_r"))
@@ -115,13 +156,17 @@ def _call_rows(transformer, index: int, call: dict) -> list[_Row]:
         kept = [text_2[r][mask_2[r]], text[r][mask[r]]]
         if not is_t2v:
             kept.insert(0, image[r])
-        rows.append(_Row(index, video[r], torch.cat(kept), temb[r], rotary))
+        rows.append(_Row(index, first + r, video[r], torch.cat(kept), temb[r], rotary))
     return rows
 
 
 @apply_lora_scale("attention_kwargs")
 def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto", teacache=None):
-    rows = [row for index, call in enumerate(calls) for row in _call_rows(transformer, index, call)]
+    rows = []
+    for index, call in enumerate(calls):
+        first, count = len(rows), call["hidden_states"].shape[0]
+        with row_subset(transformer, range(first, first + count)):  # NOTE: the call's embeddings, on its rows
+            rows += _call_rows(transformer, index, call, first)
     method = resolve(packed_attention, rows[0].video.device, rows[0].video.dtype)
     split = not lora_layers(transformer)  # NOTE: as in models/qwenimage/packing.py
     states = [state for index, call in enumerate(calls)
@@ -134,21 +179,37 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto",
 
         videos = teacache_blocks(transformer, rows, states, method, split)
 
-    hidden = torch.cat(videos)
-    norm_out = transformer.norm_out
-    emb = norm_out.linear(norm_out.silu(torch.stack([row.temb for row in rows])).to(hidden.dtype))
-    tokens = torch.tensor([video.shape[0] for video in videos], device=hidden.device)
-    scale, shift = (values.repeat_interleave(tokens, dim=0) for values in torch.chunk(emb, 2, dim=1))
-    output = transformer.proj_out(norm_out.norm(hidden) * (1 + scale) + shift).split(tokens.tolist())
+    with lora_layout(transformer, _lora_layout(transformer, rows)):
+        output = _output(transformer, rows, videos)
     return [_unpatchify(transformer, call["hidden_states"],
                         torch.stack([output[r] for r in range(len(rows)) if rows[r].call == index]))
             for index, call in enumerate(calls)]
 
 
+def _output(transformer, rows, videos) -> list[torch.Tensor]:
+    """The output layer over every row's video tokens (packed order, as the blocks' stream); one tensor per row."""
+    order = _order(_lengths(rows))
+    hidden = torch.cat([videos[r] for r in order])
+    norm_out = transformer.norm_out
+    emb = norm_out.linear(norm_out.silu(torch.stack([row.temb for row in rows])).to(hidden.dtype))
+    emb = emb.index_select(0, torch.tensor(order, device=emb.device))
+    tokens = torch.tensor([videos[r].shape[0] for r in order], device=hidden.device)
+    scale, shift = (values.repeat_interleave(tokens, dim=0) for values in torch.chunk(emb, 2, dim=1))
+    packed = transformer.proj_out(norm_out.norm(hidden) * (1 + scale) + shift).split(tokens.tolist())
+    output = [None] * len(rows)
+    for r, out in zip(order, packed):
+        output[r] = out
+    return output
+
+
 def packed_blocks(transformer, rows: Sequence[_Row], method: str, split: bool) -> list[torch.Tensor]:
     """Every row's video tokens after the transformer blocks, [video tokens, inner_dim] per row."""
-    # NOTE: rows of equal token counts form one part of the layout, so they attend as one batch.
-    order = sorted(range(len(rows)), key=lambda r: (rows[r].video.shape[0], rows[r].text.shape[0]))
+    with lora_layout(transformer, _lora_layout(transformer, rows)):
+        return _packed_blocks(transformer, rows, method, split)
+
+
+def _packed_blocks(transformer, rows, method, split):
+    order = _order(_lengths(rows))
     ordered = [rows[r] for r in order]
     sizes: dict[tuple[int, int], int] = {}
     for row in ordered:
@@ -157,11 +218,12 @@ def packed_blocks(transformer, rows: Sequence[_Row], method: str, split: bool) -
     hidden = torch.cat([row.video for row in ordered])
     layout = PackedLayout(rows=list(sizes.values()), lengths=list(sizes), device=hidden.device)
     encoder = torch.cat([row.text for row in ordered])
-    temb = torch.stack([row.temb for row in ordered])
+    temb = torch.stack([row.temb for row in rows])  # NOTE: in `rows` order, as per-row LoRA numbers the rows
+    packed = torch.tensor(order, device=temb.device)
     rotary = tuple(torch.cat([row.rotary[i] for row in ordered]) for i in range(2))
 
     for block in transformer.transformer_blocks:
-        hidden, encoder = _block(block, layout, hidden, encoder, temb, rotary, method, split)
+        hidden, encoder = _block(block, layout, hidden, encoder, temb, packed, rotary, method, split)
 
     per_row, start = [None] * len(rows), 0
     for r in order:
@@ -178,11 +240,12 @@ def _unpatchify(transformer, hidden_states, output):
     return output.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
-def _block(block, layout, hidden, encoder, temb, rotary, method, split):
+def _block(block, layout, hidden, encoder, temb, packed, rotary, method, split):
+    """`temb`: per row in `rows` order; `packed`: the rows in packed order."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln_values(
-        layout, VIDEO, block.norm1.linear(block.norm1.silu(temb)), 6)
+        layout, VIDEO, block.norm1.linear(block.norm1.silu(temb)).index_select(0, packed), 6)
     c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = adaln_values(
-        layout, TEXT, block.norm1_context.linear(block.norm1_context.silu(temb)), 6)
+        layout, TEXT, block.norm1_context.linear(block.norm1_context.silu(temb)).index_select(0, packed), 6)
     norm_hidden = layout.modulate(VIDEO, block.norm1.norm(hidden), scale_msa, shift_msa)
     norm_encoder = layout.modulate(TEXT, block.norm1_context.norm(encoder), c_scale_msa, c_shift_msa)
 

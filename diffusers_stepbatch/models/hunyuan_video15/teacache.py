@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
+from ...adapters.lora import row_subset
 from ...cache.teacache import TeaCacheState, row_groups
 from .packing import hunyuan_video15_packed_forward, hunyuan_video15_packing_unsupported, pack_key, packed_blocks
 
@@ -57,10 +58,15 @@ def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState 
         if state is not None:
             videos = [rows[r].video for r in group]
             if all(video.shape == videos[0].shape for video in videos):
-                signal = hunyuan_video15_signal(first, torch.stack(videos), torch.stack([rows[r].temb for r in group]))
+                with row_subset(transformer, [rows[r].index for r in group]):
+                    signal = hunyuan_video15_signal(first, torch.stack(videos),
+                                                    torch.stack([rows[r].temb for r in group]))
             else:
-                signal = torch.cat([hunyuan_video15_signal(first, rows[r].video[None], rows[r].temb[None])
-                                    for r in group])
+                signal = []
+                for r in group:
+                    with row_subset(transformer, [rows[r].index]):
+                        signal.append(hunyuan_video15_signal(first, rows[r].video[None], rows[r].temb[None]))
+                signal = torch.cat(signal)
         compute, accumulated = (True, 0.0) if state is None else state.decide(signal)
         decisions.append((state, group, signal, compute, accumulated))
 

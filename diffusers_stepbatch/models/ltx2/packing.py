@@ -31,7 +31,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 from diffusers.utils import apply_lora_scale
 
-from ...adapters.lora import lora_layers
+from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, RowValues, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -97,6 +97,27 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
             for call, video, audio in zip(calls, videos, audios)]
 
 
+def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
+    """Per token stream of `pack_calls`' forward (video, audio, video prompt, audio prompt tokens in packed order),
+    each token's row (calls' rows in call order)."""
+    lengths = [tuple(call[name].shape[1] for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states",
+                                                      "audio_encoder_hidden_states"))
+               for call in calls for _ in range(call["hidden_states"].shape[0])]
+    return _token_streams(lengths, list(range(len(lengths))))
+
+
+def _order(lengths: Sequence[tuple[int, ...]]) -> list[int]:
+    # NOTE: rows of equal token counts in every stream form one part: they attend as one batch.
+    return sorted(range(len(lengths)), key=lambda r: lengths[r])
+
+
+def _token_streams(lengths: Sequence[tuple[int, ...]], ids: Sequence[int]) -> list[torch.Tensor]:
+    """Per stream, each packed token's row (`ids[r]`: row r's number in the forward), rows in `_order`."""
+    order = _order(lengths)
+    ordered = torch.tensor([ids[r] for r in order])
+    return [ordered.repeat_interleave(torch.tensor([lengths[r][stream] for r in order])) for stream in range(4)]
+
+
 def ltx2_packed_forward(transformer, calls: Sequence[dict], attention_kwargs: dict | None = None,
                         packed_attention: str = "auto", teacache: Sequence | None = None
                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -113,6 +134,7 @@ def ltx2_packed_forward(transformer, calls: Sequence[dict], attention_kwargs: di
 @dataclass
 class _Row:
     call: int
+    index: int  # its row in the forward: calls' rows in call order
     streams: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # video, audio, text, audio text
     masks: tuple[torch.Tensor | None, torch.Tensor | None]  # [text tokens] per prompt, or None
     timesteps: tuple[torch.Tensor, ...]  # timestep ([1] or [video tokens]), audio_timestep, sigma, audio_sigma ([1];
@@ -145,7 +167,7 @@ def _rows(transformer, calls: Sequence[dict]) -> list[_Row]:
         per_row = [None if t is None else t.reshape(count, -1) for t in (timestep, audio_timestep, sigma, audio_sigma)]
         masks = [call.get(name) for name in _MASKS]
         for r in range(count):
-            rows.append(_Row(index, (video[r], call["audio_hidden_states"][r], call["encoder_hidden_states"][r],
+            rows.append(_Row(index, len(rows), (video[r], call["audio_hidden_states"][r], call["encoder_hidden_states"][r],
                                      call["audio_encoder_hidden_states"][r]),
                              tuple(None if m is None else m[r] for m in masks),
                              tuple(None if t is None else t[r] for t in per_row), video_coords[r], audio_coords[r]))
@@ -181,9 +203,17 @@ def packed_rows(transformer, flags: dict, rows: Sequence[_Row], packed_attention
     stands in for the blocks: it gets the first block's modulated video input, the video and audio tokens before
     the blocks (per row) and `run_rows(rows)` (the blocks on those rows only), and returns every row's (video,
     audio) tokens after the blocks."""
+    lora = None
+    if lora_active(transformer):  # NOTE: per-row values in `rows` order, token streams in packed order
+        ids = [row.index for row in rows]
+        lora = LoraLayout(ids, _token_streams([row.lengths for row in rows], ids))
+    with lora_layout(transformer, lora):
+        return _packed_rows(transformer, flags, rows, packed_attention, through, final)
+
+
+def _packed_rows(transformer, flags, rows, packed_attention, through, final):
     config = transformer.config
-    # NOTE: rows of equal token counts in every stream form one part: they attend as one batch.
-    order = sorted(range(len(rows)), key=lambda r: rows[r].lengths)
+    order = _order([row.lengths for row in rows])
     ordered = [rows[r] for r in order]
     sizes: dict[tuple[int, ...], int] = {}
     for row in ordered:
@@ -207,34 +237,39 @@ def packed_rows(transformer, flags: dict, rows: Sequence[_Row], packed_attention
     method = resolve(packed_attention, hidden.device, hidden.dtype)
     split = not lora_layers(transformer)  # NOTE: as in models/qwenimage/packing.py
 
-    count = len(ordered)
+    # NOTE: per-row timesteps are embedded in `rows` order (as per-row LoRA numbers the rows), then put in packed
+    # order; per-token video timesteps are embedded in packed order (the video token stream)
+    count = len(rows)
+    packed = torch.tensor(order, device=device)
     timestep, audio_timestep, sigma, audio_sigma = (
-        None if ordered[0].timesteps[i] is None else torch.cat([row.timesteps[i] for row in ordered])
-        for i in range(4))
-    if timestep.numel() != count:  # NOTE: some row has a timestep per video token: every row gets one per token
+        None if rows[0].timesteps[i] is None else torch.cat([row.timesteps[i] for row in rows]) for i in range(4))
+    per_token = timestep.numel() != count
+    if per_token:  # NOTE: some row has a timestep per video token: every row gets one per token
         timestep = torch.cat([row.timesteps[0].expand(row.streams[VIDEO].shape[0]) for row in ordered])
-    temb, embedded = transformer.time_embed(timestep, batch_size=timestep.numel(), hidden_dtype=hidden.dtype)
-    temb_audio, audio_embedded = transformer.audio_time_embed(audio_timestep, batch_size=count,
-                                                              hidden_dtype=audio.dtype)
+
+    def embed(module, values, values_per_token=False, dtype=hidden.dtype):
+        out = module(values, batch_size=values.numel(), hidden_dtype=dtype)
+        return out if values_per_token else tuple(t.index_select(0, packed) for t in out)
+
+    temb, embedded = embed(transformer.time_embed, timestep, per_token)
+    temb_audio, audio_embedded = embed(transformer.audio_time_embed, audio_timestep, dtype=audio.dtype)
     temb_prompt = temb_prompt_audio = None
     if transformer.prompt_modulation and config.use_prompt_adaln_single:
-        temb_prompt = transformer.prompt_adaln(sigma, batch_size=count, hidden_dtype=hidden.dtype)[0]
-        temb_prompt_audio = transformer.audio_prompt_adaln(audio_sigma, batch_size=count, hidden_dtype=audio.dtype)[0]
+        temb_prompt = embed(transformer.prompt_adaln, sigma)[0]
+        temb_prompt_audio = embed(transformer.audio_prompt_adaln, audio_sigma, dtype=audio.dtype)[0]
     cross_timestep = flags.get("use_cross_timestep", False)
     gate_factor = config.cross_attn_timestep_scale_multiplier / config.timestep_scale_multiplier
     video_ca_timestep = audio_sigma if cross_timestep else timestep
+    video_ca_per_token = per_token and not cross_timestep
     audio_ca_timestep = sigma if cross_timestep else audio_timestep
     modulation = _Modulation(
         temb=temb, temb_audio=temb_audio, temb_prompt=temb_prompt, temb_prompt_audio=temb_prompt_audio,
-        video_ca=transformer.av_cross_attn_video_scale_shift(video_ca_timestep, batch_size=video_ca_timestep.numel(),
-                                                             hidden_dtype=hidden.dtype)[0],
-        video_ca_gate=transformer.av_cross_attn_video_a2v_gate(video_ca_timestep * gate_factor,
-                                                               batch_size=video_ca_timestep.numel(),
-                                                               hidden_dtype=hidden.dtype)[0],
-        audio_ca=transformer.av_cross_attn_audio_scale_shift(audio_ca_timestep, batch_size=count,
-                                                             hidden_dtype=audio.dtype)[0],
-        audio_ca_gate=transformer.av_cross_attn_audio_v2a_gate(audio_ca_timestep * gate_factor, batch_size=count,
-                                                               hidden_dtype=audio.dtype)[0])
+        video_ca=embed(transformer.av_cross_attn_video_scale_shift, video_ca_timestep, video_ca_per_token)[0],
+        video_ca_gate=embed(transformer.av_cross_attn_video_a2v_gate, video_ca_timestep * gate_factor,
+                            video_ca_per_token)[0],
+        audio_ca=embed(transformer.av_cross_attn_audio_scale_shift, audio_ca_timestep, dtype=audio.dtype)[0],
+        audio_ca_gate=embed(transformer.av_cross_attn_audio_v2a_gate, audio_ca_timestep * gate_factor,
+                            dtype=audio.dtype)[0])
 
     text, audio_text = cat(TEXT), cat(AUDIO_TEXT)
     if config.use_prompt_embeddings:

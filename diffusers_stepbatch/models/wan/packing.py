@@ -24,7 +24,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.utils import apply_lora_scale
 
-from ...adapters.lora import lora_layers
+from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout, row_subset
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, RowValues, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -85,12 +85,22 @@ def pack_key(arguments: dict) -> tuple | None:
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
     """One packed forward for calls of different video shapes; each output as the model returns it."""
-    parts = [WanPart(hidden_states=c["hidden_states"], timestep=c["timestep"],
-                     encoder_hidden_states=c["encoder_hidden_states"],
-                     encoder_hidden_states_image=c.get("encoder_hidden_states_image")) for c in calls]
-    outputs = wan_packed_forward(transformer, parts, calls[0].get("attention_kwargs"), packed_attention, teacache)
+    outputs = wan_packed_forward(transformer, _parts(calls), calls[0].get("attention_kwargs"), packed_attention,
+                                 teacache)
     return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]
+
+
+def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
+    """Per token stream of `pack_calls`' forward (video tokens, text tokens, both in packed order), each token's
+    row. Its per-shape steps (patch embedding, image embedding, cross-attention keys) run on rows (`lora_layout`)."""
+    return _token_streams(_ordered(transformer, _parts(calls)))
+
+
+def _parts(calls: Sequence[dict]) -> list[WanPart]:
+    return [WanPart(hidden_states=c["hidden_states"], timestep=c["timestep"],
+                    encoder_hidden_states=c["encoder_hidden_states"],
+                    encoder_hidden_states_image=c.get("encoder_hidden_states_image")) for c in calls]
 
 
 @dataclass
@@ -99,23 +109,44 @@ class _Row:
     index: int  # its row inside that part
     grid: tuple[int, int, int]  # post-patch (frames, height, width)
     context: int  # context tokens (image tokens, then text)
+    row: int  # its row in the forward: parts' rows in part order
+    text: int  # text tokens
 
     @property
     def tokens(self) -> int:
         return prod(self.grid)
 
 
-def _rows(transformer, parts: Sequence[WanPart], context_lengths: Sequence[int]) -> list[_Row]:
+def _rows(transformer, parts: Sequence[WanPart]) -> list[_Row]:
     p_t, p_h, p_w = transformer.config.patch_size
+    image_embedder = transformer.condition_embedder.image_embedder
+    # NOTE: first-last-frame-to-video's embedder (its pos_embed) folds each video's two images into one context
+    fold = 2 if image_embedder is not None and image_embedder.pos_embed is not None else 1
     rows = []
-    for index, (part, context) in enumerate(zip(parts, context_lengths)):
+    for index, part in enumerate(parts):
         frames, height, width = part.hidden_states.shape[2:]
         grid = (frames // p_t, height // p_h, width // p_w)
         if part.timestep.ndim == 2 and part.timestep.shape[1] != prod(grid):
             raise ValueError(f"timestep has {part.timestep.shape[1]} entries per row, but the video has "
                              f"{prod(grid)} tokens ({grid} after patching)")
-        rows.extend(_Row(index, r, grid, context) for r in range(part.hidden_states.shape[0]))
+        image = part.encoder_hidden_states_image
+        text = part.encoder_hidden_states.shape[1]
+        context = text + (0 if image is None else image.shape[1] * fold)
+        first = len(rows)
+        rows.extend(_Row(index, r, grid, context, first + r, text) for r in range(part.hidden_states.shape[0]))
     return rows
+
+
+def _ordered(transformer, parts: Sequence[WanPart]) -> list[_Row]:
+    rows = _rows(transformer, parts)
+    return [rows[r] for r in _order(rows)]
+
+
+def _token_streams(ordered: Sequence[_Row]) -> list[torch.Tensor]:
+    """Each token's row in the forward's token streams: video, then text tokens, in packed order."""
+    ids = torch.tensor([row.row for row in ordered])
+    return [ids.repeat_interleave(torch.tensor([count(row) for row in ordered]))
+            for count in (lambda row: row.tokens, lambda row: row.text)]
 
 
 def _order(rows: Sequence[_Row]) -> list[int]:
@@ -141,24 +172,29 @@ def _layouts(ordered: Sequence[_Row], device) -> tuple[PackedLayout, PackedLayou
 
 @apply_lora_scale("attention_kwargs")
 def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto", teacache=None):
-    context, temb_rows, timestep_proj = _conditions(transformer, parts)  # per part, in part row order
-    rows = _rows(transformer, parts, [c.shape[1] for c in context])
-    order = _order(rows)
-    ordered = [rows[r] for r in order]
+    ordered = _ordered(transformer, parts)
+    # NOTE: per-row inputs (timestep embeddings) hold the parts' rows in part order; the rest are token streams
+    layout = LoraLayout(torch.arange(len(ordered)), _token_streams(ordered)) if lora_active(transformer) else None
+    with lora_layout(transformer, layout):
+        return _packed(transformer, parts, ordered, packed_attention, teacache)
+
+
+def _packed(transformer, parts, ordered, packed_attention, teacache):
     device = parts[0].hidden_states.device
     video, contexts = _layouts(ordered, device)
+    # [context tokens, dim]; [rows, dim] (or [tokens, dim] with per-token timesteps), in packed row order
+    context, temb, proj = _conditions(transformer, parts, ordered)
+    proj = proj.unflatten(1, (6, -1))
+    per_token = parts[0].timestep.ndim == 2
 
     hidden = _patch_embed(transformer, parts, ordered)
     method = resolve(packed_attention, hidden.device, hidden.dtype)
     rotary = _packed_rotary(transformer, parts, ordered)
-    context = torch.cat([context[row.part][row.index] for row in ordered])
-    per_token = parts[0].timestep.ndim == 2
-    temb = _in_order(temb_rows, ordered, per_token)  # [rows, dim], or [tokens, dim] with per-token timesteps
-    proj = _in_order(timestep_proj, ordered, per_token).unflatten(1, (6, -1))
 
     states = [None if teacache is None or teacache[row.part] is None else teacache[row.part][row.index]
               for row in ordered]
-    inputs = PackedInputs(video, contexts, context, proj, per_token, rotary, method)
+    inputs = PackedInputs(video, contexts, context, proj, per_token, rotary, method,
+                          torch.tensor([row.row for row in ordered]))
     if all(state is None for state in states):
         hidden = packed_blocks(transformer, inputs, hidden)
     else:
@@ -187,6 +223,7 @@ class PackedInputs:
     per_token: bool
     rotary: tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [video tokens, 1, head_dim]
     method: str  # the packed attention backend
+    rows: torch.Tensor  # each packed row's row in the forward (per-row LoRA numbers rows so)
 
     def select(self, rows: list[int]) -> tuple[PackedInputs, torch.Tensor]:
         """The inputs of only `rows` (ascending) and the index of their video tokens."""
@@ -195,57 +232,70 @@ class PackedInputs:
         proj = self.proj.index_select(0, index if self.per_token else torch.tensor(rows, device=index.device))
         rotary = tuple(r.index_select(0, index) for r in self.rotary)
         return PackedInputs(video, contexts, self.context.index_select(0, context_index), proj, self.per_token,
-                            rotary, self.method), index
+                            rotary, self.method, self.rows[rows]), index
 
 
 def packed_blocks(transformer, inputs: PackedInputs, hidden: torch.Tensor) -> torch.Tensor:
     """The transformer blocks over packed video tokens [tokens, dim]."""
     context_parts = inputs.contexts.unpack(0, inputs.context)
     split = not lora_layers(transformer)  # NOTE: as in models/flux/packing.py: per-row LoRA maps inputs by token count
-    for block in transformer.blocks:
-        hidden = _block(block, inputs.video, hidden, context_parts, inputs.proj, inputs.per_token, inputs.rotary,
-                        inputs.method, split)
+    layout, part_layouts = None, [None] * len(context_parts)
+    if lora_active(transformer):  # NOTE: the video tokens of these rows; cross-attention keys per part, by rows
+        layout = LoraLayout(inputs.rows, [inputs.rows[inputs.video.token_rows[0].cpu()]])
+        part_layouts = [LoraLayout(inputs.rows[start:start + rows])
+                        for start, rows in zip(inputs.video.row_starts, inputs.video.rows)]
+    with lora_layout(transformer, layout):
+        for block in transformer.blocks:
+            hidden = _block(block, inputs.video, hidden, context_parts, inputs.proj, inputs.per_token, inputs.rotary,
+                            inputs.method, split, transformer, part_layouts)
     return hidden
 
 
-def _in_order(per_part, ordered, per_token):
-    """Per-part [rows, ...] (or [rows, tokens, ...]) values gathered in packed row order: [rows or tokens, ...]."""
-    if per_token:
-        return torch.cat([per_part[row.part][row.index] for row in ordered])
-    return torch.cat([per_part[row.part][row.index:row.index + 1] for row in ordered])
-
-
-def _conditions(transformer, parts):
-    """Per part: its context ([rows, image + text tokens, dim]), temb and timestep projection ([rows, ...] or
-    [rows, tokens, ...]), from the model's own condition embedder."""
+def _conditions(transformer, parts, ordered):
+    """The packed context ([context tokens, dim]: each row's image then text tokens), temb and timestep projection
+    ([rows, ...], or [video tokens, ...] with per-token timesteps), in packed row order, from the model's own
+    condition embedder."""
     embedder = transformer.condition_embedder
-    # NOTE: the text projection is token-wise: all parts' tokens in one call.
-    texts = [part.encoder_hidden_states for part in parts]
-    projected = embedder.text_embedder(torch.cat([t.reshape(-1, t.shape[-1]) for t in texts]))
-    texts = [p.unflatten(0, t.shape[:2]) for p, t in zip(projected.split([t.shape[0] * t.shape[1] for t in texts]),
-                                                          texts)]
-    timesteps = [part.timestep.flatten() for part in parts]
-    steps = embedder.timesteps_proj(torch.cat(timesteps))
+    # NOTE: the text projection is token-wise: all rows' tokens in one call, in packed order (a LoRA token stream)
+    texts = embedder.text_embedder(torch.cat([parts[row.part].encoder_hidden_states[row.index] for row in ordered]))
+    texts = texts.split([row.text for row in ordered])
+    per_token = parts[0].timestep.ndim == 2
+    if per_token:  # NOTE: in packed order, as the video tokens (the same LoRA token stream)
+        steps = torch.cat([parts[row.part].timestep[row.index] for row in ordered])
+    else:  # rows in part order, as the forward's rows
+        steps = torch.cat([part.timestep for part in parts])
+    steps = embedder.timesteps_proj(steps)
     time_dtype = next(iter(embedder.time_embedder.parameters())).dtype
     if steps.dtype != time_dtype and time_dtype != torch.int8:
         steps = steps.to(time_dtype)
     temb = embedder.time_embedder(steps).type_as(parts[0].encoder_hidden_states)
     proj = embedder.time_proj(embedder.act_fn(temb))
-    temb = [t.unflatten(0, part.timestep.shape) for t, part in zip(temb.split([t.numel() for t in timesteps]), parts)]
-    proj = [t.unflatten(0, part.timestep.shape) for t, part in zip(proj.split([t.numel() for t in timesteps]), parts)]
+    if not per_token:
+        index = torch.tensor([row.row for row in ordered], device=temb.device)
+        temb, proj = temb.index_select(0, index), proj.index_select(0, index)
 
-    context = []
-    for part, text in zip(parts, texts):
+    images = []
+    for part, rows in zip(parts, _part_rows(parts)):
         image = part.encoder_hidden_states_image
-        if image is None:
-            context.append(text)
-            continue
-        image = embedder.image_embedder(image)
-        if image.shape[0] != text.shape[0]:
-            raise ValueError(f"encoder_hidden_states_image folds to {image.shape[0]} rows, but the call has "
-                             f"{text.shape[0]}")
-        context.append(torch.concat([image, text], dim=1))
-    return context, temb, proj
+        if image is not None:
+            with row_subset(transformer, rows):  # NOTE: this part's rows, on dim 0
+                image = embedder.image_embedder(image)
+            if image.shape[0] != part.encoder_hidden_states.shape[0]:
+                raise ValueError(f"encoder_hidden_states_image folds to {image.shape[0]} rows, but the call has "
+                                 f"{part.encoder_hidden_states.shape[0]}")
+        images.append(image)
+    context = [text if images[row.part] is None else torch.cat([images[row.part][row.index], text])
+               for row, text in zip(ordered, texts)]
+    return torch.cat(context), temb, proj
+
+
+def _part_rows(parts) -> list[range]:
+    """Each part's rows in the forward (parts' rows in part order)."""
+    ranges, start = [], 0
+    for part in parts:
+        ranges.append(range(start, start + part.hidden_states.shape[0]))
+        start += part.hidden_states.shape[0]
+    return ranges
 
 
 def _patch_embed(transformer, parts, ordered):
@@ -254,8 +304,10 @@ def _patch_embed(transformer, parts, ordered):
     for index, part in enumerate(parts):
         by_shape.setdefault(tuple(part.hidden_states.shape[1:]), []).append(index)
     embedded: dict[int, torch.Tensor] = {}
+    part_rows = _part_rows(parts)
     for indices in by_shape.values():
-        out = transformer.patch_embedding(torch.cat([parts[i].hidden_states for i in indices]))
+        with row_subset(transformer, [r for i in indices for r in part_rows[i]]):  # NOTE: this shape's rows
+            out = transformer.patch_embedding(torch.cat([parts[i].hidden_states for i in indices]))
         out = out.flatten(2).transpose(1, 2)
         for i, chunk in zip(indices, out.split([parts[i].hidden_states.shape[0] for i in indices])):
             embedded[i] = chunk
@@ -299,7 +351,7 @@ def _modulation(block, layout, proj, per_token) -> list[RowValues]:
     return [RowValues(None, chunk) for chunk in chunks]
 
 
-def _block(block, layout, hidden, context_parts, proj, per_token, rotary, method, split):
+def _block(block, layout, hidden, context_parts, proj, per_token, rotary, method, split, transformer, part_layouts):
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(block, layout, proj, per_token)
 
     # 1. Self-attention
@@ -309,7 +361,7 @@ def _block(block, layout, hidden, context_parts, proj, per_token, rotary, method
 
     # 2. Cross-attention
     norm_hidden = block.norm2(hidden.float()).type_as(hidden)
-    hidden = hidden + _cross_attention(block.attn2, layout, norm_hidden, context_parts)
+    hidden = hidden + _cross_attention(block.attn2, layout, norm_hidden, context_parts, transformer, part_layouts)
 
     # 3. Feed-forward
     norm_hidden = layout.modulate(0, block.norm3(hidden.float()), c_scale_msa, c_shift_msa).type_as(hidden)
@@ -344,25 +396,27 @@ def _self_attention(attn, layout, hidden, rotary, method):
     return attn.to_out[1](attn.to_out[0](out))
 
 
-def _cross_attention(attn, layout, hidden, context_parts):
+def _cross_attention(attn, layout, hidden, context_parts, transformer, part_layouts):
     """WanAttnProcessor's cross-attention: each part's rows to their own context, as one SDPA batch."""
     query = attn.norm_q(attn.to_q(hidden)).unflatten(1, (attn.heads, -1))
     backend = attn.processor._attention_backend
     out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
-    for part, context in enumerate(context_parts):
+    for part, (context, part_layout) in enumerate(zip(context_parts, part_layouts)):
         tokens = layout.row_tokens(0, part, 0, layout.rows[part])
         part_query = query[tokens].unflatten(0, (layout.rows[part], -1))
         image = None
         if attn.add_k_proj is not None:
             image_length = context.shape[1] - _TEXT_CONTEXT
             image, context = context[:, :image_length], context[:, image_length:]
-        key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(context).unflatten(2, (attn.heads, -1))
+        with lora_layout(transformer, part_layout):  # NOTE: keys and values of this part's rows, on dim 0
+            key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
+            value = attn.to_v(context).unflatten(2, (attn.heads, -1))
+            if image is not None:
+                key_image = attn.norm_added_k(attn.add_k_proj(image)).unflatten(2, (attn.heads, -1))
+                value_image = attn.add_v_proj(image).unflatten(2, (attn.heads, -1))
         part_out = dispatch_attention_fn(part_query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                          backend=backend, parallel_config=None).flatten(2, 3).type_as(query)
         if image is not None:
-            key_image = attn.norm_added_k(attn.add_k_proj(image)).unflatten(2, (attn.heads, -1))
-            value_image = attn.add_v_proj(image).unflatten(2, (attn.heads, -1))
             image_out = dispatch_attention_fn(part_query, key_image, value_image, attn_mask=None, dropout_p=0.0,
                                               is_causal=False, backend=backend, parallel_config=None)
             part_out = part_out + image_out.flatten(2, 3).type_as(query)
