@@ -80,7 +80,8 @@ def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
             vars(layer).pop("forward", None)
 
 
-def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, x: torch.Tensor) -> torch.Tensor:
+def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, input: torch.Tensor) -> torch.Tensor:
+    x = input  # NOTE: named as in `nn.Linear.forward`: some models pass it by keyword
     if x.dim() < 2 or x.shape[0] != total:
         return F.linear(x, layer.weight, layer.bias)
     per_row = x[0].numel() // max(x.shape[-1], 1)  # the GEMM rows one batch row brings

@@ -80,7 +80,8 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
                    for name in denoisers}
         view = request_pipeline(pipe, context)
         _fix_execution_device(view, pipe)
-        walks = {id(model): all_modules(model) for model in pipe.components.values()
+        models = [getattr(pipe, name, None) for name in (*DENOISER_NAMES, *ENCODER_NAMES, "vae")]
+        walks = {id(model): all_modules(model) for model in models
                  if isinstance(model, torch.nn.Module)}  # NOTE: the walks this plan's scans made
         program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention,
                                   context.options.prompt_cache, walks)

@@ -57,6 +57,7 @@ class VideoJob:
     handle: Any = None
     cancel_requested: bool = False
     preview: dict[str, Any] | None = None  # the latest preview event
+    previews_pending: list[concurrent.futures.Future] = field(default_factory=list)
     live_entry: Any = None
     listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
 
@@ -120,7 +121,8 @@ class VideoJobs:
                 self._publish(job, self._progress_event(job))
             if raw is not None:
                 try:
-                    self._previews.submit(self._make_preview, job, previewer, raw, index + 1, total)
+                    job.previews_pending.append(self._previews.submit(self._make_preview, job, previewer, raw,
+                                                                      index + 1, total))
                 except RuntimeError:  # shutting down: the job is being cancelled, no one waits for previews
                     pass
             return {}
@@ -178,6 +180,7 @@ class VideoJobs:
             self._fail(job, "server_stopping", "the server shut down before the video was written")
 
     def _write_files(self, job: VideoJob, output: Any) -> None:
+        concurrent.futures.wait(job.previews_pending)  # NOTE: a job's previews reach its listeners before its end
         try:
             frames = to_uint8(output.frames[0])
             write_mp4(frames, job.directory / VIDEO_FILE, job.plan.fps)
