@@ -107,6 +107,23 @@ def test_packed_forward_equals_the_model_forward_of_each_shape(config, guidance_
     assert max_diff(own[0][0], own[0][1]) > 1e-2
 
 
+def test_packed_calls_return_what_the_model_returns():
+    from diffusers_stepbatch.models.flux2.packing import pack_calls
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16,
+                                    axes_dims_rope=[4, 4, 4, 4]).eval()
+    calls = [dict(hidden_states=p.hidden_states, encoder_hidden_states=p.encoder_hidden_states, timestep=p.timestep,
+                  img_ids=p.img_ids, txt_ids=p.txt_ids, return_dict=return_dict)
+             for p, return_dict in zip(_token_shapes([(1, (4, 4), [], 8), (2, (2, 6), [], 5)]), (True, False))]
+    with torch.no_grad():
+        packed = pack_calls(model, calls, "auto", [None, None])
+        own = [model(**call) for call in calls]
+    assert [type(out) for out in packed] == [type(out) for out in own]
+    assert max_diff(packed[0].sample, own[0].sample) <= 1e-5 and max_diff(packed[1][0], own[1][0]) <= 1e-5
+
+
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("variant", sorted(BUILDERS))
 def test_requests_of_different_sizes_and_references_pack_and_equal_their_solo_runs(variant, config):

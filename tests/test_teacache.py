@@ -13,7 +13,7 @@ from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models.flux.teacache import FLUX_COEFFICIENTS, flux_teacache_forward
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 
-from .references import TOLERANCE, flux_pipe, in_lockstep, max_diff, seeded
+from .references import TOLERANCE, engine_held, flux_pipe, in_lockstep, max_diff, seeded
 
 SIZES = {"dev-tiny": (32, 32), "schnell-tiny": (32, 48), "dev-wide": (24, 40)}
 
@@ -273,3 +273,61 @@ def test_teacache_on_a_family_without_it_is_an_error():
         StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.4))
     with StepBatched(pipe) as sb, pytest.raises(ValueError, match="teacache= is not supported"):
         sb.submit("a cat", height=32, width=32, num_inference_steps=12, teacache=TeaCacheConfig(threshold=0.4))
+
+
+@pytest.mark.parametrize("program", ["generic", "dedicated"])
+@pytest.mark.parametrize("fail_at_call", [3, 6])
+def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program, fail_at_call, monkeypatch, caplog):
+    """A packed call that raises after its TeaCache forward committed is retried one shape at a time: the retry
+    must decide from the memory the failed attempt started with, so each request still equals its solo run.
+    `generic`: FLUX.1 Kontext through the generic program; `dedicated`: FluxPipeline through its own program."""
+    import dataclasses
+
+    from diffusers import FluxKontextPipeline
+
+    from diffusers_stepbatch import models
+    from diffusers_stepbatch.programs import flux as flux_program
+    from diffusers_stepbatch.testing import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline(guidance_embeds=True)
+    if program == "generic":
+        pipe = FluxKontextPipeline(**pipe.components)
+    pipe.set_progress_bar_config(disable=True)
+    packed_calls = []
+
+    def failing_once(run):
+        def wrapped(*args, **kwargs):
+            outputs = run(*args, **kwargs)  # its TeaCache states commit here
+            packed_calls.append(1)
+            if len(packed_calls) == fail_at_call:
+                raise RuntimeError("a packed call failed after its forward")
+            return outputs
+        return wrapped
+
+    if program == "generic":
+        support = models.support_for(pipe.transformer)
+        packing = dataclasses.replace(support.packing, run=failing_once(support.packing.run))
+        monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, packing=packing))
+    else:
+        monkeypatch.setattr(flux_program, "flux_packed_forward", failing_once(flux_program.flux_packed_forward))
+    requests = [dict(prompt=f"a shape {i}", height=h, width=w, num_inference_steps=steps, max_sequence_length=16,
+                     guidance_scale=3.5, output_type="pt", seed=i)
+                for i, ((h, w), steps) in enumerate(zip([(32, 32), (32, 48), (48, 32)], (8, 9, 10)))]
+    if program == "generic":
+        for i, kwargs in enumerate(requests):
+            kwargs.update(image=torch.rand(1, 3, kwargs["height"], kwargs["width"],
+                                           generator=torch.Generator().manual_seed(i)),
+                          _auto_resize=False, max_area=kwargs["height"] * kwargs["width"])
+    plain = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    config = SchedulerConfig(max_batch_size=16, cost_aware=False)
+    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.6, min_steps=3), scheduler=config) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+        packed_calls.clear()
+        with engine_held(sb, dict(requests[0], num_inference_steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300).images for future in futures]
+    assert len(packed_calls) >= fail_at_call  # the failure happened, after a committed packed forward
+    assert any("failed" in record.getMessage() for record in caplog.records)
+    for got, want, exact in zip(results, solo, plain):
+        assert max_diff(got, want) <= TOLERANCE
+        assert max_diff(want, exact) > 1e-3  # TeaCache skipped steps

@@ -13,8 +13,9 @@ and the model's TeaCache forward decides per row, so a request skips the same st
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,19 @@ class TeaCacheState:
             self.computed_steps += 1
         else:
             self.skipped_steps += 1
+
+
+@contextlib.contextmanager
+def kept_on_failure(states: Iterable[TeaCacheState | None]) -> Iterator[None]:
+    """A call that raises leaves `states` as they were before it: the engine retries failed calls (alone, or one
+    shape at a time), and a retry must decide from the same memory as the failed attempt did."""
+    saved = [(state, dict(vars(state))) for state in states if state is not None]
+    try:
+        yield
+    except BaseException:
+        for state, fields in saved:
+            vars(state).update(fields)
+        raise
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:

@@ -36,7 +36,7 @@ from ..adapters.state import (
 )
 from ..buffers import stack_rows
 from ..cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
-from ..cache.teacache import TeaCacheState
+from ..cache.teacache import TeaCacheState, kept_on_failure
 from ..models.flux.teacache import flux_teacache_forward
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
@@ -422,6 +422,11 @@ def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shape
         )
         for (txt_ids, img_ids), inputs in shapes
     ]
+    with kept_on_failure(state for part in parts for state in part.teacache or ()):
+        return _run_packed(transformer, joint_attention_kwargs, packed_attention, shapes, parts)
+
+
+def _run_packed(transformer, joint_attention_kwargs, packed_attention, shapes, parts: list[FluxPart]) -> list:
     forward = functools.partial(flux_packed_forward, transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
                                 packed_attention=packed_attention)
     if not lora_layers(transformer):
@@ -451,7 +456,7 @@ def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hid
     if ip_embeds is not None:
         joint_attention_kwargs = dict(joint_attention_kwargs,
                                       ip_adapter_image_embeds=[torch.stack(rows) for rows in zip(*ip_embeds)])
-    with lora_rows(transformer, lora), per_row_ip_scales(ip_scales):
+    with kept_on_failure(teacache), lora_rows(transformer, lora), per_row_ip_scales(ip_scales):
         if any(state is not None for state in teacache):
             return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
                                          joint_attention_kwargs=joint_attention_kwargs)

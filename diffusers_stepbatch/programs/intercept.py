@@ -20,7 +20,7 @@ from ..adapters.lora import streams_ambiguous
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
 from ..cache import encoder_calls
 from ..cache.prompt import PromptCache
-from ..cache.teacache import TeaCacheConfig, TeaCacheState
+from ..cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..models import Packing, support_for
@@ -209,7 +209,8 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
                 outputs.append(_run(module, call, inputs))
     else:
         teacache = [inputs[TEACACHE] for _, inputs in shapes]
-        with lora_rows(module, lora, token_rows=streams) if lora else contextlib.nullcontext():
+        with kept_on_failure(state for states in teacache for state in states or ()), \
+                lora_rows(module, lora, token_rows=streams) if lora else contextlib.nullcontext():
             with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
                 outputs = packing.run(module, calls, packed_attention, teacache)
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
@@ -327,7 +328,8 @@ def _run(module, call: ModelCall, inputs: dict) -> Any:
     lora, teacache = inputs.pop(LORA), inputs.pop(TEACACHE)
     token_rows = call.support.lora_token_rows
     streams = token_rows(fill(call.template, _model_inputs(inputs))) if lora is not None and token_rows else None
-    with lora_rows(module, lora, token_rows=streams) if lora is not None else contextlib.nullcontext():
+    with kept_on_failure(teacache or ()), \
+            lora_rows(module, lora, token_rows=streams) if lora is not None else contextlib.nullcontext():
         if teacache is not None and any(state is not None for state in teacache):
             output = call.support.teacache_forward(module, teacache, fill(call.template, inputs))
             if output is not None:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from diffusers.models.modeling_outputs import Transformer2DModelOutput
-from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
+from diffusers.models.transformers.transformer_flux2 import (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor,
+                                                            Flux2Transformer2DModelOutput)
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
@@ -91,7 +91,7 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
     """One packed forward for calls of different sizes; each call's output as the model would return it."""
     outputs = flux2_packed_forward(transformer, _parts(calls, teacache), calls[0].get("joint_attention_kwargs"),
                                    packed_attention)
-    return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
+    return [(out,) if not c.get("return_dict", True) else Flux2Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]
 
 
