@@ -331,3 +331,39 @@ def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program
     for got, want, exact in zip(results, solo, plain):
         assert max_diff(got, want) <= TOLERANCE
         assert max_diff(want, exact) > 1e-3  # TeaCache skipped steps
+
+
+@pytest.mark.parametrize("program", ["generic", "dedicated"])
+def test_requests_without_teacache_of_different_sizes_share_a_packed_teacache_forward(program, caplog):
+    """Rows without TeaCache state compute; consecutive such rows of different sizes must not be read as one
+    request's rows (they have no common token range)."""
+    from diffusers import FluxKontextPipeline
+
+    from diffusers_stepbatch.testing import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline(guidance_embeds=True)
+    if program == "generic":
+        pipe = FluxKontextPipeline(**pipe.components)
+    pipe.set_progress_bar_config(disable=True)
+    sizes, steps = [(48, 48), (32, 32), (32, 48), (48, 32)], [8, 8, 9, 10]
+    requests = [dict(prompt=f"a shape {i}", height=h, width=w, num_inference_steps=n, max_sequence_length=16,
+                     guidance_scale=3.5, output_type="pt", seed=i) for i, ((h, w), n) in enumerate(zip(sizes, steps))]
+    if program == "generic":
+        for i, kwargs in enumerate(requests):
+            kwargs.update(image=torch.rand(1, 3, kwargs["height"], kwargs["width"],
+                                           generator=torch.Generator().manual_seed(i)),
+                          _auto_resize=False, max_area=kwargs["height"] * kwargs["width"])
+    for kwargs in requests[:3]:  # three sizes without TeaCache, next to each other in the packed layout
+        kwargs["teacache"] = None
+    config = SchedulerConfig(max_batch_size=16, cost_aware=False)
+    caplog.set_level("WARNING")
+    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.6, min_steps=3), scheduler=config) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+        with engine_held(sb, dict(requests[3], num_inference_steps=1)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300).images for future in futures]
+        mixed_calls = sb.stats()["mixed"]["calls"]
+    assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert mixed_calls > 0
+    for got, want in zip(results, solo):
+        assert max_diff(got, want) <= TOLERANCE

@@ -237,10 +237,13 @@ def _teacache_blocks(transformer, layout, states, hidden, encoder, temb, part_ro
 
     decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
     for state, start, end in row_groups(states):
+        if state is None:  # NOTE: such rows compute; a run of them may span parts (sizes), so no token range
+            decisions.append((None, range(start, end), None, None, True, 0.0))
+            continue
         part, inner = layout.part_of_row(start)
         tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
         own = signal[tokens].unflatten(0, (end - start, -1))
-        compute, accumulated = (True, 0.0) if state is None else state.decide(own)
+        compute, accumulated = state.decide(own)
         decisions.append((state, range(start, end), tokens, own, compute, accumulated))
     compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
 
