@@ -54,9 +54,13 @@ def test_a_short_request_joins_a_running_long_one_at_the_next_step(wan, frames):
         long_done_when_short_ended = len(long_steps)
         long_frames = long.result(timeout=300).frames
         rows = sb.stats()["rows_histogram"]["denoise"]
-    assert at_short_first_step[0] - submitted_at <= 3, (submitted_at, at_short_first_step)
+    # NOTE: before its first step ends the short request makes 4 engine calls (prompt and negative prompt encodes,
+    # step 0's two CFG calls, not yet paired); the long one makes one per step, plus the step in flight
+    assert at_short_first_step[0] - submitted_at <= 5, (submitted_at, at_short_first_step)
     assert long_done_when_short_ended < 40, "the short request waited for the long one to finish"
-    assert max(rows) == 2, rows  # WanPipeline calls its transformer per CFG branch: a row of each request
+    # WanPipeline calls its transformer per CFG branch; a request's two calls of a step run as one engine call
+    # (programs/branch_pairs.py), and the two requests share it
+    assert max(rows) == 4, rows
     assert max_diff(long_frames, expected[0]) <= TOLERANCE
     assert max_diff(short_frames, expected[1]) <= TOLERANCE
 

@@ -28,6 +28,7 @@ from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_
 from ..models.calls import run_call, slice_rows
 from ..models.packing.support import packing_refused
 from ..models.row_kernels import solo_kernels
+from .branch_pairs import BranchPairs
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,11 @@ class ModelProxy:
                  step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
                  adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None,
                  cache: PromptCache | None = None, walk: tuple[torch.nn.Module, ...] | None = None):
+        pairs = BranchPairs() if methods.get("__call__") == "denoise" and teacache is None else None
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
                              _packed_attention=packed_attention, _adapters=adapters, _teacache=teacache,
-                             _cache=cache if cache is not None and cache.max_bytes else None, _walk=walk)
+                             _cache=cache if cache is not None and cache.max_bytes else None, _walk=walk,
+                             _pairs=pairs)
 
     def modules(self) -> Iterator[torch.nn.Module]:
         """The model's modules, from the walk made when the request was planned: diffusers' device lookups
@@ -111,9 +114,17 @@ class ModelProxy:
 
     def _submitted(self, kind: str, method: str, args: tuple, kwargs: dict) -> Any:
         step = self._step()
+        pairs, predicted = self._pairs, None
+        if pairs is not None:
+            answered, output = pairs.answer(step, (args, kwargs))
+            if answered:  # NOTE: its rows ran with the step's first call
+                return output
+            predicted = pairs.predict(step, (args, kwargs))
         teacache = self._teacache.state(step) if self._teacache is not None else None
         item, holder = model_item(self._module, kind, method, args, kwargs, self._packed_attention, self._adapters,
-                                  teacache)
+                                  teacache, paired=predicted)
+        if predicted is not None and item.inputs[HOLDERS][-1] is not holder:
+            pairs.expect(predicted, item.inputs[HOLDERS][-1])
         item.step = step
         self._submit(item)
         return holder.output
@@ -151,27 +162,33 @@ def packed_attention_for(module: torch.nn.Module, packed_attention: str | None) 
 
 def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
                packed_attention: str | None = None, adapters: AdapterState | None = None,
-               teacache: TeaCacheState | None = None) -> tuple[WorkItem, Holder]:
+               teacache: TeaCacheState | None = None, paired: tuple[tuple, dict] | None = None
+               ) -> tuple[WorkItem, Holder]:
     """One model call as a work item; its key holds everything but the rows, so equal keys can merge, and calls
-    of other sizes with equal pack keys can share a packed call."""
+    of other sizes with equal pack keys can share a packed call. `paired`: another call of the request, run as
+    further rows where it has the same signature (its holder is then the item's last)."""
     holder = Holder()
-    if adapters is not None:  # NOTE: the LoRA scale is in the request's per-row adapter weights
-        kwargs = {name: (without_lora_scale(value) or None) if name in ATTENTION_KWARGS and isinstance(value, dict)
-                  else value for name, value in kwargs.items()}
-    call = describe_call(module, args, kwargs, method)
+    call = describe_call(module, args, _lora_free(kwargs, adapters), method)
     reason = call.refusal
     if reason is None and call.rows is None:
         reason = "its inputs have no batch rows"
     if reason is None:
         reason = _not_rowwise_reason(module, method, call)
     rows = call.rows or 1
+    holders = [holder] * rows
+    if reason is None and paired is not None:
+        other = describe_call(module, paired[0], _lora_free(paired[1], adapters), method)
+        if other.refusal is None and other.rows and other.signature == call.signature:
+            call.row_inputs = [torch.cat(pair) for pair in zip(call.row_inputs, other.row_inputs)]
+            rows += other.rows
+            holders += [Holder()] * other.rows
     if reason is not None:
         key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
     else:  # NOTE: one key field per argument, so stats()["splits"] names the argument that kept calls apart
         key = named_key(program=f"generic.{kind}", model=(id(module), method), lora=adapters is not None,
                         **{f"argument {name}": part for name, part in call.signature})
     inputs = {f"row{i}": value for i, value in enumerate(call.row_inputs)}
-    inputs[HOLDERS] = [holder] * rows
+    inputs[HOLDERS] = holders
     inputs[LORA] = [adapters] * rows if adapters is not None else None
     # NOTE: a list for every call of a model with a TeaCache forward (None rows compute), so that calls with
     # and without states merge
@@ -181,6 +198,15 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
         if adapters is None or call.support.packing.token_rows is not None:
             item.pack = _packable(module, call, packed_attention, adapters is not None)
     return item, holder
+
+
+def _lora_free(kwargs: dict, adapters: AdapterState | None) -> dict:
+    """The call's keyword arguments; with per-row LoRA, without the attention kwargs' LoRA `scale` (it is in the
+    request's per-row adapter weights)."""
+    if adapters is None:
+        return kwargs
+    return {name: (without_lora_scale(value) or None) if name in ATTENTION_KWARGS and isinstance(value, dict)
+            else value for name, value in kwargs.items()}
 
 
 def _packable(module, call: ModelCall, packed_attention: str, lora: bool) -> Packable | None:
