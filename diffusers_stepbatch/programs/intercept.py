@@ -123,8 +123,11 @@ class ModelProxy:
         teacache = self._teacache.state(step) if self._teacache is not None else None
         item, holder = model_item(self._module, kind, method, args, kwargs, self._packed_attention, self._adapters,
                                   teacache, paired=predicted)
-        if predicted is not None and item.inputs[HOLDERS][-1] is not holder:
-            pairs.expect(predicted, item.inputs[HOLDERS][-1])
+        if predicted is not None:
+            if item.inputs[HOLDERS][-1] is not holder:
+                pairs.expect(predicted, item.inputs[HOLDERS][-1])
+            else:  # NOTE: the two calls can't share rows (other shapes, say of the negative prompt): stop trying
+                pairs.off = True
         item.step = step
         self._submit(item)
         return holder.output
