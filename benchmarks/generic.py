@@ -6,13 +6,14 @@
 Each pair runs the same tiny components through a pipeline with a dedicated step program and through one that
 only the generic program serves:
 - flux: `FluxPipeline` (dedicated) vs a `FluxPipeline` subclass with its own `__call__` (the same call, served
-  by the generic program: the same work on both sides);
+  by the generic program: the same work on both sides), at 256 px;
+- flux-small: the same pair at 32 px with a 2-block VAE, where per-call host work dominates;
 - flux-img2img: `FluxPipeline` vs `FluxImg2ImgPipeline` at strength 1.0 (the same denoising loop, plus a VAE
   encode of the input image per request);
 - unet: `StableDiffusionPipeline` vs a subclass with its own `__call__` (generic).
 Per side: sequential plain calls and StepBatched with N concurrent requests (closed loop), in worker threads,
 rounds interleaved. Printed: images/s, StepBatched / sequential, and generic / dedicated StepBatched; for the
-flux pair also the batched ceiling (`throughput.measure_ceiling`: encode + steps x forward + decode at each
+flux pairs also the batched ceiling (`throughput.measure_ceiling`: encode + steps x forward + decode at each
 stage's best rows per call), which bounds any batching's gain over sequential on this config.
 """
 

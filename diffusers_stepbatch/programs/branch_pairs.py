@@ -1,12 +1,10 @@
 """A request's two denoiser calls of a step (CFG's conditional, then unconditional call) run as one engine call.
 
-A pipeline that calls its denoiser twice per step (Wan, Qwen-Image's true CFG, FLUX.1 Kontext's true CFG, ...)
-hands the engine a call, waits for it, then hands it the other: two forwards and two hand-offs per step. The
-second call is predictable from the step before: the arguments it passed as the very objects the first call
-passed (the latents, the timestep) are this step's first call's, the others (the negative prompt's embeddings)
-are those it passed then. The first call then carries the predicted second one as extra rows. When the second
-call comes, it is answered from those rows only if each argument is the predicted object or equal to it; else
-it runs as it comes and the request stops predicting.
+A pipeline that calls its denoiser once per CFG branch (Wan, Qwen-Image's true CFG) hands the engine a call,
+waits for it, then the other. The second call is predictable from the step before: its arguments that were the
+first call's own objects (latents, timestep) come from this step's first call, the others (the negative prompt's
+embeddings) stay. The first call carries the predicted second as extra rows; the second call is answered from them
+only if each argument is the predicted object or equal to it, else it runs as it comes and predicting stops.
 """
 
 from __future__ import annotations
