@@ -115,3 +115,50 @@ def test_same_compares_objects_values_and_containers():
     assert same(a, a.clone()) and not same(a, a + 1) and not same(a, a.double())
     assert same({"x": [a, 1]}, {"x": [a.clone(), 1]}) and not same({"x": [a, 1]}, {"x": (a, 1)})
     assert not same(a, None) and same(None, None) and not same(1, 1.0)
+
+
+def _negative_changed_at(step: int):
+    """A step callback that replaces the negative prompt's embeddings at `step`: the next step's second call
+    then differs from its prediction."""
+    def callback(pipe, i, t, tensors):
+        return {"negative_prompt_embeds": tensors["negative_prompt_embeds"] * 1.5} if i == step else {}
+    return callback
+
+
+@pytest.mark.parametrize("change_at", [None, 1, 3])
+# NOTE: (threshold, coefficients): 0.8 with Wan's polynomial skips most steps; with the identity polynomial and a
+# tiny threshold nearly every step computes, so a predicted second call that missed computed its residual and
+# commits it, which its real call must not see
+@pytest.mark.parametrize("teacache", [None, (0.8, None), (1e-3, (1.0, 0.0))])
+def test_wan_pairs_keep_teacache_per_branch_and_undo_a_missed_prediction(change_at, teacache, monkeypatch):
+    """Each request equals its solo run without branch pairs: a missed prediction gives back its TeaCache state
+    as it was before the predicted rows ran."""
+    from diffusers_stepbatch.cache import TeaCacheConfig
+
+    pipe = tiny_wan_pipeline(layers=1)
+    requests = [dict(prompt=f"a kite {i}", negative_prompt="blur", height=16, width=32, num_frames=5,
+                     num_inference_steps=10 + i, guidance_scale=4.0 + i, max_sequence_length=16,
+                     output_type="latent", seed=i) for i in range(3)]  # NOTE: latents: the tiny VAE shrinks changes
+    for kwargs in requests[:2]:
+        if change_at is not None:
+            kwargs.update(callback_on_step_end=_negative_changed_at(change_at),
+                          callback_on_step_end_tensor_inputs=["negative_prompt_embeds"])
+    config = SchedulerConfig(max_batch_size=32, cost_aware=False)
+    cache = None if teacache is None else TeaCacheConfig(threshold=teacache[0], coefficients=teacache[1], min_steps=3)
+    with StepBatched(pipe, scheduler=config, teacache=cache) as sb, monkeypatch.context() as unpaired:
+        unpaired.setattr(BranchPairs, "predict", lambda self, step, call: None)
+        solo = [sb(**seeded(kwargs)).frames for kwargs in requests]
+    with StepBatched(pipe, scheduler=config, teacache=cache) as sb:
+        with engine_held(sb, dict(requests[2], num_inference_steps=1, callback_on_step_end=None)):
+            sb.reset_stats()
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(120).frames for future in futures]
+        rows = sb.stats()["rows_histogram"]["denoise"]
+    plain = [pipe(**seeded(kwargs)).frames for kwargs in requests]
+    for got, want, exact in zip(results, solo, plain):
+        assert max_diff(got, want) <= TOLERANCE
+        if teacache is None:
+            assert max_diff(got, exact) <= TOLERANCE
+        elif teacache[1] is None:  # TeaCache skipped steps
+            assert max_diff(want, exact) > 1e-4
+    assert max(rows) == 2 * len(requests), rows  # every request's pair of calls in one forward

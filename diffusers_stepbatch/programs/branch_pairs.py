@@ -9,6 +9,7 @@ only if each argument is the predicted object or equal to it, else it runs as it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ Call = tuple[tuple, dict]  # (positional arguments, keyword arguments)
 class Prediction:
     call: Call
     holder: Any  # gets the predicted call's output when the paired engine call has run
+    undo: Callable[[], None] | None = None  # on a miss: what running the predicted rows changed, undone
 
 
 @dataclass
@@ -42,6 +44,8 @@ class BranchPairs:
                 self.calls.append(call)
                 return True, prediction.holder.output
             self.off = True
+            if prediction.undo is not None:
+                prediction.undo()
         return False, None
 
     def predict(self, step: int | None, call: Call) -> Call | None:
@@ -53,8 +57,8 @@ class BranchPairs:
             return None
         return _predicted(*self.previous, call)
 
-    def expect(self, call: Call, holder: Any) -> None:
-        self.prediction = Prediction(call, holder)
+    def expect(self, call: Call, holder: Any, undo: Callable[[], None] | None = None) -> None:
+        self.prediction = Prediction(call, holder, undo)
 
     def _at(self, step: int | None) -> None:
         if step != self.step:

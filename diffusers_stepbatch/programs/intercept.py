@@ -71,7 +71,7 @@ class ModelProxy:
                  step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
                  adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None,
                  cache: PromptCache | None = None, walk: tuple[torch.nn.Module, ...] | None = None):
-        pairs = BranchPairs() if methods.get("__call__") == "denoise" and teacache is None else None
+        pairs = BranchPairs() if methods.get("__call__") == "denoise" else None
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
                              _packed_attention=packed_attention, _adapters=adapters, _teacache=teacache,
                              _cache=cache if cache is not None and cache.max_bytes else None, _walk=walk,
@@ -121,13 +121,17 @@ class ModelProxy:
                 return output
             predicted = pairs.predict(step, (args, kwargs))
         teacache = self._teacache.state(step) if self._teacache is not None else None
+        paired_state = self._teacache.state(step) if self._teacache is not None and predicted is not None else None
         item, holder = model_item(self._module, kind, method, args, kwargs, self._packed_attention, self._adapters,
-                                  teacache, paired=predicted)
+                                  teacache, paired=predicted, paired_teacache=paired_state)
         if predicted is not None:
+            undo = None if paired_state is None else self._teacache.giving_back(paired_state)
             if item.inputs[HOLDERS][-1] is not holder:
-                pairs.expect(predicted, item.inputs[HOLDERS][-1])
+                pairs.expect(predicted, item.inputs[HOLDERS][-1], undo)
             else:  # NOTE: the two calls can't share rows (other shapes, say of the negative prompt): stop trying
                 pairs.off = True
+                if undo is not None:
+                    undo()
         item.step = step
         self._submit(item)
         return holder.output
@@ -140,6 +144,20 @@ class RequestTeaCache:
         self.states: dict[int, TeaCacheState | None] = {}
         self.step: int | None = None
         self.calls = 0
+
+    def giving_back(self, state: TeaCacheState | None) -> Callable[[], None]:
+        """An undo for the call that just took `state` (the last branch of the step): the state as it is now, and
+        its branch, are given back (a predicted call that then didn't come)."""
+        fields = dict(vars(state)) if state is not None else None
+        step = self.step
+
+        def undo() -> None:
+            if state is not None:
+                vars(state).update(fields)
+            if self.step == step:
+                self.calls -= 1
+
+        return undo
 
     def state(self, step: int | None) -> TeaCacheState | None:
         if step != self.step:
@@ -165,8 +183,8 @@ def packed_attention_for(module: torch.nn.Module, packed_attention: str | None) 
 
 def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
                packed_attention: str | None = None, adapters: AdapterState | None = None,
-               teacache: TeaCacheState | None = None, paired: tuple[tuple, dict] | None = None
-               ) -> tuple[WorkItem, Holder]:
+               teacache: TeaCacheState | None = None, paired: tuple[tuple, dict] | None = None,
+               paired_teacache: TeaCacheState | None = None) -> tuple[WorkItem, Holder]:
     """One model call as a work item; its key holds everything but the rows, so equal keys can merge, and calls
     of other sizes with equal pack keys can share a packed call. `paired`: another call of the request, run as
     further rows where it has the same signature (its holder is then the item's last)."""
@@ -178,13 +196,14 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     if reason is None:
         reason = _not_rowwise_reason(module, method, call)
     rows = call.rows or 1
-    holders = [holder] * rows
+    holders, states = [holder] * rows, [teacache] * rows
     if reason is None and paired is not None:
         other = describe_call(module, paired[0], _lora_free(paired[1], adapters), method)
         if other.refusal is None and other.rows and other.signature == call.signature:
             call.row_inputs = [torch.cat(pair) for pair in zip(call.row_inputs, other.row_inputs)]
             rows += other.rows
             holders += [Holder()] * other.rows
+            states += [paired_teacache] * other.rows
     if reason is not None:
         key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
     else:  # NOTE: one key field per argument, so stats()["splits"] names the argument that kept calls apart
@@ -195,7 +214,7 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     inputs[LORA] = [adapters] * rows if adapters is not None else None
     # NOTE: a list for every call of a model with a TeaCache forward (None rows compute), so that calls with
     # and without states merge
-    inputs[TEACACHE] = [teacache] * rows if call.support.teacache_forward is not None and kind == "denoise" else None
+    inputs[TEACACHE] = states if call.support.teacache_forward is not None and kind == "denoise" else None
     item = WorkItem(kind, key, inputs, functools.partial(_merged_call, module, call), rows=rows)
     if reason is None and packed_attention is not None and method == "forward":
         if adapters is None or call.support.packing.token_rows is not None:
