@@ -128,6 +128,12 @@ def test_a_job_goes_from_queued_to_completed_and_its_mp4_is_the_plain_pipelines(
     assert diff(got, encoded(other)).mean() > 3  # a wrong video fails the check above
     thumbnail = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="thumbnail").read()))
     assert thumbnail.format == "WEBP" and thumbnail.size == (48, 32)
+    sheet = Image.open(io.BytesIO(client.videos.download_content(video.id, variant="spritesheet").read()))
+    assert sheet.format == "JPEG" and sheet.size == (3 * 48, 3 * 32)  # 9 frames: a 3 x 3 grid, row by row
+    tiles = np.asarray(sheet).reshape(3, 32, 3, 48, 3).transpose(0, 2, 1, 3, 4).reshape(9, 32, 48, 3)
+    for index, tile in enumerate(tiles):
+        closest = min(range(9), key=lambda frame: diff(tile[None], got[frame:frame + 1]).mean())
+        assert closest == index  # each tile is its frame (JPEG-compressed)
 
 
 def test_seconds_become_frames_at_the_servers_fps(client, url):
@@ -290,7 +296,7 @@ def test_other_models_variants_and_images_routes_are_refused(client, url):
     assert caught.value.body["param"] == "model"
     video = client.videos.create(prompt="a cat", extra_body={"num_frames": 5, "num_inference_steps": 2})
     with pytest.raises(openai.APIStatusError) as caught:
-        client.videos.download_content(video.id, variant="spritesheet")
+        client.videos.download_content(video.id, variant="poster")
     assert caught.value.status_code == 400 and caught.value.body["param"] == "variant"
     with pytest.raises(openai.BadRequestError) as caught:
         client.images.generate(prompt="a cat")
@@ -431,3 +437,12 @@ def test_concurrent_threads_do_not_race_on_one_job(client):
     stop.set()
     assert {status for status, _ in seen} <= {"queued", "in_progress", "completed"}
     assert all((progress == 100) == (status == "completed") for status, progress in seen)
+
+
+@pytest.mark.parametrize("frames, shown, columns", [(1, [0], 1), (5, [0, 1, 2, 3, 4], 3), (9, list(range(9)), 3),
+                                                     (81, [0, 5, 11, 16, 21, 27, 32, 37, 43, 48, 53, 59, 64, 69, 75,
+                                                           80], 4)])
+def test_spritesheet_layout_spaces_up_to_16_frames_evenly(frames, shown, columns):
+    from diffusers_stepbatch.serve.video_encoding import spritesheet_layout
+
+    assert spritesheet_layout(frames) == (shown, columns)

@@ -1,8 +1,9 @@
-"""Video frames to files: H.264 MP4 (PyAV), a WebP thumbnail, and small animated GIF previews."""
+"""Video frames to files: H.264 MP4 (PyAV), a WebP thumbnail, a JPEG spritesheet and small animated GIF previews."""
 
 from __future__ import annotations
 
 import io
+import math
 import os
 from fractions import Fraction
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 import PIL.Image
 
+SPRITESHEET_TILES = 16
 MP4_CRF = 12  # NOTE: near-transparent quality; tiny and test videos stay small either way
 
 
@@ -52,6 +54,25 @@ def read_mp4(source: Any) -> np.ndarray:
 def write_thumbnail(frames: np.ndarray, target: Any) -> None:
     """The first frame as WebP (OpenAI's `variant=thumbnail`)."""
     PIL.Image.fromarray(frames[0]).save(target, format="WEBP", quality=90)
+
+
+def spritesheet_layout(num_frames: int, most: int = SPRITESHEET_TILES) -> tuple[list[int], int]:
+    """(the frames a spritesheet shows: up to `most`, evenly spaced, first and last included; its columns)."""
+    count = min(num_frames, most)
+    picked = [round(i * (num_frames - 1) / max(count - 1, 1)) for i in range(count)]
+    return picked, math.ceil(math.sqrt(count))
+
+
+def write_spritesheet(frames: np.ndarray, target: Any) -> None:
+    """Evenly spaced frames in a grid, row by row, as JPEG (OpenAI's `variant=spritesheet`)."""
+    picked, columns = spritesheet_layout(len(frames))
+    _, height, width, _ = frames.shape
+    rows = math.ceil(len(picked) / columns)
+    sheet = np.zeros((rows * height, columns * width, 3), dtype=np.uint8)
+    for tile, index in enumerate(picked):
+        row, column = divmod(tile, columns)
+        sheet[row * height:(row + 1) * height, column * width:(column + 1) * width] = frames[index]
+    PIL.Image.fromarray(sheet).save(target, format="JPEG", quality=90)
 
 
 def gif_bytes(frames: np.ndarray, fps: float) -> bytes:

@@ -25,13 +25,13 @@ from typing import Any
 
 from .config import ServeConfig
 from .protocol import APIError
-from .video_encoding import gif_bytes, to_uint8, write_mp4, write_thumbnail
+from .video_encoding import gif_bytes, to_uint8, write_mp4, write_spritesheet, write_thumbnail
 from ..video_preview import VideoPreviewer, video_rgb_projection
 from .video_request import VideoPlan
 
 logger = logging.getLogger(__name__)
 
-VIDEO_FILE, THUMBNAIL_FILE = "video.mp4", "thumbnail.webp"
+VIDEO_FILE, THUMBNAIL_FILE, SPRITESHEET_FILE = "video.mp4", "thumbnail.webp", "spritesheet.jpg"
 TERMINAL_EVENTS = ("video.completed", "video.failed")
 _STEPS_SHARE = 95  # NOTE: progress reaches 95 % with the last step; decoding and encoding take it to 100
 
@@ -185,6 +185,7 @@ class VideoJobs:
             frames = to_uint8(output.frames[0])
             write_mp4(frames, job.directory / VIDEO_FILE, job.plan.fps)
             write_thumbnail(frames, job.directory / THUMBNAIL_FILE)
+            write_spritesheet(frames, job.directory / SPRITESHEET_FILE)
         except Exception as exc:  # the job fails, the server goes on
             logger.exception("writing %s failed", job.id)
             self._fail(job, "encoding_failed", f"writing the MP4 failed: {type(exc).__name__}: {exc}", "server_error")

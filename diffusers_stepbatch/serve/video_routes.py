@@ -23,7 +23,7 @@ from .model import ServingModel
 from .protocol import APIError, ErrorResponse, bad_request
 from .routes import authorize
 from .state import ServerContext
-from .video_jobs import TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE, VideoJobs
+from .video_jobs import SPRITESHEET_FILE, TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE, VideoJobs
 from .video_request import VIDEO_FIELD_OF_ARGUMENT, VideoCreateRequest, plan_video
 
 _KEEP_ALIVE_S = 15.0
@@ -169,15 +169,17 @@ async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/videos/{video_id}/content", response_class=FileResponse,
-            responses={200: {"content": {"video/mp4": {}, "image/webp": {}}}, 400: _ERRORS[400], 404: _ERRORS[404],
-                       409: _ERRORS[409]})
+            responses={200: {"content": {"video/mp4": {}, "image/webp": {}, "image/jpeg": {}}}, 400: _ERRORS[400],
+                       404: _ERRORS[404], 409: _ERRORS[409]})
 async def video_content(video_id: str, request: Request, variant: str = "video") -> FileResponse:
-    """The MP4 (`variant=video`, H.264) or its first frame (`variant=thumbnail`, WebP)."""
+    """The MP4 (`variant=video`, H.264), its first frame (`variant=thumbnail`, WebP) or up to 16 evenly spaced
+    frames in a grid (`variant=spritesheet`, JPEG)."""
     jobs = video_jobs(_server(request))
-    files = {"video": (VIDEO_FILE, "video/mp4"), "thumbnail": (THUMBNAIL_FILE, "image/webp")}
+    files = {"video": (VIDEO_FILE, "video/mp4"), "thumbnail": (THUMBNAIL_FILE, "image/webp"),
+             "spritesheet": (SPRITESHEET_FILE, "image/jpeg")}
     if variant not in files:
-        raise bad_request(f"variant={variant!r} is not served; use 'video' (the MP4) or 'thumbnail'", "variant",
-                          code="unsupported_parameter")
+        raise bad_request(f"variant={variant!r} is not served; use 'video' (the MP4), 'thumbnail' or 'spritesheet'",
+                          "variant", code="unsupported_parameter")
     job = jobs.get(video_id)
     name, media_type = files[variant]
     return FileResponse(jobs.file(job, name), media_type=media_type, filename=f"{job.id}.{name.rsplit('.', 1)[1]}")
