@@ -245,7 +245,7 @@ def test_klein_kv_requests_with_teacache_compute_the_cached_calls_and_stay_exact
 
 def test_requests_with_their_own_adapters_and_teacache_share_forwards_and_equal_their_solo_runs():
     """Per-row LoRA maps layer inputs to rows by count: where some rows of a merged call skip and others compute,
-    every row runs the blocks (the skipping rows keep their residual's output), so the call never falls apart."""
+    the computing rows run the blocks with their own adapters (`row_subset`), so the call never falls apart."""
     from diffusers_stepbatch.testing import add_random_lora_adapters
 
     pipe = tiny_flux2_klein_pipeline(seed=5)

@@ -198,11 +198,10 @@ def _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_ro
 
     out = torch.empty_like(hidden)
     residual = None
-    run = run_rows(transformer, compute_rows, layout.num_rows)
-    if run:
-        sub_layout, (text_index, image_index) = layout.select_rows(run)
-        kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in run))  # select_rows' order
-        rows = torch.tensor(run, device=hidden.device)
+    if compute_rows:
+        sub_layout, (text_index, image_index) = layout.select_rows(compute_rows)
+        kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in compute_rows))  # select_rows' order
+        rows = torch.tensor(compute_rows, device=hidden.device)
         sub_hidden = hidden.index_select(0, image_index)
         sub_out = _blocks(transformer, sub_layout, sub_hidden, encoder.index_select(0, text_index),
                           tuple(mod.index_select(0, rows) for mod in mods), [part_rotary[p] for p in kept_parts],
@@ -218,13 +217,6 @@ def _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_ro
             own_residual = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
             state.commit(own.clone(), compute, accumulated, own_residual)
     return out
-
-
-def run_rows(transformer, compute_rows: list[int], rows: int) -> list[int]:
-    """The rows to run the blocks on: those that compute, or every row (when any computes) of a model with LoRA
-    layers. NOTE: per-row LoRA maps each layer input to rows by its row (or token) count, which a sub-batch would
-    not match; the skipping rows' outputs are replaced by their residual's."""
-    return list(range(rows)) if compute_rows and lora_layers(transformer) else compute_rows
 
 
 def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method, split):

@@ -19,9 +19,10 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Modulation, Flux2Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
+from ...adapters.lora import row_subset
 from ...cache.teacache import TeaCacheState, row_groups
 from ..packing.support import reproduces_call
-from .packing import REPRODUCED_ARGUMENTS, run_rows
+from .packing import REPRODUCED_ARGUMENTS
 
 FLUX2_COEFFICIENTS = (1.04582360e02, -6.87605554e00, -8.61659379e-02, 5.37600252e-02)
 
@@ -101,7 +102,7 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep
         decisions.append((state, start, end, compute, accumulated))
     compute_rows = [r for _, start, end, compute, _ in decisions if compute for r in range(start, end)]
 
-    if len(run_rows(transformer, compute_rows, hidden.shape[0])) == hidden.shape[0]:
+    if len(compute_rows) == hidden.shape[0]:
         out = _blocks(transformer, hidden, encoder, mods, rotary, joint_attention_kwargs)
         residual = out - hidden
     else:
@@ -109,8 +110,9 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep
         residual = None
         if compute_rows:
             index = torch.tensor(compute_rows, device=hidden.device)
-            sub = _blocks(transformer, hidden[index], encoder[index], tuple(mod[index] for mod in mods), rotary,
-                          joint_attention_kwargs)
+            with row_subset(transformer, compute_rows):  # NOTE: per-row LoRA: these rows' own adapters
+                sub = _blocks(transformer, hidden[index], encoder[index], tuple(mod[index] for mod in mods), rotary,
+                              joint_attention_kwargs)
             out[index] = sub
             residual = torch.empty_like(hidden)
             residual[index] = sub - hidden[index]
