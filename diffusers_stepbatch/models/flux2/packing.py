@@ -22,14 +22,13 @@ from diffusers.models.transformers.transformer_flux2 import (Flux2AttnProcessor,
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
-from ...cache.teacache import TeaCacheState, row_groups
-from ..packing.joint import (attention_fn, double_block, joint_stream_layout, joint_stream_rotary,
-                             parts_layout, per_head, rope, stream_rotary, token_streams)
+from ...cache.teacache import TeaCacheState
+from ..packing.joint import (IMAGE, TEXT, attention_fn, double_block, joint_stream_layout, joint_stream_rotary,
+                             parts_layout, per_head, rope, stream_rotary, teacache_blocks, token_streams)
 from ..packing.attention import resolve
 from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
 
-TEXT, IMAGE = 0, 1
 
 
 @dataclass
@@ -184,39 +183,12 @@ def _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_ro
     shift, scale = mods[0].index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
     signal = (1 + scale) * transformer.transformer_blocks[0].norm1(hidden) + shift
 
-    decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
-    for state, start, end in row_groups(states):
-        if state is None:  # NOTE: rows without a state may span parts; they compute
-            decisions.append((None, range(start, end), None, None, True, 0.0))
-            continue
-        part, inner = layout.part_of_row(start)
-        tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
-        own = signal[tokens].unflatten(0, (end - start, -1))
-        compute, accumulated = state.decide(own)
-        decisions.append((state, range(start, end), tokens, own, compute, accumulated))
-    compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
+    def run(sub_layout, sub_hidden, sub_encoder, rows, parts):
+        sub_mods = tuple(mod.index_select(0, rows) for mod in mods)
+        return _blocks(transformer, sub_layout, sub_hidden, sub_encoder, sub_mods,
+                       [part_rotary[part] for part in parts], method)
 
-    out = torch.empty_like(hidden)
-    residual = None
-    if compute_rows:
-        sub_layout, (text_index, image_index) = layout.select_rows(compute_rows)
-        kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in compute_rows))  # select_rows' order
-        rows = torch.tensor(compute_rows, device=hidden.device)
-        sub_hidden = hidden.index_select(0, image_index)
-        sub_out = _blocks(transformer, sub_layout, sub_hidden, encoder.index_select(0, text_index),
-                          tuple(mod.index_select(0, rows) for mod in mods), [part_rotary[p] for p in kept_parts],
-                          method)
-        out[image_index] = sub_out
-        residual = torch.empty_like(hidden)
-        residual[image_index] = sub_out - sub_hidden
-    for state, rows, tokens, _, compute, _ in decisions:
-        if not compute:
-            out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
-    for state, rows, tokens, own, compute, accumulated in decisions:
-        if state is not None:
-            own_residual = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
-            state.commit(own.clone(), compute, accumulated, own_residual)
-    return out
+    return teacache_blocks(layout, states, hidden, encoder, signal, run)
 
 
 def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method, split):

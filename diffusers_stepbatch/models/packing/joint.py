@@ -10,6 +10,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
+from ...cache.teacache import row_groups
 from .layout import PackedLayout, attend
 
 TEXT, IMAGE = 0, 1
@@ -135,3 +136,42 @@ def double_block(block, layout, hidden, encoder, norms, image_mods, text_mods, r
     if encoder.dtype == torch.float16:
         encoder = encoder.clip(-65504, 65504)
     return encoder, hidden
+
+
+def teacache_blocks(layout: PackedLayout, states, hidden: torch.Tensor, encoder: torch.Tensor, signal: torch.Tensor,
+                    run) -> torch.Tensor:
+    """The blocks on packed tokens with per-state TeaCache decisions (`states` per packed row) on `signal` (the
+    first block's modulated image tokens): rows that skip add their cached residual. `run(sub_layout, hidden,
+    encoder, rows, parts)` runs the blocks on the computing rows (`rows`: their indices; `parts`: the layout parts
+    they keep, in `select_rows`' order)."""
+    decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
+    for state, start, end in row_groups(states):
+        if state is None:  # NOTE: such rows compute; a run of them may span parts (sizes), so no token range
+            decisions.append((None, range(start, end), None, None, True, 0.0))
+            continue
+        part, inner = layout.part_of_row(start)
+        tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
+        own = signal[tokens].unflatten(0, (end - start, -1))
+        compute, accumulated = state.decide(own)
+        decisions.append((state, range(start, end), tokens, own, compute, accumulated))
+    compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
+
+    out = torch.empty_like(hidden)
+    residual = None
+    if compute_rows:
+        sub_layout, (text_index, image_index) = layout.select_rows(compute_rows)
+        kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in compute_rows))
+        sub_hidden = hidden.index_select(0, image_index)
+        sub_out = run(sub_layout, sub_hidden, encoder.index_select(0, text_index),
+                      torch.tensor(compute_rows, device=hidden.device), kept_parts)
+        out[image_index] = sub_out
+        residual = torch.empty_like(hidden)
+        residual[image_index] = sub_out - sub_hidden
+    for state, rows, tokens, _, compute, _ in decisions:
+        if not compute:
+            out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
+    for state, rows, tokens, own, compute, accumulated in decisions:
+        if state is not None:
+            own_residual = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
+            state.commit(own.clone(), compute, accumulated, own_residual)
+    return out
