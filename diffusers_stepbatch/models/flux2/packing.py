@@ -7,8 +7,7 @@ differences that keep each row's result its own: tokens of all rows are packed w
 inside each row with the row's own 4-axis RoPE positions. An edit row's reference-image tokens are part of its image
 tokens (the pipelines append them to the latents, with their own time-axis offsets in `img_ids`), so they pack as
 that row's tokens and come back in its output, as the model returns them. TeaCache decisions stay per request and
-CFG branch, as in `teacache.py`, whose states hold layout-free [rows, tokens, dim] tensors, so a request may
-alternate between packed and ordinary calls.
+CFG branch (`packing/joint.teacache_blocks`): a request may alternate between packed and ordinary calls.
 """
 
 from __future__ import annotations
@@ -177,9 +176,7 @@ def _blocks(transformer, layout, hidden, encoder, mods, part_rotary, method):
 
 
 def _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_rotary, method):
-    """`_blocks` with per-state TeaCache decisions: skipping rows add their cached residual instead."""
-    # NOTE: the signal op for op as the TeaCache forward computes it on an ordinary call, so a request's decisions
-    # don't depend on whether its step ran packed.
+    """`_blocks` with per-state TeaCache decisions on the signal as `teacache.py` computes it, op for op."""
     shift, scale = mods[0].index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
     signal = (1 + scale) * transformer.transformer_blocks[0].norm1(hidden) + shift
 
