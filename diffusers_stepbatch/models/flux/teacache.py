@@ -7,6 +7,7 @@ github.com/ali-vilab/TeaCache); FLUX.1-schnell shares the architecture.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,6 +78,18 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, pooled_p
     rotary = transformer.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
     signal = transformer.transformer_blocks[0].norm1(hidden, emb=temb)[0]
 
+    out, commit = per_row_blocks(transformer, states, hidden, signal, functools.partial(
+        _blocks, transformer, encoder=encoder, temb=temb, rotary=rotary, joint_attention_kwargs=joint_attention_kwargs))
+    output = transformer.proj_out(transformer.norm_out(out, temb))
+    commit()
+    return output
+
+
+def per_row_blocks(transformer, states, hidden: torch.Tensor, signal: torch.Tensor,
+                   blocks: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """The blocks for the rows whose TeaCache state decides on `signal` to compute (`blocks(hidden, rows=index)`,
+    index None: every row), each with its own per-request LoRA; skipping rows add their cached residual. Returns
+    (every row's output, commit): call commit once the forward succeeded."""
     decisions = []  # (state, start, end, compute, accumulated)
     for state, start, end in row_groups(states):
         compute, accumulated = (True, 0.0) if state is None else state.decide(signal[start:end])
@@ -84,7 +97,7 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, pooled_p
     compute_rows = [r for _, start, end, compute, _ in decisions if compute for r in range(start, end)]
 
     if len(compute_rows) == hidden.shape[0]:
-        out = _blocks(transformer, hidden, encoder, temb, rotary, joint_attention_kwargs)
+        out = blocks(hidden, rows=None)
         residual = out - hidden
     else:
         out = torch.empty_like(hidden)
@@ -92,20 +105,21 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, pooled_p
         if compute_rows:
             index = torch.tensor(compute_rows, device=hidden.device)
             with row_subset(transformer, compute_rows):  # NOTE: per-row LoRA: these rows' own adapters
-                sub = _blocks(transformer, hidden[index], encoder[index], temb[index], rotary, joint_attention_kwargs)
+                sub = blocks(hidden[index], rows=index)
             out[index] = sub
             residual = torch.empty_like(hidden)
             residual[index] = sub - hidden[index]
         for state, start, end, compute, _ in decisions:
             if not compute:
                 out[start:end] = hidden[start:end] + state.residual
-    output = transformer.proj_out(transformer.norm_out(out, temb))
 
-    for state, start, end, compute, accumulated in decisions:
-        if state is not None:
-            residual_rows = _own(residual, start, end) if compute else None
-            state.commit(_own(signal, start, end), compute, accumulated, residual_rows)
-    return output
+    def commit() -> None:
+        for state, start, end, compute, accumulated in decisions:
+            if state is not None:
+                residual_rows = _own(residual, start, end) if compute else None
+                state.commit(_own(signal, start, end), compute, accumulated, residual_rows)
+
+    return out, commit
 
 
 def _own(batch: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -113,7 +127,9 @@ def _own(batch: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return batch if (start, end) == (0, batch.shape[0]) else batch[start:end].clone()
 
 
-def _blocks(transformer, hidden, encoder, temb, rotary, joint_attention_kwargs):
+def _blocks(transformer, hidden, rows, encoder, temb, rotary, joint_attention_kwargs):
+    if rows is not None:
+        encoder, temb = encoder[rows], temb[rows]
     for block in transformer.transformer_blocks:
         encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
                                 image_rotary_emb=rotary, joint_attention_kwargs=joint_attention_kwargs)

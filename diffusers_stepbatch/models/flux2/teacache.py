@@ -2,7 +2,7 @@
 
 The signal is TeaCache's for FLUX.1, the first double block's modulated image input, with shift and scale from
 FLUX.2's shared `double_stream_modulation_img` layer. A skipping row adds its residual of all blocks to its embedded
-image tokens (an edit row's reference tokens included). Packed calls decide the same way (`packing.py`).
+image tokens (an edit row's reference tokens included); the row loop is FLUX.1's (`flux/teacache.per_row_blocks`).
 
 The rescale polynomial (highest power first) is the one NVIDIA TensorRT-LLM ships for FLUX.2 dev on this signal
 (`FLUX2_TEACACHE_COEFFICIENTS["dev"]` in tensorrt_llm/_torch/visual_gen/models/flux/pipeline_flux2.py,
@@ -12,6 +12,7 @@ github.com/NVIDIA/TensorRT-LLM). Klein shares the class, not the weights: fit it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,8 +20,8 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Modulation, Flux2Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
-from ...adapters.lora import row_subset
-from ...cache.teacache import TeaCacheState, row_groups
+from ...cache.teacache import TeaCacheState
+from ..flux.teacache import per_row_blocks
 from ..packing.support import reproduces_call
 from .packing import REPRODUCED_ARGUMENTS
 
@@ -54,10 +55,8 @@ def flux2_teacache_forward(
 ) -> torch.Tensor:
     """`Flux2Transformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions.
 
-    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute). The
+    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute); the
     states change only after the forward succeeded, so a failed batch retried row by row stays correct.
-
-    >>> out = flux2_teacache_forward(pipe.transformer, [state], x, text, t, img_ids, txt_ids)
     """
     return _forward(transformer, states, hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                     timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
@@ -82,8 +81,7 @@ def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
 @apply_lora_scale("joint_attention_kwargs")
 def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance,
              joint_attention_kwargs):
-    # NOTE: the embeddings mirror Flux2Transformer2DModel.forward op for op, so with every row computing the
-    # output is the model's own (tested).
+    # NOTE: the embeddings as Flux2Transformer2DModel.forward makes them, op for op (tested)
     timestep = timestep.to(hidden_states.dtype) * 1000
     if guidance is not None:
         guidance = guidance.to(hidden_states.dtype) * 1000
@@ -96,45 +94,17 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep
     rotary = (torch.cat([text_rotary[0], image_rotary[0]], dim=0), torch.cat([text_rotary[1], image_rotary[1]], dim=0))
     signal = flux2_signal(transformer.transformer_blocks[0], hidden, mods[0])
 
-    decisions = []  # (state, start, end, compute, accumulated)
-    for state, start, end in row_groups(states):
-        compute, accumulated = (True, 0.0) if state is None else state.decide(signal[start:end])
-        decisions.append((state, start, end, compute, accumulated))
-    compute_rows = [r for _, start, end, compute, _ in decisions if compute for r in range(start, end)]
-
-    if len(compute_rows) == hidden.shape[0]:
-        out = _blocks(transformer, hidden, encoder, mods, rotary, joint_attention_kwargs)
-        residual = out - hidden
-    else:
-        out = torch.empty_like(hidden)
-        residual = None
-        if compute_rows:
-            index = torch.tensor(compute_rows, device=hidden.device)
-            with row_subset(transformer, compute_rows):  # NOTE: per-row LoRA: these rows' own adapters
-                sub = _blocks(transformer, hidden[index], encoder[index], tuple(mod[index] for mod in mods), rotary,
-                              joint_attention_kwargs)
-            out[index] = sub
-            residual = torch.empty_like(hidden)
-            residual[index] = sub - hidden[index]
-    for state, start, end, compute, _ in decisions:
-        if not compute:
-            out[start:end] = hidden[start:end] + state.residual
+    out, commit = per_row_blocks(transformer, states, hidden, signal, functools.partial(
+        _blocks, transformer, encoder=encoder, mods=mods, rotary=rotary, joint_attention_kwargs=joint_attention_kwargs))
     output = transformer.proj_out(transformer.norm_out(out, temb))
-
-    for state, start, end, compute, accumulated in decisions:
-        if state is not None:
-            residual_rows = _own(residual, start, end) if compute else None
-            state.commit(_own(signal, start, end), compute, accumulated, residual_rows)
+    commit()
     return output
 
 
-def _own(batch: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) that don't keep the rest of the batch alive."""
-    return batch if (start, end) == (0, batch.shape[0]) else batch[start:end].clone()
-
-
-def _blocks(transformer, hidden, encoder, mods, rotary, joint_attention_kwargs):
-    """The double then single blocks as the model runs them; returns the image tokens."""
+def _blocks(transformer, hidden, rows, encoder, mods, rotary, joint_attention_kwargs):
+    """The double then single blocks as the model runs them, on `rows` (None: all); returns the image tokens."""
+    if rows is not None:
+        encoder, mods = encoder[rows], tuple(mod[rows] for mod in mods)
     mod_img, mod_txt, mod_single = mods
     for block in transformer.transformer_blocks:
         encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb_mod_img=mod_img,
