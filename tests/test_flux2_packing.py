@@ -6,7 +6,6 @@ still equals its plain solo run. A custom attention processor keeps sizes apart,
 per-request LoRA mixes adapters in one forward.
 """
 
-import functools
 
 import numpy as np
 import pytest
@@ -20,8 +19,9 @@ from diffusers_stepbatch.models import support_for
 from diffusers_stepbatch.models.flux2.packing import Flux2Part, flux2_packed_forward
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing import add_random_lora_adapters
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
+from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
+from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE,
     count_forwards,
@@ -34,27 +34,13 @@ from .references import (  # noqa: F401  (single_thread is a fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# transformer configs: attention heads, head dim, RoPE axes (4 axes: time, height, width, text position)
-CONFIGS = {"narrow": dict(heads=2, head_dim=16, axes_dims=(4, 4, 4, 4)),
-           "wide": dict(heads=4, head_dim=8, axes_dims=(2, 2, 2, 2))}
-BUILDERS = {"klein": tiny_flux2_klein_pipeline, "dev": tiny_flux2_pipeline}
-COMMON = dict(output_type="pt", text_encoder_out_layers=(1,), max_sequence_length=32)
-
-
-@functools.cache
-def _pipe(variant, config):
-    return BUILDERS[variant](**CONFIGS[config])
-
-
-def _image(height, width, seed):
-    # NOTE: the FLUX.2 image processor wants both sides >= 64 px
-    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
 
 
 def _requests():
     """Text-to-image and edit requests (1-3 reference images of their own sizes) at 4 output sizes."""
-    references = [None, [_image(64, 64, 0)], None, [_image(64, 96, 1), _image(96, 64, 2)],
-                  [_image(64, 64, 3), _image(64, 80, 4), _image(80, 64, 5)], [_image(80, 96, 6)], None]
+    references = [None, [reference_image(64, 64, 0)], None, [reference_image(64, 96, 1), reference_image(96, 64, 2)],
+                  [reference_image(64, 64, 3), reference_image(64, 80, 4), reference_image(80, 64, 5)],
+                  [reference_image(80, 96, 6)], None]
     sizes = [(32, 32), (32, 48), (48, 32), (48, 48), (32, 48), (32, 32), (48, 32)]
     requests = []
     for i, ((height, width), images) in enumerate(zip(sizes, references)):
@@ -127,7 +113,7 @@ def test_packed_calls_return_what_the_model_returns():
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("variant", sorted(BUILDERS))
 def test_requests_of_different_sizes_and_references_pack_and_equal_their_solo_runs(variant, config):
-    pipe = _pipe(variant, config)
+    pipe = flux2_pipe(variant, config)
     assert program_for(pipe) is generic.plan_generic
     requests = _requests()
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
@@ -152,7 +138,7 @@ def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
                 dict(prompt="a dog", height=48, width=32, num_inference_steps=2, seed=1, **COMMON),
                 dict(prompt="a bird", height=48, width=32, num_inference_steps=3, seed=2, guidance_scale=1.0,
                      **COMMON),
-                dict(prompt="a fish", height=48, width=32, image=[_image(64, 64, 0)], num_inference_steps=2,
+                dict(prompt="a fish", height=48, width=32, image=[reference_image(64, 64, 0)], num_inference_steps=2,
                      seed=3, **COMMON)]
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
     for block in pipe.transformer.transformer_blocks:
@@ -176,11 +162,11 @@ def test_klein_kv_requests_run_alone_and_exact():
     from diffusers import Flux2KleinKVPipeline
 
     pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline)
-    requests = [dict(prompt="a cat", image=_image(64, 64, 0), height=32, width=32, num_inference_steps=3, seed=0,
-                     **COMMON),
-                dict(prompt="a dog", image=[_image(64, 96, 1), _image(64, 64, 2)], height=32, width=48,
-                     num_inference_steps=2, seed=1, **COMMON),
-                dict(prompt="a b", image=_image(80, 64, 3), height=48, width=32, num_inference_steps=2, seed=2,
+    requests = [dict(prompt="a cat", image=reference_image(64, 64, 0), height=32, width=32, num_inference_steps=3,
+                     seed=0, **COMMON),
+                dict(prompt="a dog", image=[reference_image(64, 96, 1), reference_image(64, 64, 2)], height=32,
+                     width=48, num_inference_steps=2, seed=1, **COMMON),
+                dict(prompt="a b", image=reference_image(80, 64, 3), height=48, width=32, num_inference_steps=2, seed=2,
                      **COMMON)]
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
     calls, hook = count_forwards(pipe.transformer)
@@ -233,7 +219,8 @@ def test_requests_with_their_own_adapters_share_forwards_and_equal_plain_runs(mo
         if adapters is not None:
             kwargs["adapters"] = adapters
         requests.append(kwargs)
-    requests.append(dict(requests[2], height=48, width=32, image=[_image(64, 64, 1)]))  # another size: own forward
+    # another size: its own forward
+    requests.append(dict(requests[2], height=48, width=32, image=[reference_image(64, 64, 1)]))
     expected = [_lora_plain_run(pipe, kwargs) for kwargs in requests]
 
     recorded = []
@@ -280,14 +267,14 @@ def test_pack_key_lets_sizes_and_references_pack_and_refuses_what_the_packed_for
 def test_klein_inpaint_requests_of_different_sizes_pack_and_equal_their_solo_runs(config):
     from diffusers import Flux2KleinInpaintPipeline
 
-    pipe = Flux2KleinInpaintPipeline(**_pipe("klein", config).components)
+    pipe = Flux2KleinInpaintPipeline(**flux2_pipe("klein", config).components)
     pipe.set_progress_bar_config(disable=True)
     assert program_for(pipe) is generic.plan_generic
     requests = []
     for i, (height, width) in enumerate([(64, 64), (64, 96), (96, 64), (64, 64)]):
         mask = np.zeros((height, width), dtype="uint8")
         mask[: height // 2, : width // 2] = 255  # repaint the top-left quarter
-        requests.append(dict(prompt=f"a red square {i}", image=_image(height, width, 10 + i),
+        requests.append(dict(prompt=f"a red square {i}", image=reference_image(height, width, 10 + i),
                              mask_image=Image.fromarray(mask), height=height, width=width, strength=0.6 + 0.1 * i,
                              num_inference_steps=2 + i % 2, guidance_scale=1.0, seed=i, **COMMON))
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]

@@ -6,13 +6,11 @@ transformer call; each request's TeaCache state decides for its own rows from it
 its solo run with the same TeaCache config, and a request with `teacache=None` equals the plain pipeline.
 """
 
-import functools
 
 import numpy as np
 import pytest
 import torch
 from diffusers import Flux2Transformer2DModel
-from PIL import Image
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
@@ -20,27 +18,13 @@ from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models import support_for
 from diffusers_stepbatch.models.flux.teacache import fit_coefficients
 from diffusers_stepbatch.models.flux2.teacache import FLUX2_COEFFICIENTS, signal_hook, teacache_call
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
+from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
+from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
 from .references import TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# transformer configs: attention heads, head dim, RoPE axes (4 axes: time, height, width, text position)
-CONFIGS = {"narrow": dict(heads=2, head_dim=16, axes_dims=(4, 4, 4, 4)),
-           "wide": dict(heads=4, head_dim=8, axes_dims=(2, 2, 2, 2))}
-BUILDERS = {"klein": tiny_flux2_klein_pipeline, "dev": tiny_flux2_pipeline}
-COMMON = dict(output_type="pt", text_encoder_out_layers=(1,), max_sequence_length=32)
-
-
-@functools.cache
-def _pipe(variant, config):
-    return BUILDERS[variant](**CONFIGS[config])
-
-
-def _image(height, width, seed):
-    # NOTE: the FLUX.2 image processor wants both sides >= 64 px
-    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
 
 
 def _model(config, guidance_embeds):
@@ -120,7 +104,7 @@ def test_signal_hook_records_the_signal_the_teacache_forward_decides_on():
 
 
 def test_fitted_coefficients_explain_the_output_change():
-    pipe = _pipe("klein", "narrow")
+    pipe = flux2_pipe("klein", "narrow")
     call = dict(height=32, width=32, num_inference_steps=12, guidance_scale=1.0, output_type="latent",
                 text_encoder_out_layers=(1,), max_sequence_length=32)
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
@@ -174,7 +158,8 @@ class BlockPasses:
 def _requests():
     """Text-to-image and edit requests at 4 sizes (non-square too) and 4 step counts; the second runs without
     TeaCache. Klein runs CFG (guidance_scale > 1) as two calls a step, one state each; dev embeds guidance."""
-    references = [None, [_image(64, 64, 0)], None, [_image(64, 96, 1), _image(80, 64, 2)], None]
+    references = [None, [reference_image(64, 64, 0)], None, [reference_image(64, 96, 1), reference_image(80, 64, 2)],
+                  None]
     shapes = [(32, 32, 12), (32, 48, 13), (48, 32, 12), (48, 48, 14), (32, 48, 11)]
     requests = []
     for i, ((height, width, steps), images) in enumerate(zip(shapes, references)):
@@ -190,7 +175,7 @@ def _requests():
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("variant", sorted(BUILDERS))
 def test_teacache_in_shared_packed_forwards_equals_teacache_alone(variant, config):
-    pipe = _pipe(variant, config)
+    pipe = flux2_pipe(variant, config)
     requests = _requests()
     exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
     teacache = TeaCacheConfig(threshold=0.5)
@@ -216,7 +201,7 @@ def test_teacache_in_shared_packed_forwards_equals_teacache_alone(variant, confi
 
 @pytest.mark.parametrize("variant", sorted(BUILDERS))
 def test_threshold_zero_never_skips(variant):
-    pipe = _pipe(variant, "narrow")
+    pipe = flux2_pipe(variant, "narrow")
     kwargs = _requests()[3]  # an edit request; klein with CFG
     exact = pipe(**seeded(kwargs)).images
     # NOTE: a polynomial that is negative everywhere: any positive threshold would skip every inner step
@@ -227,12 +212,12 @@ def test_threshold_zero_never_skips(variant):
 def test_klein_kv_requests_with_teacache_compute_the_cached_calls_and_stay_exact():
     from diffusers import Flux2KleinKVPipeline
 
-    pipe = Flux2KleinKVPipeline(**_pipe("klein", "narrow").components)
+    pipe = Flux2KleinKVPipeline(**flux2_pipe("klein", "narrow").components)
     pipe.set_progress_bar_config(disable=True)
-    requests = [dict(prompt="a cat", image=_image(64, 64, 0), height=32, width=32, num_inference_steps=10, seed=0,
-                     **COMMON),
-                dict(prompt="a dog", image=[_image(64, 96, 1)], height=32, width=48, num_inference_steps=11, seed=1,
-                     **COMMON)]
+    requests = [dict(prompt="a cat", image=reference_image(64, 64, 0), height=32, width=32, num_inference_steps=10,
+                     seed=0, **COMMON),
+                dict(prompt="a dog", image=[reference_image(64, 96, 1)], height=32, width=48, num_inference_steps=11,
+                     seed=1, **COMMON)]
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
     # NOTE: a polynomial that is negative everywhere: any call TeaCache decided on would skip
     with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.5, coefficients=(-1.0,)), max_batch_size=16) as sb:
