@@ -8,6 +8,7 @@ They read the modules' own dicts instead of `nn.Module.__getattr__`, walk each m
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -157,6 +158,40 @@ def carries_hooks(module: torch.nn.Module) -> bool:
     every later request to diffusers' slow `_execution_device` walk.
     """
     return any(_ACCELERATE_HOOK in sub.__dict__ or diffusers_hooks(sub) for _, sub in marked_modules(module))
+
+
+class PlannedModel(NamedTuple):
+    """A model as a request's plan found it: its modules in walk order, and whether any carries a hook."""
+
+    modules: tuple[torch.nn.Module, ...]
+    hooked: bool
+
+
+def planned_model(model: torch.nn.Module) -> PlannedModel:
+    """`all_modules` and `carries_hooks` of `model`, from one walk within a `scan_scope`."""
+    return PlannedModel(all_modules(model), carries_hooks(model))
+
+
+def unhooked_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """diffusers' `ModelMixin.dtype` for a model that carries no hook, without its hook walk: the first floating
+    parameter outside `_keep_in_fp32_modules`, else the first floating buffer, else the last tensor's dtype."""
+    keep_fp32 = getattr(model, "_keep_in_fp32_modules", None) or ()
+    last = None
+    for name, parameter in model.named_parameters():
+        last = parameter.dtype
+        if parameter.is_floating_point() and not any(kept in name for kept in keep_fp32):
+            return parameter.dtype
+    for buffer in model.buffers():
+        last = buffer.dtype
+        if buffer.is_floating_point():
+            return buffer.dtype
+    return last
+
+
+def unhooked_device(model: torch.nn.Module) -> torch.device:
+    """diffusers' `ModelMixin.device` for a model that carries no hook: its first parameter's or buffer's device."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return model.device if first is None else first.device
 
 
 def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | None]:

@@ -262,3 +262,60 @@ def test_a_scope_reads_each_model_once_and_a_new_scope_reads_it_again():
     with scan_scope():
         assert carries_hooks(pipe.transformer)
     assert carries_hooks(pipe.transformer)  # outside a scope: every call walks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A request's model proxies answer `dtype` / `device` without diffusers' hook walk when the plan found no hook.
+from diffusers_stepbatch.module_scan import planned_model, unhooked_device, unhooked_dtype  # noqa: E402
+
+
+class _KeepsFp32(torch.nn.Module):
+    _keep_in_fp32_modules = ["norm"]
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+        self.proj = torch.nn.Linear(4, 4)
+
+
+class _BuffersOnly(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.register_buffer("steps", torch.arange(3))
+        self.register_buffer("scale", torch.ones(2, dtype=dtype))
+
+
+@pytest.mark.parametrize("family", PIPELINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unhooked_dtype_and_device_are_diffusers_answers(family, dtype):
+    for model in modules_of(PIPELINES[family]()):
+        model.to(dtype)
+        assert unhooked_dtype(model) == model.dtype == dtype
+        assert unhooked_device(model) == model.device
+
+
+def test_unhooked_dtype_follows_diffusers_rules_for_kept_fp32_modules_and_buffers():
+    from diffusers.models.modeling_utils import get_parameter_dtype
+
+    kept = _KeepsFp32()
+    kept.proj.to(torch.bfloat16)
+    assert unhooked_dtype(kept) == get_parameter_dtype(kept) == torch.bfloat16  # the fp32 norm comes first
+    for dtype in (torch.float16, torch.float64):
+        buffers = _BuffersOnly(dtype)
+        assert unhooked_dtype(buffers) == get_parameter_dtype(buffers) == dtype
+
+
+def test_proxies_answer_the_planned_dtype_and_ask_diffusers_for_a_hooked_model():
+    from diffusers_stepbatch.programs.intercept import ModelProxy
+
+    pipe = tiny_flux_pipeline()
+    transformer = pipe.transformer
+    proxy = ModelProxy(transformer, {"__call__": "denoise"}, submit=None, walk=planned_model(transformer))
+    assert not proxy._walk.hooked
+    transformer.to(torch.bfloat16)  # a cast between plan and call: read now, as the model would answer
+    assert proxy.dtype == transformer.dtype == torch.bfloat16 and proxy.device == transformer.device
+    transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    hooked = ModelProxy(transformer, {"__call__": "denoise"}, submit=None, walk=planned_model(transformer))
+    assert hooked._walk.hooked
+    assert hooked.dtype == transformer.dtype == torch.bfloat16  # the casting hook's compute dtype
+    assert unhooked_dtype(transformer) == torch.float8_e4m3fn  # what a walk-free answer would have said

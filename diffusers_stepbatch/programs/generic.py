@@ -27,7 +27,7 @@ from ..cache.prompt import PromptCache
 from ..engine.batch import WorkItem
 from ..engine.ownership import current_owner, run_for
 from ..engine.split_reasons import named_key
-from ..module_scan import all_modules, diffusers_hooks, execution_device, marked_modules
+from ..module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
 from .options import PlanContext
 from .pid_generic import plan_generic_pid_exit
 from .pipeline_checks import run_check_inputs
@@ -81,8 +81,8 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
         view = request_pipeline(pipe, context)
         _fix_execution_device(view, pipe)
         models = [getattr(pipe, name, None) for name in (*DENOISER_NAMES, *ENCODER_NAMES, "vae")]
-        walks = {id(model): all_modules(model) for model in models
-                 if isinstance(model, torch.nn.Module)}  # NOTE: the walks this plan's scans made
+        walks = {id(model): planned_model(model) for model in models
+                 if isinstance(model, torch.nn.Module)}  # NOTE: from the walks this plan's scans made
         program = generic_program(pipe, view, positional, keywords, per_row, context.options.packed_attention,
                                   context.options.prompt_cache, walks)
     if pid is not None:
@@ -297,9 +297,9 @@ class _Turns:
 
 
 def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], packed_attention: str | None,
-                     prompt_cache: PromptCache | None, walks: dict[int, tuple]) -> None:
+                     prompt_cache: PromptCache | None, walks: dict[int, PlannedModel]) -> None:
     """The request's view calls the engine for its denoisers, text encoders and VAE, and so do the views of the
-    pipelines it calls (combined pipelines: prior then decoder). `walks`: each model's modules, by id."""
+    pipelines it calls (combined pipelines: prior then decoder). `walks`: each model as the plan found it, by id."""
     for name, sub_pipeline in list(view.__dict__.items()):
         if isinstance(sub_pipeline, DiffusionPipeline):
             sub_view = request_view(sub_pipeline)
@@ -329,10 +329,10 @@ def _install_proxies(pipe, view, handoff: _Turns, denoisers: dict[str, tuple], p
 
 def generic_program(pipe, view, positional: list, keywords: dict, denoisers: dict[str, tuple],
                     packed_attention: str | None = "auto", prompt_cache: PromptCache | None = None,
-                    walks: dict[int, tuple] | None = None) -> Generator[WorkItem, Any, Any]:
+                    walks: dict[int, PlannedModel] | None = None) -> Generator[WorkItem, Any, Any]:
     """`denoisers`: per denoiser name, the request's (LoRA state, TeaCache config, packed attention), each may be
-    None; `prompt_cache` answers text-encoder calls identical to earlier ones; `walks`: the models' modules as
-    the plan found them, by model id."""
+    None; `prompt_cache` answers text-encoder calls identical to earlier ones; `walks`: the models as the plan
+    found them (modules, hooks), by model id."""
     turns = _Turns(view, positional, keywords)
     _install_proxies(pipe, view, turns, denoisers, packed_attention, prompt_cache, walks or {})
     try:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from diffusers import ModelMixin
 
 from ..adapters.lora import streams_ambiguous
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
@@ -28,6 +29,7 @@ from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_
 from ..models.calls import run_call, slice_rows
 from ..models.packing.support import packing_refused
 from ..models.row_kernels import solo_kernels
+from ..module_scan import PlannedModel, unhooked_device, unhooked_dtype
 from .branch_pairs import BranchPairs
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class ModelProxy:
     def __init__(self, module: torch.nn.Module, methods: dict[str, str], submit: Callable[[WorkItem], None],
                  step: Callable[[], int | None] = lambda: None, packed_attention: str | None = None,
                  adapters: AdapterState | None = None, teacache: RequestTeaCache | None = None,
-                 cache: PromptCache | None = None, walk: tuple[torch.nn.Module, ...] | None = None):
+                 cache: PromptCache | None = None, walk: PlannedModel | None = None):
         pairs = BranchPairs() if methods.get("__call__") == "denoise" else None
         self.__dict__.update(_module=module, _methods=methods, _submit=submit, _step=step,
                              _packed_attention=packed_attention, _adapters=adapters, _teacache=teacache,
@@ -80,7 +82,27 @@ class ModelProxy:
     def modules(self) -> Iterator[torch.nn.Module]:
         """The model's modules, from the walk made when the request was planned: diffusers' device lookups
         (`get_module_execution_device`) walk them at every call."""
-        return iter(self._walk) if self._walk is not None else self._module.modules()
+        return iter(self._walk.modules) if self._walk is not None else self._module.modules()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's `dtype`; for a diffusers model that carried no hook at plan, without diffusers' walk of
+        every module for a dtype-casting hook."""
+        if self._unhooked_diffusers_model():
+            return unhooked_dtype(self._module)
+        return self._module.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The model's `device`; for a diffusers model that carried no hook at plan, without the walk for one."""
+        if self._unhooked_diffusers_model():
+            return unhooked_device(self._module)
+        return self._module.device
+
+    def _unhooked_diffusers_model(self) -> bool:
+        cls = type(self._module)
+        return (self._walk is not None and not self._walk.hooked
+                and getattr(cls, "dtype", None) is ModelMixin.dtype and getattr(cls, "device", None) is ModelMixin.device)
 
     @property
     def __class__(self) -> type:  # NOTE: so that the pipeline's isinstance checks see the model's class
