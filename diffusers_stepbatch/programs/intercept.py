@@ -101,7 +101,8 @@ class ModelProxy:
 
     def _unhooked_diffusers_model(self) -> bool:
         cls = type(self._module)
-        diffusers_answers = getattr(cls, "dtype", None) is ModelMixin.dtype and getattr(cls, "device", None) is ModelMixin.device
+        diffusers_answers = (getattr(cls, "dtype", None) is ModelMixin.dtype
+                             and getattr(cls, "device", None) is ModelMixin.device)
         return self._walk is not None and not self._walk.hooked and diffusers_answers
 
     @property
