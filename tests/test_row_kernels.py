@@ -1,8 +1,10 @@
-"""Merged calls give each request's rows the GEMM kernel of its solo call (`models/row_kernels.py`).
+"""Merged calls give each request's rows the GEMM kernel of its solo call, and its activations the rounding of its
+solo call (`models/row_kernels.py`).
 
 A Kandinsky 2.2 UNet (image-embedding conditioning) amplifies the rounding between a GEMM of 2 rows and one of 8
 past 1e-4 over a few DDIM steps: merged requests differed from their solo runs until each request's per-row
-embeddings ran at their solo row count."""
+embeddings ran at their solo row count. The combined Kandinsky pipelines amplified the rounding of a CLIP encoder's
+`quick_gelu` in the same way: a tensor's last elements take a scalar path that rounds `exp` differently."""
 
 import random
 
@@ -107,3 +109,87 @@ def test_kandinsky22_requests_sharing_forwards_equal_their_plain_runs(embed_dim,
     assert len(wrapped_rows) < len(plain_rows) and max(wrapped_rows) > 2  # requests shared forwards
     for got, want in zip(results, expected):
         assert max_diff(got, want) <= TOLERANCE
+
+
+def _activations():
+    from transformers.activations import ACT2FN
+
+    return {"silu": torch.nn.SiLU, "silu-inplace": lambda: torch.nn.SiLU(inplace=True),
+            "gelu-tanh": lambda: torch.nn.GELU(approximate="tanh"), "sigmoid": torch.nn.Sigmoid,
+            "quick_gelu": lambda: ACT2FN["quick_gelu"], "mish": torch.nn.Mish}
+
+
+@pytest.mark.parametrize("activation", _activations())
+@pytest.mark.parametrize("rows", [[1, 1, 1, 1], [2, 2, 2, 2], [1, 3, 2], [2, 5, 1, 8]])
+@pytest.mark.parametrize("block", [(5,), (3, 13), (7, 37), (2, 64)])
+def test_each_request_of_a_merged_activation_rounds_as_its_solo_call(activation, rows, block):
+    layer = _activations()[activation]()
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(sum(rows), *block, generator=torch.Generator().manual_seed(len(rows)))
+    with torch.no_grad():
+        solo = torch.cat([model(part.clone()) for part in x.split(rows)])
+        with solo_kernels(model, rows):
+            merged = model(x.clone())
+    assert "forward" not in vars(layer)  # the swap is undone
+    assert torch.equal(merged, solo)
+
+
+def test_merged_activations_on_odd_widths_round_apart_without_the_solo_path():
+    from transformers.activations import ACT2FN
+
+    rows, layer = [2, 1, 2, 2], ACT2FN["quick_gelu"]
+    x = torch.randn(sum(rows), 3, 13, generator=torch.Generator().manual_seed(0))
+    solo = torch.cat([layer(part) for part in x.split(rows)])
+    assert not torch.equal(layer(x), solo)  # what the solo path is for
+    with solo_kernels(torch.nn.Sequential(layer), rows):
+        assert torch.equal(layer(x), solo)
+
+
+def _tiny_kandinsky22_prior(hidden: int, intermediate: int, image: int):
+    from diffusers import KandinskyV22PriorPipeline, PriorTransformer, UnCLIPScheduler
+    from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModelWithProjection, CLIPVisionConfig,
+                              CLIPVisionModelWithProjection)
+
+    from diffusers_stepbatch.testing import tiny_clip_tokenizer
+
+    tokenizer = tiny_clip_tokenizer()
+    torch.manual_seed(0)  # NOTE: CLIP's default activation is quick_gelu; an odd intermediate width gives tails
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=hidden, projection_dim=hidden,
+        intermediate_size=intermediate, num_attention_heads=4, num_hidden_layers=3, vocab_size=tokenizer.vocab_size))
+    torch.manual_seed(0)
+    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=12, embedding_dim=hidden, num_layers=1)
+    prior.clip_std = torch.nn.Parameter(torch.ones(prior.clip_std.shape))
+    torch.manual_seed(0)
+    image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=hidden, image_size=image, projection_dim=hidden, intermediate_size=intermediate,
+        num_attention_heads=4, num_channels=3, num_hidden_layers=3, patch_size=8))
+    processor = CLIPImageProcessor(crop_size=image, size=image, do_center_crop=True, do_normalize=True,
+                                   do_resize=True, resample=3)
+    scheduler = UnCLIPScheduler(variance_type="fixed_small_log", prediction_type="sample", num_train_timesteps=1000,
+                                clip_sample=True, clip_sample_range=10.0)
+    pipe = KandinskyV22PriorPipeline(prior=prior.eval(), image_encoder=image_encoder.eval(),
+                                     text_encoder=text_encoder.eval(), tokenizer=tokenizer, scheduler=scheduler,
+                                     image_processor=processor)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("hidden, intermediate, image", [(24, 53, 48), (32, 37, 32), (40, 61, 40)])
+def test_kandinsky22_prior_requests_sharing_encoders_equal_their_plain_runs_bit_for_bit(hidden, intermediate, image):
+    pipe = _tiny_kandinsky22_prior(hidden, intermediate, image)
+    requests = [dict(prompt=f"a horse {seed}", num_inference_steps=steps, guidance_scale=guidance, output_type="pt",
+                     generator=torch.Generator().manual_seed(seed))
+                for seed, steps, guidance in [(0, 2, 4.0), (1, 2, 4.0), (2, 3, 4.0), (3, 2, 5.0)]]
+
+    def fresh(kwargs):
+        return dict(kwargs, generator=torch.Generator().manual_seed(kwargs["generator"].initial_seed()))
+
+    expected = [pipe(**fresh(kwargs)) for kwargs in requests]
+    with StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=8, cost_aware=False)) as sb:
+        results = [future.result(300) for future in [sb.submit(**fresh(kwargs)) for kwargs in requests]]
+        histogram = sb.stats()["rows_histogram"]
+    assert max(histogram["encode"]) > 2 and max(histogram["denoise"]) > 2  # requests shared encoder calls
+    for got, want in zip(results, expected):
+        assert torch.equal(got.image_embeds, want.image_embeds)
+        assert torch.equal(got.negative_image_embeds, want.negative_image_embeds)

@@ -1,4 +1,4 @@
-"""Merged linear layers that compute each request's rows with the kernel its solo call would use.
+"""Merged calls whose linear layers and activations compute each request's rows as its solo call would.
 
 A CPU GEMM picks its kernel by the number of rows M: below a small M (a few rows) it takes another path than
 for larger M, and the two round differently. A per-row embedding (`[rows, features]`) has M = 1 or 2 in a request's
@@ -9,6 +9,12 @@ that M, a row's result does not depend on M.
 `solo_kernels(model, rows)` makes every `nn.Linear` of `model` compute, for one merged call, each request's rows
 whose solo M would be below that limit as a call of their own; the others stay one call. The limit is measured
 per layer shape, once: the smallest M from which a layer's rows equal those of a 16-row call.
+
+Elementwise activations (`torch.nn` and transformers activation modules) have a like cause: a vectorised kernel
+computes a tensor's last few elements (all of a small one) on a scalar path that rounds `exp` differently, so where
+a request's elements sit in the merged tensor decides how they round. Where the requests' blocks would
+not start at a whole vector step and the activation's two paths round apart (measured once per kind), each
+request's block runs alone; at real model widths (multiples of the vector step) the call stays one.
 
 >>> with solo_kernels(pipe.unet, [2, 2, 2, 2]):    # four CFG requests of two rows each
 ...     out = pipe.unet(sample, t, encoder_hidden_states=text)
@@ -28,16 +34,38 @@ PROBE_ROWS = 16
 _LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (adapter signature, nn.Linear layers)
 _limits: dict[tuple, int] = {}  # (in, out, dtype, device type, bias) -> the smallest row-invariant M
 _batched: dict[tuple, bool] = {}  # (in, out, dtype, device type, bias, M) -> batched matmul == F.linear
+_path_invariant_kinds: dict[tuple, bool] = {}  # (activation, repr, dtype) -> vector and scalar paths agree
+# NOTE: ATen's vector loops step by two vector registers and leave the rest of a tensor to a scalar loop; 64
+# elements span two AVX-512 registers of 16-bit floats, the widest such step.
+VECTOR_SPAN = 64
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 
 
 def linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The model's `nn.Linear` layers (peft's LoRA base layers and adapter matrices included), cached per model
     and loaded-adapter set."""
+    return _layers(model)[0]
+
+
+def activations(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's elementwise activation modules (`torch.nn`'s and transformers'), cached as `linears`."""
+    return _layers(model)[1]
+
+
+def _layers(model: torch.nn.Module) -> tuple[list, list]:
     signature = tuple(getattr(model, "peft_config", None) or ())
     cached = _LINEARS.get(model)
     if cached is None or cached[0] != signature:
-        cached = _LINEARS[model] = (signature, [m for m in model.modules() if type(m) is torch.nn.Linear])
+        modules = list(model.modules())
+        found = ([m for m in modules if type(m) is torch.nn.Linear], [m for m in modules if _is_activation(m)])
+        cached = _LINEARS[model] = (signature, found)
     return cached[1]
+
+
+def _is_activation(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return (cls.__module__ in _ACTIVATION_MODULES and not module._modules
+            and not issubclass(cls, torch.nn.MultiheadAttention))
 
 
 def invariant_rows(layer: torch.nn.Linear) -> int:
@@ -73,6 +101,10 @@ def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
         for layer in linears(model):
             if "forward" not in vars(layer) and layer.weight.device.type == "cpu":
                 layer.forward = functools.partial(_forward, layer, tuple(rows), sum(rows))
+                installed.append(layer)
+        for layer in activations(model):
+            if "forward" not in vars(layer):
+                layer.forward = functools.partial(_activation_forward, layer, tuple(rows), sum(rows))
                 installed.append(layer)
         yield
     finally:
@@ -135,3 +167,31 @@ def _batched_matches(layer: torch.nn.Linear, m: int) -> bool:
             alone = torch.stack([F.linear(problem, weight, layer.bias) for problem in x])
             _batched[key] = torch.equal(_batched_linear(layer, x), alone)
     return _batched[key]
+
+
+def _activation_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: int, input: torch.Tensor) -> torch.Tensor:
+    forward = type(layer).forward
+    x = input
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != total or x.device.type != "cpu":
+        return forward(layer, x)
+    per_row = x[0].numel()
+    # NOTE: the last block's tail is the merged tensor's tail, as in its solo call
+    if all(count * per_row % VECTOR_SPAN == 0 for count in rows[:-1]) or _path_invariant(layer, x.dtype):
+        return forward(layer, x)
+    parts = [forward(layer, block) for block in x.split(list(rows))]
+    if getattr(layer, "inplace", False):  # NOTE: the blocks are views of x, changed in place as x would be
+        return x
+    return torch.cat(parts)
+
+
+def _path_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the activation's vectorised and scalar paths give the same bits (measured once per kind)."""
+    key = (type(layer), repr(layer), dtype)
+    if key not in _path_invariant_kinds:
+        forward = type(layer).forward
+        with torch.no_grad():
+            x = (torch.randn(512, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+            vectorised = forward(layer, x.clone())
+            scalar = torch.cat([forward(layer, element.clone()) for element in x.split(1)])
+            _path_invariant_kinds[key] = torch.equal(vectorised, scalar)
+    return _path_invariant_kinds[key]
