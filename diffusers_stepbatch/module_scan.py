@@ -161,15 +161,18 @@ def carries_hooks(module: torch.nn.Module) -> bool:
 
 
 class PlannedModel(NamedTuple):
-    """A model as a request's plan found it: its modules in walk order, and whether any carries a hook."""
+    """A model as a request's plan found it: its modules in walk order, those that could carry a hook (the
+    marked ones), and whether any carries one."""
 
     modules: tuple[torch.nn.Module, ...]
+    hook_carriers: tuple[torch.nn.Module, ...]
     hooked: bool
 
 
 def planned_model(model: torch.nn.Module) -> PlannedModel:
-    """`all_modules` and `carries_hooks` of `model`, from one walk within a `scan_scope`."""
-    return PlannedModel(all_modules(model), carries_hooks(model))
+    """`all_modules`, `marked_modules` and `carries_hooks` of `model`, from one walk within a `scan_scope`."""
+    carriers = tuple(module for _, module in marked_modules(model))
+    return PlannedModel(all_modules(model), carriers, carries_hooks(model))
 
 
 def unhooked_dtype(model: torch.nn.Module) -> torch.dtype | None:

@@ -319,3 +319,45 @@ def test_proxies_answer_the_planned_dtype_and_ask_diffusers_for_a_hooked_model()
     assert hooked._walk.hooked
     assert hooked.dtype == transformer.dtype == torch.bfloat16  # the casting hook's compute dtype
     assert unhooked_dtype(transformer) == torch.float8_e4m3fn  # what a walk-free answer would have said
+
+
+def _proxy(model):
+    from diffusers_stepbatch.programs.intercept import ModelProxy
+
+    with scan_scope():
+        return ModelProxy(model, {"__call__": "denoise"}, submit=None, walk=planned_model(model))
+
+
+@pytest.mark.parametrize("hooks", ["none", "accelerate", "group offloading"])
+@pytest.mark.parametrize("family", PIPELINES)
+def test_device_lookups_through_a_proxy_give_diffusers_answers(family, hooks):
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    pipe = PIPELINES[family]()
+    for model in modules_of(pipe):
+        if hooks == "accelerate":
+            inner = next(m for m in model.modules() if m is not model)
+            add_hook_to_module(inner, _ExecutionDeviceHook("meta"))  # as sequential offload's hooks say
+        elif hooks == "group offloading" and model is getattr(pipe, "transformer", getattr(pipe, "unet", None)):
+            apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="block_level",
+                                   num_blocks_per_group=1)
+        proxy = _proxy(model)
+        assert get_module_execution_device(proxy) == get_module_execution_device(model)
+        assert proxy.dtype == model.dtype and proxy.device == model.device
+        assert [id(m) for m in proxy.modules()] == [id(m) for m in model.modules()]  # other callers: every module
+
+
+def test_device_lookups_through_a_proxy_read_only_the_modules_that_could_carry_a_hook(monkeypatch):
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    vae = tiny_flux_pipeline(vae_blocks=4).vae
+    proxy = _proxy(vae)
+    misses = []
+    getattr_of_modules = torch.nn.Module.__getattr__
+    monkeypatch.setattr(torch.nn.Module, "__getattr__",
+                        lambda module, name: misses.append(name) or getattr_of_modules(module, name))
+    assert get_module_execution_device(proxy) == torch.device("cpu")
+    assert len(misses) <= 2 * len(proxy._walk.hook_carriers) < len(proxy._walk.modules)
+    misses.clear()
+    get_module_execution_device(vae)
+    assert len(misses) >= 2 * len(proxy._walk.modules)  # diffusers' own walk, for comparison

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from diffusers import ModelMixin
+from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
+from diffusers.utils.torch_utils import get_module_execution_device
 
 from ..adapters.lora import streams_ambiguous
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
@@ -59,6 +62,11 @@ def log_once(model: str, reason: str) -> None:
         logger.info("StepBatched runs %s calls one at a time: %s", model, reason)
 
 
+# NOTE: diffusers functions that walk a model's modules only to find accelerate or diffusers hooks
+_HOOK_LOOKUPS = frozenset(function.__code__ for function in (get_module_execution_device,
+                                                             _get_top_level_group_offload_hook))
+
+
 class ModelProxy:
     """Stands in for a model on a request's view: the intercepted calls go to `submit`, the rest to the model.
 
@@ -80,9 +88,14 @@ class ModelProxy:
                              _pairs=pairs)
 
     def modules(self) -> Iterator[torch.nn.Module]:
-        """The model's modules, from the walk made when the request was planned: diffusers' device lookups
-        (`get_module_execution_device`) walk them at every call."""
-        return iter(self._walk.modules) if self._walk is not None else self._module.modules()
+        """The model's modules, from the walk made when the request was planned. diffusers' device lookups
+        (`get_module_execution_device`) walk them at every call for hooks only: those get the modules that could
+        carry one, the same answer without a raised `AttributeError` per module."""
+        if self._walk is None:
+            return self._module.modules()
+        if sys._getframe(1).f_code in _HOOK_LOOKUPS:
+            return iter(self._walk.hook_carriers)
+        return iter(self._walk.modules)
 
     @property
     def dtype(self) -> torch.dtype:
