@@ -61,14 +61,16 @@ def tiny_z_image_pipeline(dim: int = 32, heads: int = 2, axes_dims: tuple[int, i
 
 
 def tiny_flux2_klein_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tuple[int, ...] = (4, 4, 4, 4),
-                              seed: int = 0, pipeline_class=None):
-    """A Flux2KleinPipeline (or `pipeline_class`): pass `text_encoder_out_layers=(1,)` to calls."""
+                              seed: int = 0, pipeline_class=None, vae_blocks: int = 1):
+    """A Flux2KleinPipeline (or `pipeline_class`): pass `text_encoder_out_layers=(1,)` to calls. `vae_blocks`: the
+    VAE's blocks, each after the first halving the latent's sides (1: a token per 2x2 pixels)."""
     from diffusers import Flux2KleinPipeline
 
     tokenizer = tiny_chat_tokenizer()
     text_encoder = _qwen3(tokenizer, 16, causal_lm=True, seed=seed + 1)
     cls = pipeline_class or Flux2KleinPipeline
-    return _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, seed, guidance_embeds=False)
+    return _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, seed, guidance_embeds=False,
+                           vae_blocks=vae_blocks)
 
 
 # NOTE: content may be a list of parts (FLUX.2 dev's messages); the system message is left out, since with
@@ -81,9 +83,9 @@ _FLUX2_DEV_TEMPLATE = (
 
 
 def tiny_flux2_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tuple[int, ...] = (4, 4, 4, 4),
-                        seed: int = 0):
+                        seed: int = 0, vae_blocks: int = 1):
     """A Flux2Pipeline (FLUX.2 dev: guidance embedding, Mistral3 text encoder): pass `text_encoder_out_layers=(1,)`
-    to calls. The processor is the tiny tokenizer with a chat template for FLUX.2's messages (transformers'
+    to calls (`vae_blocks` as for klein). The processor is the tiny tokenizer with a chat template for FLUX.2's messages (transformers'
     PixtralProcessor needs torchvision), enough for text prompts; prompt upsampling is not supported."""
     from diffusers import Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
@@ -97,10 +99,11 @@ def tiny_flux2_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tuple[int
     torch.manual_seed(seed + 1)
     text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision)).eval()
     return _flux2_pipeline(Flux2Pipeline, tokenizer, text_encoder, heads, head_dim, axes_dims, seed,
-                           guidance_embeds=True)
+                           guidance_embeds=True, vae_blocks=vae_blocks)
 
 
-def _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, seed, guidance_embeds: bool):
+def _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, seed, guidance_embeds: bool,
+                    vae_blocks: int = 1):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     torch.manual_seed(seed)
@@ -110,9 +113,10 @@ def _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, se
         axes_dims_rope=list(axes_dims), guidance_embeds=guidance_embeds,
     ).eval()
     torch.manual_seed(seed + 2)
-    vae = AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
-                             up_block_types=("UpDecoderBlock2D",), block_out_channels=(4,), layers_per_block=1,
-                             latent_channels=1, norm_num_groups=1, use_quant_conv=False,
+    vae = AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3,
+                             down_block_types=("DownEncoderBlock2D",) * vae_blocks,
+                             up_block_types=("UpDecoderBlock2D",) * vae_blocks, block_out_channels=(4,) * vae_blocks,
+                             layers_per_block=1, latent_channels=1, norm_num_groups=1, use_quant_conv=False,
                              use_post_quant_conv=False).eval()
     pipe = cls(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                transformer=transformer)

@@ -7,9 +7,10 @@ from PIL import Image
 
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 
-# transformer configs: attention heads, head dim, RoPE axes (4 axes: time, height, width, text position)
+# configs: attention heads, head dim, RoPE axes (4 axes: time, height, width, text position), VAE blocks (3: a
+# latent of a quarter of the image's sides)
 CONFIGS = {"narrow": dict(heads=2, head_dim=16, axes_dims=(4, 4, 4, 4)),
-           "wide": dict(heads=4, head_dim=8, axes_dims=(2, 2, 2, 2))}
+           "wide": dict(heads=4, head_dim=8, axes_dims=(2, 2, 2, 2), vae_blocks=3)}
 BUILDERS = {"klein": tiny_flux2_klein_pipeline, "dev": tiny_flux2_pipeline}
 COMMON = dict(output_type="pt", text_encoder_out_layers=(1,), max_sequence_length=32)
 
