@@ -85,8 +85,9 @@ _FLUX2_DEV_TEMPLATE = (
 def tiny_flux2_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tuple[int, ...] = (4, 4, 4, 4),
                         seed: int = 0, vae_blocks: int = 1):
     """A Flux2Pipeline (FLUX.2 dev: guidance embedding, Mistral3 text encoder): pass `text_encoder_out_layers=(1,)`
-    to calls (`vae_blocks` as for klein). The processor is the tiny tokenizer with a chat template for FLUX.2's messages (transformers'
-    PixtralProcessor needs torchvision), enough for text prompts; prompt upsampling is not supported."""
+    to calls (`vae_blocks` as for klein). The processor is the tiny tokenizer with a chat template for FLUX.2's
+    messages (transformers' PixtralProcessor needs torchvision), enough for text prompts; prompt upsampling is not
+    supported."""
     from diffusers import Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
