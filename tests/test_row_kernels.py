@@ -193,3 +193,57 @@ def test_kandinsky22_prior_requests_sharing_encoders_equal_their_plain_runs_bit_
     for got, want in zip(results, expected):
         assert torch.equal(got.image_embeds, want.image_embeds)
         assert torch.equal(got.negative_image_embeds, want.negative_image_embeds)
+
+
+@pytest.mark.parametrize("dims, channels, size", [(2, 4, 16), (2, 96, 8), (3, 4, 8), (3, 12, 6)])
+@pytest.mark.parametrize("padding_mode, stride", [("zeros", 1), ("reflect", 1), ("replicate", 2), ("zeros", 2)])
+@pytest.mark.parametrize("rows", [[1, 1, 1, 1], [2, 1, 2], [1, 3], [2, 2]])
+def test_each_request_of_a_merged_convolution_equals_its_solo_call_bit_for_bit(dims, channels, size, padding_mode,
+                                                                              stride, rows):
+    conv = torch.nn.Conv3d if dims == 3 else torch.nn.Conv2d
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(conv(channels, channels, 3, padding=1, padding_mode=padding_mode),
+                                torch.nn.SiLU(), conv(channels, 8, 1, stride=stride))
+    x = torch.randn(sum(rows), channels, *(size,) * dims)
+    with torch.no_grad():
+        solo = torch.cat([model(part) for part in x.split(rows)])
+        with solo_kernels(model, rows):
+            merged = model(x)
+    assert not [name for name, module in model.named_modules() if {"forward", "_conv_forward"} & vars(module).keys()]
+    assert torch.equal(merged, solo)
+
+
+def test_a_merged_convolution_of_one_row_requests_rounds_apart_without_the_solo_path():
+    torch.manual_seed(0)
+    layer = torch.nn.Conv3d(4, 4, 3, padding=1)
+    x = torch.randn(4, 4, 3, 8, 8)
+    with torch.no_grad():
+        solo = torch.cat([layer(part) for part in x.split(1)])
+        assert not torch.equal(layer(x), solo)  # torch runs one small row on another kernel than several
+        with solo_kernels(torch.nn.Sequential(layer), [1, 1, 1, 1]):
+            assert torch.equal(layer(x), solo)
+
+
+@pytest.mark.parametrize("heads, head_dim", [(2, 12), (3, 8)])
+def test_wan_requests_sharing_forwards_and_decodes_equal_their_plain_runs_bit_for_bit(heads, head_dim):
+    from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(heads=heads, head_dim=head_dim, layers=2)
+    pipe.set_progress_bar_config(disable=True)
+    shapes = [(9, 32, 32), (5, 32, 48), (13, 48, 32)]  # (frames, height, width)
+    requests = [dict(prompt=f"a ball {i}", negative_prompt="blurry", num_frames=shapes[i % 3][0],
+                     height=shapes[i % 3][1], width=shapes[i % 3][2], num_inference_steps=3 if i == 5 else 2,
+                     guidance_scale=5.0, output_type="pt", max_sequence_length=16,
+                     generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def fresh(kwargs):
+        return dict(kwargs, generator=torch.Generator().manual_seed(kwargs["generator"].initial_seed()))
+
+    expected = [pipe(**fresh(kwargs)).frames for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=12, mixed_resolution=False,
+                     scheduler=SchedulerConfig(cost_aware=False)) as sb:
+        results = [future.result(300).frames for future in [sb.submit(**fresh(kwargs)) for kwargs in requests]]
+        histogram = sb.stats()["rows_histogram"]
+    assert max(histogram["denoise"]) > 2 and max(histogram["decode"]) > 1  # shared forwards and decodes
+    for got, want in zip(results, expected):
+        assert torch.equal(got, want)

@@ -16,6 +16,10 @@ a request's elements sit in the merged tensor decides how they round. Where the 
 not start at a whole vector step and the activation's two paths round apart (measured once per kind), each
 request's block runs alone; at real model widths (multiples of the vector step) the call stays one.
 
+Convolutions too: torch runs a small input of one row on its own kernel and several rows on oneDNN, which round
+apart. Per layer and request shape a one-time probe says whether the request's rows come out of the merged call as
+alone; where not, they run on that own kernel together (where it matches) or alone.
+
 >>> with solo_kernels(pipe.unet, [2, 2, 2, 2]):    # four CFG requests of two rows each
 ...     out = pipe.unet(sample, t, encoder_hidden_states=text)
 """
@@ -39,6 +43,8 @@ _path_invariant_kinds: dict[tuple, bool] = {}  # (activation, repr, dtype) -> ve
 # elements span two AVX-512 registers of 16-bit floats, the widest such step.
 VECTOR_SPAN = 64
 _ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+_CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+_conv_paths: dict[tuple, str] = {}  # (layer config, rows, row shape, dtype) -> "together" | "own kernel" | "alone"
 
 
 def linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -52,12 +58,18 @@ def activations(model: torch.nn.Module) -> list[torch.nn.Module]:
     return _layers(model)[1]
 
 
-def _layers(model: torch.nn.Module) -> tuple[list, list]:
+def convolutions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's 1-3d convolutions (subclasses too: their `_conv_forward` is what runs the kernel)."""
+    return _layers(model)[2]
+
+
+def _layers(model: torch.nn.Module) -> tuple[list, list, list]:
     signature = tuple(getattr(model, "peft_config", None) or ())
     cached = _LINEARS.get(model)
     if cached is None or cached[0] != signature:
         modules = list(model.modules())
-        found = ([m for m in modules if type(m) is torch.nn.Linear], [m for m in modules if _is_activation(m)])
+        found = ([m for m in modules if type(m) is torch.nn.Linear], [m for m in modules if _is_activation(m)],
+                 [m for m in modules if isinstance(m, _CONVOLUTIONS)])
         cached = _LINEARS[model] = (signature, found)
     return cached[1]
 
@@ -106,10 +118,16 @@ def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
             if "forward" not in vars(layer):
                 layer.forward = functools.partial(_activation_forward, layer, tuple(rows), sum(rows))
                 installed.append(layer)
+        for layer in convolutions(model):
+            own = vars(layer)
+            if "forward" not in own and "_conv_forward" not in own and layer.weight.device.type == "cpu":
+                layer._conv_forward = functools.partial(_conv_forward, layer, tuple(rows), sum(rows))
+                installed.append(layer)
         yield
     finally:
         for layer in installed:
             vars(layer).pop("forward", None)
+            vars(layer).pop("_conv_forward", None)
 
 
 def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, input: torch.Tensor) -> torch.Tensor:
@@ -195,3 +213,71 @@ def _path_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
             scalar = torch.cat([forward(layer, element.clone()) for element in x.split(1)])
             _path_invariant_kinds[key] = torch.equal(vectorised, scalar)
     return _path_invariant_kinds[key]
+
+
+def _conv_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: int, input: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    conv = type(layer)._conv_forward
+    if input.shape[0] != total:
+        return conv(layer, input, weight, bias)
+    paths = {count: _conv_path(layer, count, input, weight, bias) for count in set(rows)}
+    if all(path == "together" for path in paths.values()):
+        return conv(layer, input, weight, bias)
+    shared: dict[str, list[int]] = {}  # "together" / "own kernel" -> the rows that take it in one call
+    pieces, first = [], 0
+    for count in rows:
+        if paths[count] == "alone":
+            index = torch.arange(first, first + count, device=input.device)
+            pieces.append((index, conv(layer, input[first:first + count], weight, bias)))
+        else:
+            shared.setdefault(paths[count], []).extend(range(first, first + count))
+        first += count
+    for path, indices in shared.items():
+        index = torch.tensor(indices, device=input.device)
+        part = input.index_select(0, index)
+        run = conv(layer, part, weight, bias) if path == "together" else _own_kernel(layer, part, weight, bias)
+        pieces.append((index, run))
+    out = pieces[0][1].new_empty(total, *pieces[0][1].shape[1:])
+    for index, piece in pieces:
+        out.index_copy_(0, index, piece)
+    return out
+
+
+def _conv_path(layer: torch.nn.Module, count: int, input: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> str:
+    """How a request of `count` rows gets its solo call's bits in a merged call (measured once per shape)."""
+    key = (type(layer), layer.stride, layer.padding, layer.dilation, layer.groups, layer.padding_mode,
+           tuple(weight.shape), bias is not None, count, tuple(input.shape[1:]), input.dtype)
+    if key not in _conv_paths:
+        conv = type(layer)._conv_forward
+        with torch.no_grad():
+            # NOTE: enough blocks for 8k values: on a few channels the two kernels agree for most inputs
+            blocks = max(3, min(256, -(-8192 // input[:count].numel())))
+            x = torch.randn(blocks * count, *input.shape[1:], generator=torch.Generator().manual_seed(0))
+            x = x.to(input.dtype)
+            alone = torch.cat([conv(layer, part, weight, bias) for part in x.split(count)])
+            if torch.equal(conv(layer, x, weight, bias), alone):
+                _conv_paths[key] = "together"
+            elif _has_own_kernel(layer) and torch.equal(_own_kernel(layer, x, weight, bias), alone):
+                _conv_paths[key] = "own kernel"
+            else:
+                _conv_paths[key] = "alone"
+    return _conv_paths[key]
+
+
+def _has_own_kernel(layer: torch.nn.Module) -> bool:
+    """Whether torch's plain (not oneDNN) kernel takes this layer: 2d or 3d, padding by sizes, no groups or
+    dilation."""
+    return (isinstance(layer, (torch.nn.Conv2d, torch.nn.Conv3d)) and not isinstance(layer.padding, str)
+            and layer.groups == 1 and all(d == 1 for d in layer.dilation))
+
+
+def _own_kernel(layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """The convolution on torch's plain kernel, the one a small one-row call takes."""
+    kernel = torch.ops.aten.slow_conv3d if isinstance(layer, torch.nn.Conv3d) else torch.ops.aten.thnn_conv2d
+    padding = list(layer.padding)
+    if layer.padding_mode != "zeros":  # NOTE: as `_conv_forward` does: pad first, then convolve without padding
+        x = F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode)
+        padding = [0] * len(padding)
+    return kernel(x, weight, list(weight.shape[2:]), bias, list(layer.stride), padding)
