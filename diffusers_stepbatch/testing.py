@@ -286,8 +286,9 @@ def tiny_qwen2_tokenizer():
 
 
 def tiny_qwenimage_pipeline(num_layers: int = 1, attention_head_dim: int = 16, num_attention_heads: int = 2,
-                            text_hidden: int = 32, seed: int = 0):
-    """A QwenImagePipeline: tiny Qwen2.5-VL text encoder, Qwen-Image transformer and Qwen-Image VAE (scale 4).
+                            text_hidden: int = 32, seed: int = 0, vae_base_dim: int = 24):
+    """A QwenImagePipeline: tiny Qwen2.5-VL text encoder, Qwen-Image transformer and Qwen-Image VAE (scale 4;
+    `vae_base_dim` channels at full resolution, 2x and 4x that below).
 
     The system prompt of the encode template is shortened (tokens are characters here), so prompts stay short;
     heights and widths must be divisible by 8 (vae_scale_factor * 2).
@@ -328,7 +329,7 @@ def tiny_qwenimage_pipeline(num_layers: int = 1, attention_head_dim: int = 16, n
     z_dim = 4
     torch.manual_seed(seed + 2)
     vae = AutoencoderKLQwenImage(
-        base_dim=z_dim * 6, z_dim=z_dim, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+        base_dim=vae_base_dim, z_dim=z_dim, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
         latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
     ).eval()
 
