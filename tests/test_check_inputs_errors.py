@@ -91,3 +91,42 @@ def test_over_http_a_size_the_model_cannot_take_is_a_400_naming_size():
     assert error["param"] == "size" and error["code"] == "invalid_value", error
     assert "divisible by 8" in error["message"] and "36" in error["message"]
     assert ok.size == "32x32"
+
+
+def _multi_controlnet_pipeline(xl: bool):
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionXLControlNetPipeline
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    base = testing.tiny_sdxl_pipeline() if xl else testing.tiny_sd_pipeline()
+    nets = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        nets.append(ControlNetModel.from_unet(base.unet, conditioning_embedding_out_channels=(16, 32)).eval())
+    components = {name: value for name, value in base.components.items()
+                  if name not in ("safety_checker", "feature_extractor", "image_encoder")}
+    cls = StableDiffusionXLControlNetPipeline if xl else StableDiffusionControlNetPipeline
+    extra = {} if xl else dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = cls(**components, controlnet=MultiControlNetModel(nets), **extra)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("xl", [False, True])
+def test_multi_controlnet_calls_with_scalar_guidance_windows_run_wrapped_as_plain(xl):
+    # NOTE: __call__ repeats a scalar control_guidance_start / _end once per ControlNet before its check_inputs
+    pipe = _multi_controlnet_pipeline(xl)
+    conditions = [torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def call(seed, **extra):
+        return dict(prompt="a cat", image=conditions, height=32, width=32, num_inference_steps=2, guidance_scale=5.0,
+                    output_type="pt", generator=torch.Generator().manual_seed(seed), **extra)
+
+    def requests():
+        return [call(0), call(1, control_guidance_end=0.5), call(2, control_guidance_start=[0.0, 0.5])]
+
+    expected = [pipe(**request).images for request in requests()]
+    with StepBatched(pipe) as sb:
+        got = [future.result(300).images for future in [sb.submit(**request) for request in requests()]]
+        error = submit_error(sb, **call(3, control_guidance_start=[0.0]))  # one window for two ControlNets
+    assert max(float((a - b).abs().max()) for a, b in zip(got, expected)) <= 1e-4
+    assert "control_guidance_start" in str(error)

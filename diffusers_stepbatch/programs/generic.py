@@ -164,12 +164,30 @@ def _check_call(pipe, args: dict[str, Any]) -> None:
             values[name] = None
         elif parameter.default is parameter.empty:
             return  # an argument __call__ computes: leave the check to the pipeline
+    if "control_guidance_start" in values and "control_guidance_end" in values:
+        values.update(_aligned_control_guidance(pipe, values["control_guidance_start"], values["control_guidance_end"]))
     try:
         run_check_inputs(pipe, **values)
     except ValueError:
         raise
     except Exception as exc:  # our mapping doesn't fit this pipeline; its own __call__ still checks
         logger.debug("skipped %s.check_inputs in the caller: %r", type(pipe).__name__, exc)
+
+
+def _aligned_control_guidance(pipe, start: Any, end: Any) -> dict[str, Any]:
+    """The ControlNet guidance window as ControlNet pipelines' `__call__` hands it to their check: a scalar repeated
+    to the other's length, or both once per ControlNet."""
+    if not isinstance(start, list) and isinstance(end, list):
+        start = len(end) * [start]
+    elif not isinstance(end, list) and isinstance(start, list):
+        end = len(start) * [end]
+    elif not isinstance(start, list):
+        controlnet = getattr(pipe, "controlnet", None)
+        controlnet = getattr(controlnet, "_orig_mod", controlnet)  # a compiled model
+        nets = getattr(controlnet, "nets", None)
+        count = len(nets) if isinstance(nets, (list, torch.nn.ModuleList)) else 1
+        start, end = count * [start], count * [end]
+    return {"control_guidance_start": start, "control_guidance_end": end}
 
 
 def _num_steps(args: dict[str, Any]) -> int:
