@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from diffusers import ConsistencyDecoderVAE, StableDiffusionPipeline, StableDiffusionXLPipeline
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
@@ -217,3 +218,20 @@ def test_meta_device_latents_of_the_right_shape():
     latents = torch.empty(1, 64, pipe.transformer.config.in_channels, device="meta")  # 32x32: 8x8 packed tokens
     with StepBatched(pipe) as sb, pytest.raises(ValueError, match="latents is on the meta device"):
         sb.submit(**seeded(call_kwargs("flux", latents=latents)))
+
+
+@pytest.mark.parametrize("value, valid", [
+    ([[Image.new("RGB", (8, 8)), None], [Image.new("RGB", (8, 8)), None]], True),  # VisualCloze: None is a target
+    ([Image.new("RGB", (8, 8)), torch.zeros(1, 3, 8, 8)], True),
+    ([[torch.zeros(3, 8, 8)], [np.zeros((8, 8, 3))]], True),
+    ("a cat.png", False), ([Image.new("RGB", (8, 8)), "a cat.png"], False), ([], False), ([[]], False),
+])
+def test_image_arguments_accept_what_diffusers_takes_and_name_what_it_does_not(value, valid):
+    from diffusers_stepbatch.errors import InvalidArgumentType
+    from diffusers_stepbatch.programs.call_checks import check_image_input
+
+    if valid:
+        check_image_input("image", value)
+    else:
+        with pytest.raises(InvalidArgumentType, match="image must be a PIL image"):
+            check_image_input("image", value)

@@ -171,13 +171,14 @@ def check_text_embeddings(pipe: Any, args: dict[str, Any]) -> None:
 
 def check_image_input(name: str, value: Any) -> None:
     """An image argument is a PIL image, an array or tensor, or (nested) lists of them: diffusers'
-    `PipelineImageInput`, and lists of those for several adapters or ControlNets."""
+    `PipelineImageInput`, and lists of those for several adapters or ControlNets. Inside a list, None marks an
+    image the pipeline fills in (VisualCloze's targets)."""
     from diffusers.image_processor import is_valid_image_imagelist
 
-    def valid(entry: Any) -> bool:
+    def valid(entry: Any, nested: bool = False) -> bool:
         if isinstance(entry, (list, tuple)):
-            return len(entry) > 0 and all(valid(item) for item in entry)
-        return is_valid_image_imagelist(entry)
+            return len(entry) > 0 and all(valid(item, nested=True) for item in entry)
+        return (nested and entry is None) or is_valid_image_imagelist(entry)
 
     if not valid(value):
         raise InvalidArgumentType(
