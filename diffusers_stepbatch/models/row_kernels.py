@@ -1,4 +1,4 @@
-"""Merged calls whose linear layers and activations compute each request's rows as its solo call would.
+"""Merged calls whose linear layers, activations and convolutions compute each request's rows as alone.
 
 A CPU GEMM picks its kernel by the number of rows M: below a small M (a few rows) it takes another path than
 for larger M, and the two round differently. A per-row embedding (`[rows, features]`) has M = 1 or 2 in a request's
@@ -100,7 +100,8 @@ def invariant_rows(layer: torch.nn.Linear) -> int:
 
 @contextlib.contextmanager
 def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
-    """Inside, `model`'s linear layers give each request (`rows[i]` consecutive rows on dim 0) its solo kernel.
+    """Inside, `model`'s linear layers, activations and convolutions give each request (`rows[i]` consecutive
+    rows on dim 0) its solo kernel.
 
     Not thread-safe: the model must not run elsewhere meanwhile (the engine thread owns it). Layers that already
     carry an instance `forward` (an accelerate hook) are left as they are.

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 from diffusers import ModelMixin
-from diffusers.hooks.group_offloading import _get_top_level_group_offload_hook
-from diffusers.utils.torch_utils import get_module_execution_device
+from diffusers.hooks import group_offloading
+from diffusers.utils import torch_utils
 
 from ..adapters.lora import streams_ambiguous
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
@@ -62,9 +62,11 @@ def log_once(model: str, reason: str) -> None:
         logger.info("StepBatched runs %s calls one at a time: %s", model, reason)
 
 
-# NOTE: diffusers functions that walk a model's modules only to find accelerate or diffusers hooks
-_HOOK_LOOKUPS = frozenset(function.__code__ for function in (get_module_execution_device,
-                                                             _get_top_level_group_offload_hook))
+# NOTE: diffusers functions that walk a model's modules only to find accelerate or diffusers hooks (private names:
+# a diffusers without them gets every module, the same answer)
+_HOOK_LOOKUPS = frozenset(function.__code__ for function in (
+    getattr(torch_utils, "get_module_execution_device", None),
+    getattr(group_offloading, "_get_top_level_group_offload_hook", None)) if function is not None)
 
 
 class ModelProxy:
