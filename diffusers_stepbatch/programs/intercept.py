@@ -133,6 +133,9 @@ class ModelProxy:
     def __setattr__(self, name: str, value: Any) -> None:  # as without the proxy: the shared model changes
         setattr(self._module, name, value)
 
+    def __delattr__(self, name: str) -> None:  # NOTE: accelerate removes offload hooks by `delattr(model, "_hf_hook")`
+        delattr(self._module, name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kind = self._methods.get("__call__")
         if kind is None:
