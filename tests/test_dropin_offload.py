@@ -4,7 +4,8 @@ as after each plain call (diffusers' `maybe_free_model_hooks`), the offloaded mo
 engine's work runs out: with no request in flight, never while a caller's prologue reads the pipeline.
 
 This CPU has no accelerator to offload from (`device="cpu"`), so the tests watch what moves the models:
-`maybe_free_model_hooks`, which re-attaches the offload hooks (`pipe._all_hooks` are new objects afterwards)."""
+`maybe_free_model_hooks`, which re-attaches the offload hooks (`pipe._all_hooks` are new objects afterwards). As
+after a plain call, a caller whose request ended the engine's work gets its result after that free."""
 
 import gc
 import logging
@@ -39,13 +40,16 @@ def offloaded(name: str):
     return pipe
 
 
-def watch_frees(pipe, handles: list, body=None) -> list[int]:
-    """Wrap `pipe.maybe_free_model_hooks`: each call records how many of `handles` were still in flight."""
+def watch_frees(pipe, handles: list, body=None, engine=None) -> list[int]:
+    """Wrap `pipe.maybe_free_model_hooks`: each call records how many requests still had work in the engine
+    (`engine()`, once it exists), and that none of `handles` had its result yet when that was 0."""
     in_flight_at_free: list[int] = []
     free = pipe.maybe_free_model_hooks
 
     def watched():
-        in_flight_at_free.append(sum(not handle.done() for handle in handles))
+        core = engine() if engine is not None else None
+        in_flight_at_free.append(len(core.scheduler.running) + len(core.scheduler.waiting) if core else
+                                 sum(not handle.done() for handle in handles))
         if body is not None:
             body()
         free()
@@ -65,11 +69,15 @@ def test_offloaded_models_are_freed_once_the_work_runs_out(name, concurrent):
 
     pipe = offloaded(name)
     handles: list = []
-    in_flight_at_free = watch_frees(pipe, handles)
+    wrapper: list = []
+    in_flight_at_free = watch_frees(pipe, handles, engine=lambda: wrapper[0].engine if wrapper else None)
     sb = StepBatched(pipe)
+    wrapper.append(sb)
     hooks = list(pipe._all_hooks)
     handles += [sb.submit(**seeded(kwargs)) for kwargs in calls]
     outputs = [output_images(handle.result()) for handle in handles]
+    # NOTE: at the last result, before any wait: the models are offloaded again, as when a plain call returns
+    assert all(new is not old for new, old in zip(pipe._all_hooks, hooks))
     assert sb.engine.wait_idle(timeout=30)
 
     for output, reference in zip(outputs, expected):
@@ -192,9 +200,14 @@ def test_a_combined_pipeline_with_model_offload_runs_wrapped_as_plain():
         return [dict(prompt=f"a horse {seed}", height=64, width=64, num_inference_steps=2, prior_num_inference_steps=2,
                      output_type="pt", generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
 
+    def unhooked(pipe):
+        return [name for name, model in pipe.components.items()
+                if isinstance(model, torch.nn.Module) and not hasattr(model, "_hf_hook")]
+
     plain = combined()
     expected = [plain(**kwargs).images for kwargs in calls()]
     pipe = combined()
     with StepBatched(pipe) as sb:
         outputs = [handle.result(300).images for handle in [sb.submit(**kwargs) for kwargs in calls()]]
+        assert unhooked(pipe) == unhooked(plain)  # at the results: the offload hooks are back, as after plain calls
     assert max(max_diff(got, want) for got, want in zip(outputs, expected)) <= TOLERANCE

@@ -75,6 +75,7 @@ class EngineCore:
         self._on_idle = on_idle  # run in the engine thread when its work runs out (`_run_idle_hook`)
         self._idle_hook_due = False  # a step ran since the hook last ran
         self._in_idle_hook = False  # callers' `preparing()` waits while it runs
+        self._held_outcomes: list[Callable[[], None]] | None = None  # a step's results, given after it (`_release`)
 
     # ----------------------------------------------------------------------------------- caller side
     def submit(self, request: Request) -> None:
@@ -176,6 +177,7 @@ class EngineCore:
             if cancel or (closing and not self.scheduler.has_work()):
                 break
             self._idle_hook_due = self._on_idle is not None
+            self._held_outcomes = []
             try:
                 self.step()
             except BaseException as exc:  # an engine bug must not strand anyone, nor spin: fail what it holds
@@ -183,8 +185,27 @@ class EngineCore:
                 for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                     if not request.status.is_finished:
                         self._finish(request, RequestStatus.FINISHED_ERROR, exc)
+            self._release()
         for request in self.scheduler.drain():
             self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _release(self) -> None:
+        """Give the step's finished requests their outcomes. When the step ended the engine's work, the idle hook
+        runs first, so that a caller finds the pipeline as a plain call leaves it (offload hooks back, models on the
+        CPU)."""
+        held, self._held_outcomes = self._held_outcomes, None
+        if not held:
+            return
+        with self._wakeup:
+            work_ran_out = (self._idle_hook_due and not self._preparing and not self._inbox
+                            and not self.scheduler.has_work() and not self._closing)
+            if work_ran_out:
+                self._idle_hook_due = False
+                self._in_idle_hook = True
+        if work_ran_out:
+            self._run_idle_hook()
+        for give in held:
+            give()
 
     def _sleep_until_work(self) -> bool:
         """Sleep (under `self._wakeup`) until there is work or the engine closes. True instead when the idle
@@ -434,11 +455,13 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_ABORTED
             self.metrics.record_request(request, request.status)
             return
-        if status == RequestStatus.FINISHED_OK:
-            handle.set_result(value)
-        else:
-            handle.set_exception(value)
+        give = functools.partial(handle.set_result if status == RequestStatus.FINISHED_OK else handle.set_exception,
+                                 value)
         self.metrics.record_request(request, status)
+        if self._held_outcomes is not None and self.in_engine_thread():
+            self._held_outcomes.append(give)
+        else:
+            give()
 
 
 
