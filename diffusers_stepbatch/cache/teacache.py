@@ -138,3 +138,29 @@ def row_groups(states: Sequence[TeaCacheState | None]) -> list[tuple[TeaCacheSta
         else:
             groups.append((state, row, row + 1))
     return groups
+
+
+def settle_packed_decisions(decisions: Sequence[tuple], hidden: torch.Tensor,
+                            computed: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The blocks' output on packed tokens under per-state decisions, and each state's commit.
+
+    `decisions`: per row group (state, rows, token slice, signal, compute, accumulated); `computed`: the computing
+    rows' (token index, their input tokens, their output tokens), the index None when every row computed, or None
+    when none did. Skipping rows add their cached residual; states change only here, after the blocks ran."""
+    index, sub_hidden, sub_out = computed if computed is not None else (None, None, None)
+    if sub_out is None:
+        out, residual = torch.empty_like(hidden), None
+    elif index is None:
+        out, residual = sub_out, sub_out - sub_hidden
+    else:
+        out, residual = torch.empty_like(hidden), torch.empty_like(hidden)
+        out[index] = sub_out
+        residual[index] = sub_out - sub_hidden
+    for state, rows, tokens, _, compute, _ in decisions:
+        if not compute:
+            out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
+    for state, rows, tokens, signal, compute, accumulated in decisions:
+        if state is not None:
+            own = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
+            state.commit(signal.clone(), compute, accumulated, own)
+    return out

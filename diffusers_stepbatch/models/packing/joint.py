@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
-from ...cache.teacache import row_groups
+from ...cache.teacache import row_groups, settle_packed_decisions
 from .layout import PackedLayout, attend
 
 TEXT, IMAGE = 0, 1
@@ -156,22 +156,12 @@ def teacache_blocks(layout: PackedLayout, states, hidden: torch.Tensor, encoder:
         decisions.append((state, range(start, end), tokens, own, compute, accumulated))
     compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
 
-    out = torch.empty_like(hidden)
-    residual = None
+    computed = None
     if compute_rows:
         sub_layout, (text_index, image_index) = layout.select_rows(compute_rows)
         kept_parts = list(dict.fromkeys(layout.part_of_row(row)[0] for row in compute_rows))
         sub_hidden = hidden.index_select(0, image_index)
         sub_out = run(sub_layout, sub_hidden, encoder.index_select(0, text_index),
                       torch.tensor(compute_rows, device=hidden.device), kept_parts)
-        out[image_index] = sub_out
-        residual = torch.empty_like(hidden)
-        residual[image_index] = sub_out - sub_hidden
-    for state, rows, tokens, _, compute, _ in decisions:
-        if not compute:
-            out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
-    for state, rows, tokens, own, compute, accumulated in decisions:
-        if state is not None:
-            own_residual = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
-            state.commit(own.clone(), compute, accumulated, own_residual)
-    return out
+        computed = (image_index, sub_hidden, sub_out)
+    return settle_packed_decisions(decisions, hidden, computed)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from ...cache.teacache import TeaCacheState, row_groups
+from ...cache.teacache import TeaCacheState, row_groups, settle_packed_decisions
 from .packing import PackedInputs, WanPart, pack_key, packed_blocks, wan_packed_forward, wan_packing_unsupported
 
 WAN_MODEL_COEFFICIENTS = {
@@ -54,24 +54,11 @@ def teacache_blocks(transformer, inputs: PackedInputs, hidden: torch.Tensor,
         decisions.append((state, range(start, end), tokens, signal, compute, accumulated))
     compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
 
-    residual = None
+    computed = None
     if len(compute_rows) == video.num_rows:
-        out = packed_blocks(transformer, inputs, hidden)
-        residual = out - hidden
-    else:
-        out = torch.empty_like(hidden)
-        if compute_rows:
-            sub_inputs, index = inputs.select(compute_rows)
-            sub_hidden = hidden.index_select(0, index)
-            sub_out = packed_blocks(transformer, sub_inputs, sub_hidden)
-            out[index] = sub_out
-            residual = torch.empty_like(hidden)
-            residual[index] = sub_out - sub_hidden
-        for state, rows, tokens, _, compute, _ in decisions:
-            if not compute:
-                out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
-    for state, rows, tokens, signal, compute, accumulated in decisions:
-        if state is not None:
-            own = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
-            state.commit(signal.clone(), compute, accumulated, own)
-    return out
+        computed = (None, hidden, packed_blocks(transformer, inputs, hidden))
+    elif compute_rows:
+        sub_inputs, index = inputs.select(compute_rows)
+        sub_hidden = hidden.index_select(0, index)
+        computed = (index, sub_hidden, packed_blocks(transformer, sub_inputs, sub_hidden))
+    return settle_packed_decisions(decisions, hidden, computed)
