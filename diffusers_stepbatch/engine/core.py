@@ -197,11 +197,8 @@ class EngineCore:
         if not held:
             return
         with self._wakeup:
-            work_ran_out = (self._idle_hook_due and not self._preparing and not self._inbox
-                            and not self.scheduler.has_work() and not self._closing)
-            if work_ran_out:
-                self._idle_hook_due = False
-                self._in_idle_hook = True
+            work_ran_out = (not self._inbox and not self.scheduler.has_work() and not self._closing
+                            and self._take_idle_hook_turn())
         if work_ran_out:
             self._run_idle_hook()
         for give in held:
@@ -211,15 +208,22 @@ class EngineCore:
         """Sleep (under `self._wakeup`) until there is work or the engine closes. True instead when the idle
         hook's turn comes first: the work ran out since it last ran and no caller is preparing a request."""
         while not self._inbox and not self.scheduler.has_work() and not self._closing:
-            if self._idle_hook_due and not self._preparing:
-                self._idle_hook_due = False
-                self._in_idle_hook = True
+            if self._take_idle_hook_turn():
                 return True
             self._idle = True
             self._wakeup.notify_all()  # `wait_idle` callers
             self._wakeup.wait()
         self._idle = False
         return False
+
+    def _take_idle_hook_turn(self) -> bool:
+        """(Under `self._wakeup`.) Whether the idle hook is due (a step ran since it last ran) and no caller is
+        preparing a request; if so the turn is taken: callers' `preparing()` waits until it has run."""
+        if not self._idle_hook_due or self._preparing:
+            return False
+        self._idle_hook_due = False
+        self._in_idle_hook = True
+        return True
 
     def _run_idle_hook(self) -> None:
         """Run `on_idle` (the wrapper: the pipeline's `maybe_free_model_hooks`, as after a plain call); callers

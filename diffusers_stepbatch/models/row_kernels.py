@@ -153,7 +153,13 @@ def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, input: t
     if grouped:
         index = torch.cat(grouped).to(x.device)
         pieces.append((index, F.linear(x.index_select(0, index), layer.weight, layer.bias)))
-    out = pieces[0][1].new_empty(*x.shape[:-1], layer.out_features)
+    return _gathered(pieces, total)
+
+
+def _gathered(pieces: list[tuple[torch.Tensor, torch.Tensor]], total: int) -> torch.Tensor:
+    """One tensor of `total` rows from (row index, those rows' output) pieces."""
+    first = pieces[0][1]
+    out = first.new_empty(total, *first.shape[1:])
     for index, piece in pieces:
         out.index_copy_(0, index, piece)
     return out
@@ -240,10 +246,7 @@ def _conv_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: int, inp
         part = input.index_select(0, index)
         run = conv(layer, part, weight, bias) if path == "together" else _own_kernel(layer, part, weight, bias)
         pieces.append((index, run))
-    out = pieces[0][1].new_empty(total, *pieces[0][1].shape[1:])
-    for index, piece in pieces:
-        out.index_copy_(0, index, piece)
-    return out
+    return _gathered(pieces, total)
 
 
 def _conv_path(layer: torch.nn.Module, count: int, input: torch.Tensor, weight: torch.Tensor,
