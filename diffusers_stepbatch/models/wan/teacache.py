@@ -1,11 +1,10 @@
 """Wan's TeaCache forward: `WanTransformer3DModel.forward` with one skip decision per request branch.
 
 As in TeaCache4Wan2.1 (github.com/ali-vilab/TeaCache), the signal is the timestep projection that modulates the
-blocks (one per video, or per token with `expand_timesteps`), and a skipping row adds the residual its blocks made
-at the last computed step. The rescale polynomials (highest power first) are the authors' fits for that signal;
-`WAN_COEFFICIENTS` is Wan 2.1 T2V 1.3B's, the class default, and `WAN_MODEL_COEFFICIENTS` holds the others, for
-`TeaCacheConfig(coefficients=...)`. Calls run through the packed forward (`packing.py`), so a request's decisions
-and residuals are the same whether its step ran alone, merged or packed with other sizes.
+blocks (one per video, or per token with `expand_timesteps`); a skipping row adds its last computed residual. The
+polynomials (highest power first) are the authors' fits: `WAN_COEFFICIENTS` (Wan 2.1 T2V 1.3B) is the default, the
+others are for `TeaCacheConfig(coefficients=...)`. Calls run through the packed forward (`packing.py`), so a
+request's decisions are the same alone, merged or packed with other sizes.
 """
 
 from __future__ import annotations
@@ -41,9 +40,7 @@ def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments
 
 def teacache_blocks(transformer, inputs: PackedInputs, hidden: torch.Tensor,
                     states: Sequence[TeaCacheState | None]) -> torch.Tensor:
-    """`packed_blocks` with per-state decisions (`states` per packed row): rows that skip add their residual.
-
-    States change only after the blocks ran, so a failed call retried per shape stays correct."""
+    """`packed_blocks` with per-state decisions (`states` per packed row): rows that skip add their residual."""
     video = inputs.video
     decisions = []  # (state, rows, video token slice, signal, compute, accumulated)
     for state, start, end in row_groups(states):
