@@ -145,9 +145,14 @@ def scan_scope() -> Iterator[None]:
         _scope.reset(token)
 
 
+def hook_registry(module: torch.nn.Module) -> Any:
+    """The diffusers `HookRegistry` on `module` itself, or None."""
+    return own_attribute(module, _DIFFUSERS_HOOKS)
+
+
 def diffusers_hooks(module: torch.nn.Module) -> dict[str, Any]:
     """The hooks of the diffusers `HookRegistry` on `module` itself, by name ({} without a registry)."""
-    registry = own_attribute(module, _DIFFUSERS_HOOKS)
+    registry = hook_registry(module)
     return {} if registry is None else registry.hooks
 
 
@@ -204,6 +209,15 @@ def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | Non
             str(buffer.device) if buffer is not None else None)
 
 
+def _models(pipe: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+    """The registered models (`pipe.components` runs an `inspect.signature` per call; optional ones too)."""
+    for name in pipe.config:
+        if not name.startswith("_"):
+            component = getattr(pipe, name, None)
+            if isinstance(component, torch.nn.Module):
+                yield name, component
+
+
 class _ExecutionDevices:
     """`pipe._execution_device`, remembered per pipeline while its components and their first tensors' devices
     stay the same; a hook anywhere (offloading, caches) sends the question to diffusers itself, every time."""
@@ -219,9 +233,7 @@ class _ExecutionDevices:
         if cls._execution_device is not DiffusionPipeline._execution_device or cls.device is not DiffusionPipeline.device:
             return pipe._execution_device  # a pipeline that answers in its own way
         signature = []
-        for name, component in pipe.components.items():
-            if not isinstance(component, torch.nn.Module):
-                continue
+        for name, component in _models(pipe):
             if carries_hooks(component):
                 return pipe._execution_device
             signature.append((name, id(component), _first_tensor_device(component)))

@@ -177,3 +177,41 @@ def test_combined_pipelines_share_their_sub_pipelines_forwards():
     results, rows = _batched(pipe, requests, base.transformer)
     assert all(max_diff(got, want) <= TOLERANCE for got, want in zip(results, expected))
     assert max(rows) > 1
+
+
+class _Signatures(torch.nn.Module):
+    def forward(self, hidden_states, timestep=None, *extra, scale: float = 1.0, **options):
+        return hidden_states
+
+
+class _PositionalOnly(torch.nn.Module):
+    def forward(self, hidden_states, /, timestep, return_dict=True):
+        return hidden_states
+
+
+@pytest.mark.parametrize("model, args, kwargs", [
+    (_Signatures(), (), {"timestep": 1, "hidden_states": 2}),
+    (_Signatures(), (), {"hidden_states": 2, "scale": 0.5}),
+    (_Signatures(), (), {"hidden_states": 2, "mask": 3, "timestep": 1}),  # an extra keyword: into **options
+    (_Signatures(), (2,), {"timestep": 1}),
+    (_Signatures(), (2, 1, 7), {}),
+    (_Signatures(), (), {"timestep": 1}),  # a required argument missing: not bound
+    (_PositionalOnly(), (), {"hidden_states": 2, "timestep": 1}),
+    (_PositionalOnly(), (2,), {"timestep": 1}),
+])
+def test_a_call_is_named_as_signature_bind_names_it(model, args, kwargs):
+    import inspect
+
+    from diffusers_stepbatch.models.calls import _arguments
+
+    signature = inspect.signature(type(model).forward)
+    try:
+        bound = signature.bind(model, *args, **kwargs)
+    except TypeError:
+        want = (None, {**{f"__arg{i}": value for i, value in enumerate(args)}, **kwargs})
+    else:
+        named = dict(bound.arguments)
+        named.pop("self")
+        want = (signature, named)
+    got = _arguments(model, "forward", args, kwargs)
+    assert got == want and list(got[1]) == list(want[1])  # the same names, in the same order

@@ -361,3 +361,43 @@ def test_device_lookups_through_a_proxy_read_only_the_modules_that_could_carry_a
     misses.clear()
     get_module_execution_device(vae)
     assert len(misses) >= 2 * len(proxy._walk.modules)  # diffusers' own walk, for comparison
+
+
+class _CountingStatefulHook(DiffusersHook):
+    """A stateful diffusers hook that counts its resets."""
+
+    _is_stateful = True
+
+    def __init__(self):
+        super().__init__()
+        self.resets = 0
+
+    def reset_state(self, module):
+        self.resets += 1
+        return module
+
+
+@pytest.mark.parametrize("where", ["top", "block", "both"])
+def test_a_proxy_resets_stateful_hooks_at_the_end_of_a_call_as_diffusers_does(where):
+    from diffusers.hooks import HookRegistry
+
+    transformer = PIPELINES["flux"]().transformer
+    targets = {"top": [transformer], "block": [transformer.transformer_blocks[0].attn],
+               "both": [transformer, transformer.single_transformer_blocks[1]]}[where]
+    hooks = []
+    for module in targets:
+        hooks.append(_CountingStatefulHook())
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(hooks[-1], f"counting-{len(hooks)}")
+    transformer._reset_stateful_cache()  # diffusers' own walk
+    assert [hook.resets for hook in hooks] == [1] * len(hooks)
+    proxy = _proxy(transformer)
+    assert proxy._reset_stateful_cache.__func__ is not type(transformer)._reset_stateful_cache
+    proxy._reset_stateful_cache()
+    assert [hook.resets for hook in hooks] == [2] * len(hooks)
+    proxy._reset_stateful_cache(recurse=False)
+    assert hooks[0].resets == (3 if targets[0] is transformer else 2)
+
+
+def test_a_proxy_of_a_model_without_a_stateful_reset_has_none():
+    vae = PIPELINES["flux"]().vae
+    assert not hasattr(_proxy(vae), "_reset_stateful_cache")

@@ -115,7 +115,7 @@ def _activations():
     from transformers.activations import ACT2FN
 
     return {"silu": torch.nn.SiLU, "silu-inplace": lambda: torch.nn.SiLU(inplace=True),
-            "gelu-tanh": lambda: torch.nn.GELU(approximate="tanh"), "sigmoid": torch.nn.Sigmoid,
+            "gelu": torch.nn.GELU, "gelu-tanh": lambda: torch.nn.GELU(approximate="tanh"), "sigmoid": torch.nn.Sigmoid,
             "quick_gelu": lambda: ACT2FN["quick_gelu"], "mish": torch.nn.Mish}
 
 
@@ -132,6 +132,41 @@ def test_each_request_of_a_merged_activation_rounds_as_its_solo_call(activation,
             merged = model(x.clone())
     assert "forward" not in vars(layer)  # the swap is undone
     assert torch.equal(merged, solo)
+
+
+@pytest.mark.parametrize("rows, block", [([1, 1, 1, 1], (37,)), ([2, 2, 2], (3, 13)), ([3, 3], (5,))])
+def test_equal_requests_share_one_activation_call_each_as_its_own_row(monkeypatch, rows, block):
+    from diffusers_stepbatch.models import row_kernels
+
+    layer, calls = torch.nn.SiLU(), []
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(sum(rows), *block, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        solo = torch.cat([model(part.clone()) for part in x.split(rows)])
+        with solo_kernels(model, rows):
+            model(x)  # the one-time probes
+        forward = torch.nn.SiLU.forward
+        monkeypatch.setattr(torch.nn.SiLU, "forward", lambda self, input: calls.append(1) or forward(self, input))
+        with solo_kernels(model, rows):
+            merged = model(x.clone())
+    assert row_kernels._rows_match_blocks(layer, len(rows), rows[0] * x[0].numel(), x.dtype)
+    assert len(calls) == 1 and torch.equal(merged, solo)
+
+
+@pytest.mark.parametrize("rows, tokens", [([1, 1, 1, 1], None), ([2, 2, 2], None), ([1] * 8, 3)])
+def test_equal_small_requests_share_one_batched_linear_call_without_a_gather(monkeypatch, rows, tokens):
+    from diffusers_stepbatch.models import row_kernels
+
+    model = _Embedder(24, 96)
+    shape = (sum(rows), 24) if tokens is None else (sum(rows), tokens, 24)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        solo = [model(part) for part in x.split(rows)]
+        monkeypatch.setattr(row_kernels, "_gathered", lambda *_: pytest.fail("equal requests were gathered"))
+        with solo_kernels(model, rows):
+            merged = model(x)
+    assert invariant_rows(model.first) > rows[0] * (tokens or 1)  # the rows do need their solo kernel
+    assert torch.equal(merged, torch.cat(solo))
 
 
 def test_merged_activations_on_odd_widths_round_apart_without_the_solo_path():

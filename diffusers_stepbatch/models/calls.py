@@ -62,10 +62,30 @@ def _method_signature(model: torch.nn.Module, method: str) -> inspect.Signature 
     return _signatures[key]
 
 
+_keywords: dict[tuple[type, str], tuple[tuple[str, ...], frozenset, frozenset] | None] = {}
+
+
+def _keyword_names(model: torch.nn.Module, method: str,
+                   signature: inspect.Signature) -> tuple[tuple[str, ...], frozenset, frozenset]:
+    """(the names a keyword may bind, in signature order; as a set; the required names) of the method."""
+    key = (type(model), method)
+    if key not in _keywords:
+        parameters = list(signature.parameters.values())[1:]
+        names = tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        required = frozenset(p.name for p in parameters if p.default is p.empty
+                             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        _keywords[key] = (names, frozenset(names), required)
+    return _keywords[key]
+
+
 def _arguments(model: torch.nn.Module, method: str, args: tuple,
                kwargs: dict) -> tuple[inspect.Signature | None, dict[str, Any]]:
     """The call's arguments by name (positional ones as `__arg<i>` where the signature can't bind them)."""
     signature = _method_signature(model, method)
+    if signature is not None and not args:  # NOTE: diffusers calls its models by keyword: `bind`'s answer, cheaper
+        names, known, required = _keyword_names(model, method, signature)
+        if known.issuperset(kwargs) and required.issubset(kwargs):
+            return signature, {name: kwargs[name] for name in names if name in kwargs}
     if signature is not None:
         try:
             bound = signature.bind(model, *args, **kwargs)

@@ -40,6 +40,8 @@ _LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (a
 _limits: dict[tuple, int] = {}  # (in, out, dtype, device type, bias) -> the smallest row-invariant M
 _batched: dict[tuple, bool] = {}  # (in, out, dtype, device type, bias, M) -> batched matmul == F.linear
 _path_invariant_kinds: dict[tuple, bool] = {}  # (activation, repr, dtype) -> vector and scalar paths agree
+_row_blocks: dict[tuple, bool] = {}  # (activation, repr, dtype, blocks, size) -> `_row_per_block` is exact
+_SINGLE_CHUNK = 32768  # ATen's grain size: elementwise kernels run smaller tensors as one chunk on one thread
 # NOTE: ATen's vector loops step by two vector registers and leave the rest of a tensor to a scalar loop; 64
 # elements span two AVX-512 registers of 16-bit floats, the widest such step.
 VECTOR_SPAN = 64
@@ -111,20 +113,22 @@ def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
     if len(rows) < 2 or not all(r > 0 for r in rows):
         yield
         return
-    installed = []
+    installed, rows, total = [], tuple(rows), sum(rows)
     try:
         for layer in linears(model):
-            if "forward" not in vars(layer) and layer.weight.device.type == "cpu":
-                layer.forward = functools.partial(_forward, layer, tuple(rows), sum(rows))
+            own = vars(layer)  # NOTE: set in the instance dict directly: `nn.Module.__setattr__` costs per layer
+            if "forward" not in own and layer.weight.device.type == "cpu":
+                own["forward"] = functools.partial(_forward, layer, rows, total)
                 installed.append(layer)
         for layer in activations(model):
-            if "forward" not in vars(layer):
-                layer.forward = functools.partial(_activation_forward, layer, tuple(rows), sum(rows))
+            own = vars(layer)
+            if "forward" not in own:
+                own["forward"] = functools.partial(_activation_forward, layer, rows, total)
                 installed.append(layer)
         for layer in convolutions(model):
             own = vars(layer)
             if "forward" not in own and "_conv_forward" not in own and layer.weight.device.type == "cpu":
-                layer._conv_forward = functools.partial(_conv_forward, layer, tuple(rows), sum(rows))
+                own["_conv_forward"] = functools.partial(_conv_forward, layer, rows, total)
                 installed.append(layer)
         yield
     finally:
@@ -135,12 +139,18 @@ def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
 
 def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, input: torch.Tensor) -> torch.Tensor:
     x = input  # NOTE: named as in `nn.Linear.forward`: some models pass it by keyword
-    if x.dim() < 2 or x.shape[0] != total:
+    if x.dim() < 2 or x.shape[0] != total or x.numel() == 0:
         return F.linear(x, layer.weight, layer.bias)
-    per_row = x[0].numel() // max(x.shape[-1], 1)  # the GEMM rows one batch row brings
+    features = x.shape[-1]
+    per_row = x.numel() // (total * features)  # the GEMM rows one batch row brings
     limit = invariant_rows(layer)
     if min(rows) * per_row >= limit:
         return F.linear(x, layer.weight, layer.bias)
+    count = rows[0]
+    if all(other == count for other in rows) and _batched_matches(layer, count * per_row):
+        # requests of equal size, each below the limit: one batched call of their solo problems, in place
+        problems = x.reshape(len(rows), count * per_row, features)
+        return _batched_linear(layer, problems).reshape(*x.shape[:-1], layer.out_features)
     by_count: dict[int, list[int]] = {}  # a small request's row count -> the first rows of such requests
     grouped, first = [], 0
     for count in rows:
@@ -201,14 +211,44 @@ def _activation_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: in
     x = input
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != total or x.device.type != "cpu":
         return forward(layer, x)
-    per_row = x[0].numel()
+    per_row = x.numel() // total
     # NOTE: the last block's tail is the merged tensor's tail, as in its solo call
     if all(count * per_row % VECTOR_SPAN == 0 for count in rows[:-1]) or _path_invariant(layer, x.dtype):
         return forward(layer, x)
+    count = rows[0]
+    if (not getattr(layer, "inplace", False) and all(other == count for other in rows)
+            and _rows_match_blocks(layer, len(rows), count * per_row, x.dtype)):
+        return _row_per_block(layer, x, len(rows), count * per_row).reshape(x.shape)
     parts = [forward(layer, block) for block in x.split(list(rows))]
     if getattr(layer, "inplace", False):  # NOTE: the blocks are views of x, changed in place as x would be
         return x
     return torch.cat(parts)
+
+
+def _row_per_block(layer: torch.nn.Module, x: torch.Tensor, blocks: int, size: int) -> torch.Tensor:
+    """The activation of `blocks` equal blocks of `x`, each laid out as a row of a padded buffer: the kernel's
+    loop then runs row by row, with each block's own vector steps and scalar tail, instead of across blocks."""
+    padded = x.new_empty(blocks, size + 1)[:, :size]
+    padded.copy_(x.reshape(blocks, size))
+    return type(layer).forward(layer, padded)
+
+
+def _rows_match_blocks(layer: torch.nn.Module, blocks: int, size: int, dtype: torch.dtype) -> bool:
+    """Whether `_row_per_block` gives each block its solo call's bits (measured once per kind and shape); only
+    below the size from which a kernel may split one call's elements across threads."""
+    if blocks * size > _SINGLE_CHUNK:
+        return False
+    key = (type(layer), repr(layer), dtype, blocks, size)
+    if key not in _row_blocks:
+        forward, generator = type(layer).forward, torch.Generator().manual_seed(0)
+        matches = True
+        with torch.no_grad():
+            for _ in range(max(1, min(64, 8192 // (blocks * size)))):  # NOTE: 8k values: small blocks agree often
+                x = (torch.randn(blocks * size, generator=generator) * 4).to(dtype)
+                alone = torch.cat([forward(layer, block.clone()) for block in x.split(size)])
+                matches = matches and torch.equal(_row_per_block(layer, x, blocks, size).reshape(-1), alone)
+        _row_blocks[key] = matches
+    return _row_blocks[key]
 
 
 def _path_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> bool:

@@ -79,7 +79,7 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
                           packed_attention_for(getattr(pipe, name), context.options.packed_attention))
                    for name in denoisers}
         view = request_pipeline(pipe, context)
-        _fix_execution_device(view, pipe)
+        _fix_view_lookups(view, pipe)
         models = [getattr(pipe, name, None) for name in (*DENOISER_NAMES, *ENCODER_NAMES, "vae")]
         walks = {id(model): planned_model(model) for model in models
                  if isinstance(model, torch.nn.Module)}  # NOTE: from the walks this plan's scans made
@@ -108,25 +108,53 @@ def _denoiser_names(pipe) -> list[str]:
     return [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
 
 
-def _fix_execution_device(view, pipe) -> None:
-    """The view answers `_execution_device` with the device found at submit, as a plain call would find it
-    again: diffusers walks every module of every model for it."""
+def _fix_view_lookups(view, pipe) -> None:
+    """The view answers two of diffusers' lookups as a plain call would find them, without their cost per call:
+    `_execution_device` with the device found at submit (diffusers walks every module of every model for it), and
+    `_get_signature_keys` from its first answer per class (an `inspect.signature` of `__init__` each time, e.g. for
+    `components` at the end of every call)."""
+    view.__class__ = _view_class(type(view))
     try:
-        device = execution_device(pipe)
+        view.__dict__[_DEVICE] = execution_device(pipe)
     except Exception:  # NOTE: a pipeline that can't answer at submit: its call asks (and fails) as it would plainly
-        return
-    view.__class__ = _with_fixed_device(type(view))
-    view.__dict__[_DEVICE] = device
+        pass
 
 
 _DEVICE = "_stepbatch_execution_device"
 
 
 @functools.cache
-def _with_fixed_device(cls: type) -> type:
-    device = property(lambda self: self.__dict__[_DEVICE], doc="The execution device found at submit.")
-    return type(cls.__name__, (cls,), {"_execution_device": device, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
+def _view_class(cls: type) -> type:
+    def fixed_device(self):
+        device = self.__dict__.get(_DEVICE)
+        return device if device is not None else super(view_class, self)._execution_device
+
+    def signature_keys(_, obj) -> tuple[list[str], list[str]]:
+        owner = obj if isinstance(obj, type) else type(obj)
+        expected, optional = _signature_keys(cls, owner, tuple(getattr(cls, "_optional_components", ())))
+        return list(expected), list(optional)
+
+    view_class = type(cls.__name__, (cls,), {
+        "_execution_device": property(fixed_device, doc="The execution device found at submit."),
+        "_get_signature_keys": classmethod(signature_keys),
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return view_class
+
+
+@functools.cache
+def _signature_keys(cls: type, owner: type, optional_components: tuple) -> tuple[list[str], list[str]]:
+    return cls._get_signature_keys(owner)
+
+
+@functools.cache
+def _call_parameters(cls: type) -> tuple[inspect.Parameter, ...]:
+    return tuple(inspect.signature(cls.__call__).parameters.values())[1:]
+
+
+@functools.cache
+def _check_parameters(check) -> tuple[inspect.Parameter, ...]:
+    """`check_inputs`' parameters (its function, without `self`)."""
+    return tuple(inspect.signature(check).parameters.values())[1:]
 
 
 def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
@@ -153,7 +181,10 @@ def _check_call(pipe, args: dict[str, Any]) -> None:
     if check is None or args.get("use_resolution_binning"):  # binning changes height and width before the check
         return
     values = {}
-    for name, parameter in inspect.signature(check).parameters.items():
+    parameters = _check_parameters(check.__func__) if inspect.ismethod(check) else tuple(
+        inspect.signature(check).parameters.values())
+    for parameter in parameters:
+        name = parameter.name
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         if name in ("height", "width") and args.get(name) is None:
@@ -202,8 +233,7 @@ def _num_steps(args: dict[str, Any]) -> int:
 def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
     """The bound call arguments (as the wrapper binds them) back into positional and keyword arguments."""
     positional, keywords = [], {}
-    parameters = list(inspect.signature(unhooked_class(pipe).__call__).parameters.values())[1:]
-    for parameter in parameters:
+    for parameter in _call_parameters(unhooked_class(pipe)):
         if parameter.name not in args:
             continue
         value = args[parameter.name]

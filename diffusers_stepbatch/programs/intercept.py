@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from diffusers import ModelMixin
-from diffusers.hooks import group_offloading
+from diffusers.hooks import HookRegistry, group_offloading
+from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import torch_utils
 
 from ..adapters.lora import streams_ambiguous
@@ -32,7 +33,7 @@ from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_
 from ..models.calls import run_call, slice_rows
 from ..models.packing.support import packing_refused
 from ..models.row_kernels import solo_kernels
-from ..module_scan import PlannedModel, unhooked_device, unhooked_dtype
+from ..module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
 from .branch_pairs import BranchPairs
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ def log_once(model: str, reason: str) -> None:
 _HOOK_LOOKUPS = frozenset(function.__code__ for function in (
     getattr(torch_utils, "get_module_execution_device", None),
     getattr(group_offloading, "_get_top_level_group_offload_hook", None)) if function is not None)
+
+
+def _is_diffusers_reset(method: Any) -> bool:
+    return getattr(method, "__func__", None) is CacheMixin._reset_stateful_cache
 
 
 class ModelProxy:
@@ -127,8 +132,21 @@ class ModelProxy:
     def __getattr__(self, name: str) -> Any:
         kind = self._methods.get(name)
         if kind is None:
-            return getattr(self._module, name)
+            found = getattr(self._module, name)
+            if name == "_reset_stateful_cache" and self._walk is not None and _is_diffusers_reset(found):
+                return self._reset_planned_registries
+            return found
         return functools.partial(self._intercept, kind, name)
+
+    def _reset_planned_registries(self, recurse: bool = True) -> None:
+        """diffusers' `_reset_stateful_cache` (every pipeline call ends with it), over the hook registries among
+        the modules the plan's walk found able to carry one; diffusers walks every module for them."""
+        HookRegistry.check_if_exists_or_initialize(self._module).reset_stateful_hooks(recurse=False)
+        if recurse:
+            for module in self._walk.hook_carriers:
+                registry = hook_registry(module) if module is not self._module else None
+                if registry is not None:
+                    registry.reset_stateful_hooks(recurse=False)
 
     def __setattr__(self, name: str, value: Any) -> None:  # as without the proxy: the shared model changes
         setattr(self._module, name, value)
