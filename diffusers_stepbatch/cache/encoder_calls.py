@@ -28,8 +28,9 @@ class _NotDigestible(Exception):
     pass
 
 
-def call_key(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) -> Hashable | None:
-    """The cache key of this call, or None when it can't be cached."""
+def call_key(module: torch.nn.Module, method: str, args: tuple, kwargs: dict,
+             modules: tuple[torch.nn.Module, ...] | None = None) -> Hashable | None:
+    """The cache key of this call, or None when it can't be cached (`modules`: the module's walk, if made)."""
     if module.training:
         return None
     digest = hashlib.blake2b(digest_size=20)
@@ -38,7 +39,7 @@ def call_key(module: torch.nn.Module, method: str, args: tuple, kwargs: dict) ->
     except _NotDigestible:
         return None
     first = next(module.parameters(), None)
-    return ("encoder-call", type(module).__qualname__, weights_fingerprint(module),
+    return ("encoder-call", type(module).__qualname__, weights_fingerprint(module, modules),
             str(getattr(module, "dtype", None)), placement(None if first is None else first.device, module),
             method, digest.hexdigest())
 

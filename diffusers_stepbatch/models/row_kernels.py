@@ -39,8 +39,9 @@ PROBE_DRAWS = 4
 _LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (adapter signature, nn.Linear layers)
 _limits: dict[tuple, int] = {}  # (in, out, dtype, device type, bias) -> the smallest row-invariant M
 _batched: dict[tuple, bool] = {}  # (in, out, dtype, device type, bias, M) -> batched matmul == F.linear
-_path_invariant_kinds: dict[tuple, bool] = {}  # (activation, repr, dtype) -> vector and scalar paths agree
-_row_blocks: dict[tuple, bool] = {}  # (activation, repr, dtype, blocks, size) -> `_row_per_block` is exact
+_path_invariant_kinds: dict[tuple, bool] = {}  # ((class, repr), dtype) -> vector and scalar paths agree
+_kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # activation -> (class, repr)
+_row_blocks: dict[tuple, bool] = {}  # ((class, repr), dtype, blocks, size) -> `_row_per_block` is exact
 _SINGLE_CHUNK = 32768  # ATen's grain size: elementwise kernels run smaller tensors as one chunk on one thread
 # NOTE: ATen's vector loops step by two vector registers and leave the rest of a tensor to a scalar loop; 64
 # elements span two AVX-512 registers of 16-bit floats, the widest such step.
@@ -238,7 +239,7 @@ def _rows_match_blocks(layer: torch.nn.Module, blocks: int, size: int, dtype: to
     below the size from which a kernel may split one call's elements across threads."""
     if blocks * size > _SINGLE_CHUNK:
         return False
-    key = (type(layer), repr(layer), dtype, blocks, size)
+    key = (_kind(layer), dtype, blocks, size)
     if key not in _row_blocks:
         forward, generator = type(layer).forward, torch.Generator().manual_seed(0)
         matches = True
@@ -251,9 +252,17 @@ def _rows_match_blocks(layer: torch.nn.Module, blocks: int, size: int, dtype: to
     return _row_blocks[key]
 
 
+def _kind(layer: torch.nn.Module) -> tuple[type, str]:
+    """The activation's class and settings (its `repr`, read once per layer: it costs per merged call)."""
+    kind = _kinds.get(layer)
+    if kind is None:
+        kind = _kinds[layer] = (type(layer), repr(layer))
+    return kind
+
+
 def _path_invariant(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether the activation's vectorised and scalar paths give the same bits (measured once per kind)."""
-    key = (type(layer), repr(layer), dtype)
+    key = (_kind(layer), dtype)
     if key not in _path_invariant_kinds:
         forward = type(layer).forward
         with torch.no_grad():

@@ -161,7 +161,8 @@ class ModelProxy:
         return self._intercept(kind, "forward", *args, **kwargs)
 
     def _intercept(self, kind: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        key = None if self._cache is None else encoder_calls.call_key(self._module, method, args, kwargs)
+        key = None if self._cache is None else encoder_calls.call_key(
+            self._module, method, args, kwargs, None if self._walk is None else self._walk.modules)
         if key is not None:
             output = encoder_calls.lookup(self._cache, key)
             if output is not None:
