@@ -149,7 +149,6 @@ class _Fingerprints:
         self._lock = threading.Lock()
 
     def __call__(self, module: torch.nn.Module, modules: tuple[torch.nn.Module, ...] | None = None) -> str:
-        """`modules`: the module's submodules as a walk already found them (else it walks them)."""
         signature = tuple((id(t), t._version) for sub in (all_modules(module) if modules is None else modules)
                           for group in (sub._parameters, sub._buffers) for t in group.values() if t is not None)
         with self._lock:
