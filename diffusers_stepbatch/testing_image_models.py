@@ -33,8 +33,10 @@ def _qwen3(tokenizer, hidden: int, causal_lm: bool, seed: int):
 
 
 def tiny_z_image_pipeline(dim: int = 32, heads: int = 2, axes_dims: tuple[int, int, int] = (8, 4, 4), seed: int = 0,
-                          pipeline_class=None):
-    """A ZImagePipeline (or `pipeline_class`, e.g. ZImageImg2ImgPipeline): sizes divisible by 16."""
+                          pipeline_class=None, vae_blocks: int | None = None):
+    """A ZImagePipeline (or `pipeline_class`, e.g. ZImageImg2ImgPipeline): sizes divisible by 16. `vae_blocks`: a
+    VAE of that many 4-channel blocks (3: a latent at a quarter of the sides) instead of the 2-block 32/64-channel
+    one."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
     tokenizer = tiny_chat_tokenizer()
@@ -49,10 +51,11 @@ def tiny_z_image_pipeline(dim: int = 32, heads: int = 2, axes_dims: tuple[int, i
         transformer.x_pad_token.fill_(1.0)
         transformer.cap_pad_token.fill_(1.0)
     torch.manual_seed(seed + 2)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-                        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[32, 64], layers_per_block=1,
-                        latent_channels=16, norm_num_groups=32, sample_size=32, scaling_factor=0.3611,
-                        shift_factor=0.1159).eval()
+    channels, groups = ([32, 64], 32) if vae_blocks is None else ([4] * vae_blocks, 4)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * len(channels),
+                        up_block_types=["UpDecoderBlock2D"] * len(channels), block_out_channels=channels,
+                        layers_per_block=1, latent_channels=16, norm_num_groups=groups, sample_size=32,
+                        scaling_factor=0.3611, shift_factor=0.1159).eval()
     cls = pipeline_class or ZImagePipeline
     pipe = cls(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                transformer=transformer)

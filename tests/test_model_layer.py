@@ -38,7 +38,7 @@ def _run(pipe, requests, denoiser, max_batch_size=16):
 
 
 Z_IMAGE_CONFIGS = {"tiny": {}, "wide": dict(dim=48, heads=3, axes_dims=(8, 4, 4)),
-                   "rope": dict(dim=32, heads=2, axes_dims=(4, 6, 6))}
+                   "rope": dict(dim=32, heads=2, axes_dims=(4, 6, 6)), "quarter-vae": dict(vae_blocks=3)}
 
 
 @pytest.mark.parametrize("config", sorted(Z_IMAGE_CONFIGS))

@@ -62,7 +62,7 @@ def _method_signature(model: torch.nn.Module, method: str) -> inspect.Signature 
     return _signatures[key]
 
 
-_keywords: dict[tuple[type, str], tuple[tuple[str, ...], frozenset, frozenset] | None] = {}
+_keywords: dict[tuple[type, str], tuple[tuple[str, ...], frozenset, frozenset]] = {}
 
 
 def _keyword_names(model: torch.nn.Module, method: str,

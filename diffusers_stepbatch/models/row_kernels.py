@@ -279,8 +279,13 @@ def _conv_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: int, inp
     if input.shape[0] != total:
         return conv(layer, input, weight, bias)
     paths = {count: _conv_path(layer, count, input, weight, bias) for count in set(rows)}
-    if all(path == "together" for path in paths.values()):
+    taken = set(paths.values())
+    if taken == {"together"}:
         return conv(layer, input, weight, bias)
+    if taken == {"own kernel"}:  # NOTE: every row on it, in order: nothing to select or gather
+        return _own_kernel(layer, input.contiguous(), weight, bias)
+    if taken == {"alone"}:
+        return torch.cat([conv(layer, part, weight, bias) for part in input.split(list(rows))])
     shared: dict[str, list[int]] = {}  # "together" / "own kernel" -> the rows that take it in one call
     pieces, first = [], 0
     for count in rows:

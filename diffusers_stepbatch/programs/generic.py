@@ -143,7 +143,7 @@ def _view_class(cls: type) -> type:
 
 @functools.cache
 def _signature_keys(cls: type, owner: type, optional_components: tuple) -> tuple[list[str], list[str]]:
-    return cls._get_signature_keys(owner)
+    return cls._get_signature_keys(owner)  # NOTE: `optional_components` is in the cache key: the answer reads it
 
 
 @functools.cache
