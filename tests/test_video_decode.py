@@ -1,5 +1,6 @@
 """Video VAE work through the generic program: decodes of requests that finish together run as one call, with
-diffusers' tiling too (a decode that would not fit at once), and equal the plain pipeline. Tiny Wan 2.1."""
+diffusers' tiling too (a decode that would not fit at once), and equal the plain pipeline. Tiny Wan 2.1, and
+Qwen-Image's VAE (built on Wan's) for its encodes and decodes."""
 
 import pytest
 
@@ -43,3 +44,35 @@ def test_decodes_of_requests_that_finish_together_share_one_call(tiling, frames,
         pipe.vae.disable_tiling()
     assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
     assert decodes == [3], decodes  # one merged decode, no separate check calls: the Wan VAE is trusted
+
+
+@pytest.mark.parametrize("tiling", [False, True])
+@pytest.mark.parametrize("side, vae_base_dim", [(32, 8), (48, 4)])
+def test_qwenimage_vae_encodes_and_decodes_of_requests_together_are_one_call_each(tiling, side, vae_base_dim):
+    import torch
+    from diffusers import QwenImageImg2ImgPipeline
+
+    from diffusers_stepbatch.testing import tiny_qwenimage_pipeline
+
+    pipe = QwenImageImg2ImgPipeline(**tiny_qwenimage_pipeline(vae_base_dim=vae_base_dim).components)
+    pipe.set_progress_bar_config(disable=True)
+    if tiling:
+        pipe.vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8,
+                               tile_sample_stride_width=8)
+    requests = [dict(prompt=f"a shape {seed}", height=side, width=side, strength=0.8,  # the same steps: one end
+                     image=torch.rand(1, 3, side, side, generator=torch.Generator().manual_seed(seed)),
+                     num_inference_steps=3, output_type="pt", max_sequence_length=16, seed=seed)
+                for seed in range(3)]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
+    calls = {"encode": [], "decode": []}
+    for name, rows in calls.items():
+        original = getattr(pipe.vae, name)
+        setattr(pipe.vae, name, lambda x, *args, _call=original, _rows=rows, **kwargs: _rows.append(x.shape[0])
+                or _call(x, *args, **kwargs))
+    try:
+        with StepBatched(pipe, max_batch_size=8) as sb:
+            results = submit_all(sb, requests)
+    finally:
+        del pipe.vae.encode, pipe.vae.decode
+    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert calls == {"encode": [3], "decode": [3]}, calls  # no separate check calls: the Qwen-Image VAE is trusted
