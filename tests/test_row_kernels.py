@@ -233,8 +233,14 @@ def test_kandinsky22_prior_requests_sharing_encoders_equal_their_plain_runs_bit_
 @pytest.mark.parametrize("dims, channels, size", [(2, 4, 16), (2, 96, 8), (3, 4, 8), (3, 12, 6)])
 @pytest.mark.parametrize("padding_mode, stride", [("zeros", 1), ("reflect", 1), ("replicate", 2), ("zeros", 2)])
 @pytest.mark.parametrize("rows", [[1, 1, 1, 1], [2, 1, 2], [1, 3], [2, 2]])
-def test_each_request_of_a_merged_convolution_equals_its_solo_call_bit_for_bit(dims, channels, size, padding_mode,
-                                                                              stride, rows):
+@pytest.mark.parametrize("own_kernel_faster", [True, False])  # the timed choice between two exact paths
+def test_each_request_of_a_merged_convolution_equals_its_solo_call_bit_for_bit(monkeypatch, dims, channels, size,
+                                                                              padding_mode, stride, rows,
+                                                                              own_kernel_faster):
+    from diffusers_stepbatch.models import row_kernels
+
+    monkeypatch.setattr(row_kernels, "_conv_paths", {})
+    monkeypatch.setattr(row_kernels, "_own_kernel_is_faster", lambda *_: own_kernel_faster)
     conv = torch.nn.Conv3d if dims == 3 else torch.nn.Conv2d
     torch.manual_seed(0)
     model = torch.nn.Sequential(conv(channels, channels, 3, padding=1, padding_mode=padding_mode),
