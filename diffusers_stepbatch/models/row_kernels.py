@@ -218,12 +218,12 @@ def _activation_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: in
     # NOTE: the last block's tail is the merged tensor's tail, as in its solo call
     if all(count * per_row % VECTOR_SPAN == 0 for count in rows[:-1]) or _path_invariant(layer, x.dtype):
         return forward(layer, x)
-    count = rows[0]
-    if (not getattr(layer, "inplace", False) and all(other == count for other in rows)
+    count, inplace = rows[0], getattr(layer, "inplace", False)
+    if (not inplace and all(other == count for other in rows)
             and _rows_match_blocks(layer, len(rows), count * per_row, x.dtype)):
         return _row_per_block(layer, x, len(rows), count * per_row).reshape(x.shape)
     parts = [forward(layer, block) for block in x.split(list(rows))]
-    if getattr(layer, "inplace", False):  # NOTE: the blocks are views of x, changed in place as x would be
+    if inplace:  # NOTE: the blocks are views of x, changed in place as x would be
         return x
     return torch.cat(parts)
 

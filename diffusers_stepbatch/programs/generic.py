@@ -147,14 +147,9 @@ def _signature_keys(cls: type, owner: type, optional_components: tuple) -> tuple
 
 
 @functools.cache
-def _call_parameters(cls: type) -> tuple[inspect.Parameter, ...]:
-    return tuple(inspect.signature(cls.__call__).parameters.values())[1:]
-
-
-@functools.cache
-def _check_parameters(check) -> tuple[inspect.Parameter, ...]:
-    """`check_inputs`' parameters (its function, without `self`)."""
-    return tuple(inspect.signature(check).parameters.values())[1:]
+def _parameters_after_self(function) -> tuple[inspect.Parameter, ...]:
+    """A method's parameters without `self`, read once per function (`__call__`, `check_inputs`)."""
+    return tuple(inspect.signature(function).parameters.values())[1:]
 
 
 def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
@@ -181,7 +176,7 @@ def _check_call(pipe, args: dict[str, Any]) -> None:
     if check is None or args.get("use_resolution_binning"):  # binning changes height and width before the check
         return
     values = {}
-    parameters = _check_parameters(check.__func__) if inspect.ismethod(check) else tuple(
+    parameters = _parameters_after_self(check.__func__) if inspect.ismethod(check) else tuple(
         inspect.signature(check).parameters.values())
     for parameter in parameters:
         name = parameter.name
@@ -233,7 +228,7 @@ def _num_steps(args: dict[str, Any]) -> int:
 def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
     """The bound call arguments (as the wrapper binds them) back into positional and keyword arguments."""
     positional, keywords = [], {}
-    for parameter in _call_parameters(unhooked_class(pipe)):
+    for parameter in _parameters_after_self(unhooked_class(pipe).__call__):
         if parameter.name not in args:
             continue
         value = args[parameter.name]
