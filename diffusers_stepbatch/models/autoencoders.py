@@ -3,8 +3,8 @@
 Wan's VAE (`AutoencoderKLWan`: Wan 2.1 / 2.2, SkyReels-V2) and Qwen-Image's (`AutoencoderKLQwenImage`, built on
 it) run their causal 3-D convolutions with a feature cache that lives inside one call, per frame chunk, for all
 rows alike; their attention is per frame and row, and their tiling splits every row the same way. Trusting them
-skips the first-merge check, which would run a new shape's first merged encode or decode twice (for a Qwen-Image
-edit reference of ~1024x1024, seconds per image on a CPU).
+skips the first-merge check, which would run a new shape's first merged encode or decode twice (a Qwen-Image edit
+reference is encoded at about a megapixel).
 """
 
 from __future__ import annotations
