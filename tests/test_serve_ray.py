@@ -110,7 +110,8 @@ def test_requests_spread_over_both_replicas_and_a_killed_replica_fails_only_its_
 
     victim = min(replicas)
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        load = [pool.submit(_generate, ray_app, 100 + i, 200) for i in range(24)]
+        # NOTE: 600 steps: with 12 requests sharing each replica's forwards, 200 steps could all finish within 2 s
+        load = [pool.submit(_generate, ray_app, 100 + i, 600) for i in range(24)]
         time.sleep(2.0)  # both replicas are denoising their share (each request needs > 2 s here)
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         killed_at = time.monotonic()
