@@ -1,6 +1,6 @@
 """The image and video families at their real widths on a CUDA machine: sequential, StepBatched, ceiling.
 
-    python benchmarks/gpu_families.py                 # CUDA, random bf16 weights, no Hub access (~5 min on an H100)
+    python benchmarks/gpu_families.py                 # CUDA, random bf16 weights, no Hub access; one device command
     python benchmarks/gpu_families.py --dry-run       # CPU, the tiny test configs: checks the script end to end
 
 Per family, N concurrent requests (different prompts and seeds): sequential plain calls, StepBatched, and the
