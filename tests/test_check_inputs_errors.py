@@ -130,3 +130,48 @@ def test_multi_controlnet_calls_with_scalar_guidance_windows_run_wrapped_as_plai
         error = submit_error(sb, **call(3, control_guidance_start=[0.0]))  # one window for two ControlNets
     assert max(float((a - b).abs().max()) for a, b in zip(got, expected)) <= 1e-4
     assert "control_guidance_start" in str(error)
+
+
+@pytest.mark.parametrize("xl", [False, True])
+def test_multi_controlnet_img2img_checks_its_control_image_in_the_caller(xl):
+    # NOTE: the img2img __call__ passes `control_image` as its check's `image`: the caller's check must too (it
+    # once read the init image there and refused a one-image list, as diffusers' num_images_per_prompt test sends)
+    from diffusers import StableDiffusionControlNetImg2ImgPipeline, StableDiffusionXLControlNetImg2ImgPipeline
+
+    cls = StableDiffusionXLControlNetImg2ImgPipeline if xl else StableDiffusionControlNetImg2ImgPipeline
+    pipe = cls.from_pipe(_multi_controlnet_pipeline(xl))
+    pipe.set_progress_bar_config(disable=True)
+    conditions = [torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def call(seed, init_images=1, **extra):
+        init = [torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(10 + seed))] * init_images
+        return dict(prompt=["a cat"] * init_images, image=init, control_image=conditions, height=32, width=32,
+                    strength=0.8, num_inference_steps=3, guidance_scale=5.0, output_type="pt",
+                    generator=torch.Generator().manual_seed(seed), **extra)
+
+    def requests():
+        return [call(0), call(1, init_images=2), call(2, controlnet_conditioning_scale=[1.0, 0.5])]
+
+    expected = [pipe(**request).images for request in requests()]
+    with StepBatched(pipe) as sb:
+        got = [future.result(300).images for future in [sb.submit(**request) for request in requests()]]
+        wrong = dict(call(3), control_image=conditions[:1])  # one condition for two ControlNets
+        error = submit_error(sb, **wrong)
+    assert max(float((a - b).abs().max()) for a, b in zip(got, expected)) <= 1e-4
+    assert str(error) == plain_error(pipe, **dict(call(3), control_image=conditions[:1]))
+
+
+@pytest.mark.parametrize("name, renamed", [
+    ("StableDiffusionControlNetImg2ImgPipeline", {"image": "control_image"}),
+    ("StableDiffusionXLControlNetInpaintPipeline", {"image": "control_image"}),
+    ("StableDiffusionAttendAndExcitePipeline", {"indices": "token_indices"}),
+    ("StableDiffusionDiffEditPipeline", {"strength": "inpaint_strength"}),
+    ("StableDiffusionControlNetPipeline", {}),
+    ("FluxPipeline", {}),
+])
+def test_check_arguments_are_read_from_the_pipelines_own_call(name, renamed):
+    import diffusers
+
+    from diffusers_stepbatch.programs.pipeline_checks import renamed_check_arguments
+
+    assert renamed_check_arguments(getattr(diffusers, name)) == renamed

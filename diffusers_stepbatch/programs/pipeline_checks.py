@@ -8,7 +8,10 @@ default, makes the check pass. An error no single argument explains (a size) sta
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
 from typing import Any
 
 from ..errors import InvalidArgument
@@ -30,17 +33,43 @@ def run_check_inputs(pipe: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def culprit(pipe: Any, bound: inspect.BoundArguments) -> str | None:
-    """The one argument of a `check_inputs` call whose `__call__` default makes the check pass."""
+    """The one argument of a `check_inputs` call whose `__call__` default makes the check pass (named as
+    `__call__` names it)."""
     defaults = _call_defaults(type(pipe))
+    renamed = renamed_check_arguments(type(pipe))
     regular = {name for name, p in bound.signature.parameters.items()
                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for name, value in list(bound.arguments.items()):
-        if name not in regular or name not in defaults or _same(value, defaults[name]):
+        argument = renamed.get(name, name)
+        if name not in regular or argument not in defaults or _same(value, defaults[argument]):
             continue
-        default = defaults[name]
+        default = defaults[argument]
         if _passes(pipe, inspect.BoundArguments(bound.signature, {**bound.arguments, name: default})):
-            return name
+            return argument
     return None
+
+
+@functools.cache
+def renamed_check_arguments(cls: type) -> dict[str, str]:
+    """`check_inputs` parameters that `cls.__call__` fills from one of its own parameters of another name
+    (ControlNet img2img passes `control_image` as the check's `image`), read from `__call__`'s source: check
+    parameter -> `__call__` parameter. Empty where the source is not there or holds other than one such call."""
+    call, check = getattr(cls, "__call__", None), getattr(cls, "check_inputs", None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
+        check_names = list(inspect.signature(check).parameters)[1:]
+        call_names = set(inspect.signature(call).parameters)
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return {}
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "check_inputs" and isinstance(node.func.value, ast.Name)
+             and node.func.value.id == "self"]
+    if len(calls) != 1 or any(isinstance(arg, ast.Starred) for arg in calls[0].args) or any(
+            keyword.arg is None for keyword in calls[0].keywords):
+        return {}
+    fed = list(zip(check_names, calls[0].args)) + [(keyword.arg, keyword.value) for keyword in calls[0].keywords]
+    return {name: value.id for name, value in fed
+            if isinstance(value, ast.Name) and value.id != name and value.id in call_names}
 
 
 def _passes(pipe: Any, trial: inspect.BoundArguments) -> bool:
