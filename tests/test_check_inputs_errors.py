@@ -175,3 +175,31 @@ def test_check_arguments_are_read_from_the_pipelines_own_call(name, renamed):
     from diffusers_stepbatch.programs.pipeline_checks import renamed_check_arguments
 
     assert renamed_check_arguments(getattr(diffusers, name)) == renamed
+
+
+class _RenamingPipeline:
+    """A pipeline whose __call__ passes its `inpaint_strength` as the check's `strength` (as DiffEdit does)."""
+
+    def __call__(self, prompt, inpaint_strength=0.8):
+        self.check_inputs(prompt, inpaint_strength)
+
+    def check_inputs(self, prompt, strength):
+        if not 0 <= strength <= 1:
+            raise ValueError(f"strength should be in [0.0, 1.0] but is {strength}")
+
+
+class _HookedRenamingPipeline(_RenamingPipeline):  # as hook mode swaps the class: a __call__ of its own
+    _stepbatch_original_class = _RenamingPipeline
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [_RenamingPipeline, _HookedRenamingPipeline])
+def test_a_check_error_names_the_call_argument_the_check_reads(cls):
+    from diffusers_stepbatch.programs.pipeline_checks import run_check_inputs
+
+    with pytest.raises(InvalidArgument) as caught:
+        run_check_inputs(cls(), "a cat", 1.5)
+    assert caught.value.argument == "inpaint_strength"
+    assert str(caught.value) == "strength should be in [0.0, 1.0] but is 1.5"

@@ -15,6 +15,7 @@ import textwrap
 from typing import Any
 
 from ..errors import InvalidArgument
+from .registry import unhooked_class
 
 
 def run_check_inputs(pipe: Any, *args: Any, **kwargs: Any) -> None:
@@ -35,8 +36,9 @@ def run_check_inputs(pipe: Any, *args: Any, **kwargs: Any) -> None:
 def culprit(pipe: Any, bound: inspect.BoundArguments) -> str | None:
     """The one argument of a `check_inputs` call whose `__call__` default makes the check pass (named as
     `__call__` names it)."""
-    defaults = _call_defaults(type(pipe))
-    renamed = renamed_check_arguments(type(pipe))
+    cls = unhooked_class(pipe)  # NOTE: hook mode's class has a `__call__` of its own
+    defaults = _call_defaults(cls)
+    renamed = renamed_check_arguments(cls)
     regular = {name for name, p in bound.signature.parameters.items()
                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for name, value in list(bound.arguments.items()):
