@@ -45,41 +45,36 @@ class Family:
     dry_requests: int = 3
 
 
-def _device_model(cls, real: bool, **config) -> torch.nn.Module:
-    """The model built on the GPU in bf16 (real widths), or on the CPU in fp32."""
-    if not real:
-        return cls(**config).eval()
+def _gpu_model(cls, **config) -> torch.nn.Module:
+    """The model built on the GPU, in bf16."""
     with torch.device("cuda"):
         return cls(**config).to(torch.bfloat16).eval()
 
 
-def _qwen3_encoder(tokenizer, hidden: int, causal_lm: bool, real: bool):
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
-
-    config = Qwen3Config(hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=hidden // 2, vocab_size=len(tokenizer),
-                         max_position_embeddings=512)
-    return _device_model(Qwen3ForCausalLM if causal_lm else Qwen3Model, real, config=config)
+def _gpu_text_encoder(encoder: torch.nn.Module) -> torch.nn.Module:
+    return encoder.to("cuda", torch.bfloat16)
 
 
 def _z_image(real: bool, args) -> Any:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
-    from diffusers_stepbatch.testing_image_models import tiny_chat_tokenizer, tiny_z_image_pipeline
+    from diffusers_stepbatch.testing_image_models import qwen3_text_encoder, tiny_chat_tokenizer
+    from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
 
     if not real:
         return tiny_z_image_pipeline(vae_blocks=3)
     tokenizer = tiny_chat_tokenizer()
-    transformer = _device_model(ZImageTransformer2DModel, real)  # the class defaults are Z-Image-Turbo's config
+    transformer = _gpu_model(ZImageTransformer2DModel)  # the class defaults are Z-Image-Turbo's config
     with torch.no_grad():  # NOTE: the pad tokens start as torch.empty
         transformer.x_pad_token.fill_(1.0)
         transformer.cap_pad_token.fill_(1.0)
-    vae = _device_model(AutoencoderKL, real, in_channels=3, out_channels=3, latent_channels=16,
-                        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-                        block_out_channels=[128, 256, 512, 512], layers_per_block=2, scaling_factor=0.3611,
-                        shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    vae = _gpu_model(AutoencoderKL, in_channels=3, out_channels=3, latent_channels=16,
+                     down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                     block_out_channels=[128, 256, 512, 512], layers_per_block=2, scaling_factor=0.3611,
+                     shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    text_encoder = _gpu_text_encoder(qwen3_text_encoder(tokenizer, 2560, causal_lm=False, seed=1))
     return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, tokenizer=tokenizer,
-                          text_encoder=_qwen3_encoder(tokenizer, 2560, False, real), transformer=transformer)
+                          text_encoder=text_encoder, transformer=transformer)
 
 
 def _z_image_request(pipe, i: int, real: bool) -> dict:
@@ -92,17 +87,19 @@ def _klein(real: bool, args) -> Any:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from diffusers import Flux2Transformer2DModel
 
-    from diffusers_stepbatch.testing_image_models import tiny_chat_tokenizer, tiny_flux2_klein_pipeline
+    from diffusers_stepbatch.testing_image_models import qwen3_text_encoder, tiny_chat_tokenizer
+    from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
     if not real:
         return tiny_flux2_klein_pipeline(vae_blocks=3)
     tokenizer = tiny_chat_tokenizer()
-    transformer = _device_model(Flux2Transformer2DModel, real, num_layers=5, num_single_layers=20,
-                                num_attention_heads=24, attention_head_dim=128, joint_attention_dim=3 * 2560,
-                                in_channels=128, guidance_embeds=False)
-    return Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_device_model(AutoencoderKLFlux2, real),
-                              tokenizer=tokenizer, text_encoder=_qwen3_encoder(tokenizer, 2560, True, real),
-                              transformer=transformer, is_distilled=True)
+    transformer = _gpu_model(Flux2Transformer2DModel, num_layers=5, num_single_layers=20, num_attention_heads=24,
+                             attention_head_dim=128, joint_attention_dim=3 * 2560, in_channels=128,
+                             guidance_embeds=False)
+    text_encoder = _gpu_text_encoder(qwen3_text_encoder(tokenizer, 2560, causal_lm=True, seed=1))
+    return Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_gpu_model(AutoencoderKLFlux2),
+                              tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+                              is_distilled=True)
 
 
 def _klein_request(pipe, i: int, real: bool) -> dict:
@@ -121,9 +118,9 @@ def _qwen_edit(real: bool, args) -> Any:
     tiny = tiny_qwenimage_edit_pipeline(text_hidden=3584 if real else 32)
     if not real:
         return tiny
-    text_encoder = tiny.text_encoder.to("cuda", torch.bfloat16)
-    transformer = _device_model(QwenImageTransformer2DModel, real, num_layers=args.qwen_layers)
-    pipe = QwenImageEditPipeline(scheduler=tiny.scheduler, vae=_device_model(AutoencoderKLQwenImage, real),
+    text_encoder = _gpu_text_encoder(tiny.text_encoder)
+    transformer = _gpu_model(QwenImageTransformer2DModel, num_layers=args.qwen_layers)
+    pipe = QwenImageEditPipeline(scheduler=tiny.scheduler, vae=_gpu_model(AutoencoderKLQwenImage),
                                  text_encoder=text_encoder, tokenizer=tiny.tokenizer, processor=tiny.processor,
                                  transformer=transformer)
     pipe.prompt_template_encode = tiny.prompt_template_encode
@@ -148,11 +145,11 @@ def _wan(real: bool, args) -> Any:
     if not real:
         return tiny_wan_pipeline()
     tokenizer = tiny_t5_tokenizer()
-    transformer = _device_model(WanTransformer3DModel, real, num_attention_heads=12, attention_head_dim=128,
-                                ffn_dim=8960, num_layers=30)  # Wan 2.1 1.3B; the rest are the class defaults
-    return WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_device_model(AutoencoderKLWan, real),
+    transformer = _gpu_model(WanTransformer3DModel, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960,
+                             num_layers=30)  # Wan 2.1 1.3B; the rest are the class defaults
+    return WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_gpu_model(AutoencoderKLWan),
                        tokenizer=tokenizer, transformer=transformer,
-                       text_encoder=tiny_t5_encoder(tokenizer, d_model=4096).to("cuda", torch.bfloat16))
+                       text_encoder=_gpu_text_encoder(tiny_t5_encoder(tokenizer, d_model=4096)))
 
 
 def _wan_request(pipe, i: int, real: bool) -> dict:

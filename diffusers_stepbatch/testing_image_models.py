@@ -22,7 +22,8 @@ def tiny_chat_tokenizer():
     return tokenizer
 
 
-def _qwen3(tokenizer, hidden: int, causal_lm: bool, seed: int):
+def qwen3_text_encoder(tokenizer, hidden: int, causal_lm: bool, seed: int):
+    """A 2-layer Qwen3 text encoder of width `hidden` (Z-Image reads a `Qwen3Model`, klein a `Qwen3ForCausalLM`)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
     config = Qwen3Config(hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2, num_attention_heads=2,
@@ -40,7 +41,7 @@ def tiny_z_image_pipeline(dim: int = 32, heads: int = 2, axes_dims: tuple[int, i
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
     tokenizer = tiny_chat_tokenizer()
-    text_encoder = _qwen3(tokenizer, 16, causal_lm=False, seed=seed + 1)
+    text_encoder = qwen3_text_encoder(tokenizer, 16, causal_lm=False, seed=seed + 1)
     torch.manual_seed(seed)
     transformer = ZImageTransformer2DModel(
         all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=dim, n_layers=2, n_refiner_layers=1,
@@ -70,7 +71,7 @@ def tiny_flux2_klein_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tup
     from diffusers import Flux2KleinPipeline
 
     tokenizer = tiny_chat_tokenizer()
-    text_encoder = _qwen3(tokenizer, 16, causal_lm=True, seed=seed + 1)
+    text_encoder = qwen3_text_encoder(tokenizer, 16, causal_lm=True, seed=seed + 1)
     cls = pipeline_class or Flux2KleinPipeline
     return _flux2_pipeline(cls, tokenizer, text_encoder, heads, head_dim, axes_dims, seed, guidance_embeds=False,
                            vae_blocks=vae_blocks)

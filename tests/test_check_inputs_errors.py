@@ -158,7 +158,7 @@ def test_multi_controlnet_img2img_checks_its_control_image_in_the_caller(xl):
         wrong = dict(call(3), control_image=conditions[:1])  # one condition for two ControlNets
         error = submit_error(sb, **wrong)
     assert max(float((a - b).abs().max()) for a, b in zip(got, expected)) <= 1e-4
-    assert str(error) == plain_error(pipe, **dict(call(3), control_image=conditions[:1]))
+    assert str(error) == plain_error(pipe, **wrong)
 
 
 @pytest.mark.parametrize("name, renamed", [

@@ -185,8 +185,9 @@ def _check_call(pipe, args: dict[str, Any]) -> None:
             continue
         if name in ("height", "width") and args.get(name) is None:
             return  # the pipeline derives a default size first; it checks again itself
-        if renamed.get(name, name) in args:
-            values[name] = args[renamed.get(name, name)]
+        source = renamed.get(name, name)  # the call argument __call__ passes as this check parameter
+        if source in args:
+            values[name] = args[source]
         elif name == "callback_steps":  # NOTE: SD-era checks still require it; their __call__ passes None
             values[name] = None
         elif parameter.default is parameter.empty:
