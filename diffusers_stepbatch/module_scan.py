@@ -210,10 +210,13 @@ def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | Non
 
 
 def _models(pipe: Any) -> Iterator[tuple[str, torch.nn.Module]]:
-    """The registered models (`pipe.components` runs an `inspect.signature` per call; optional ones too)."""
+    """The registered models (`pipe.components` runs an `inspect.signature` per call; optional ones too).
+
+    NOTE: read from the instance dict, where `register_modules` puts them: `getattr` of a plain config entry
+    (Wan's `boundary_ratio`, SDXL's `force_zeros_for_empty_prompt`) raises a FutureWarning in diffusers."""
     for name in pipe.config:
         if not name.startswith("_"):
-            component = getattr(pipe, name, None)
+            component = pipe.__dict__.get(name)
             if isinstance(component, torch.nn.Module):
                 yield name, component
 
@@ -230,7 +233,8 @@ class _ExecutionDevices:
         from diffusers import DiffusionPipeline
 
         cls = type(pipe)
-        if cls._execution_device is not DiffusionPipeline._execution_device or cls.device is not DiffusionPipeline.device:
+        if (cls._execution_device is not DiffusionPipeline._execution_device
+                or cls.device is not DiffusionPipeline.device):
             return pipe._execution_device  # a pipeline that answers in its own way
         signature = []
         for name, component in _models(pipe):
