@@ -3,6 +3,8 @@ explains the error (found by what the check does), the server's message match on
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from PIL import Image
@@ -175,6 +177,51 @@ def test_check_arguments_are_read_from_the_pipelines_own_call(name, renamed):
     from diffusers_stepbatch.programs.pipeline_checks import renamed_check_arguments
 
     assert renamed_check_arguments(getattr(diffusers, name)) == renamed
+
+
+def test_concurrent_first_calls_parse_one_at_a_time(monkeypatch):
+    # CPython 3.11's AST constructor shares its recursion depth between threads: requests submitted at once from
+    # several threads raised "SystemError: AST constructor recursion depth mismatch" in the parse
+    import ast
+    import time
+
+    import diffusers
+
+    from diffusers_stepbatch.programs import pipeline_checks
+
+    inside, most, lock = [0], [0], threading.Lock()
+    parse = ast.parse
+
+    def slow_parse(*args, **kwargs):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)
+        try:
+            return parse(*args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(pipeline_checks.ast, "parse", slow_parse)
+    classes = [diffusers.StableDiffusionControlNetImg2ImgPipeline, diffusers.StableDiffusionDiffEditPipeline,
+               diffusers.FluxControlNetInpaintPipeline, diffusers.WanPipeline]
+    expected = {cls: pipeline_checks._renamed_check_arguments.__wrapped__(cls) for cls in classes}
+    pipeline_checks._renamed_check_arguments.cache_clear()
+    barrier, found = threading.Barrier(4), {}
+
+    def first_calls(shift):
+        barrier.wait()
+        for cls in classes[shift:] + classes[:shift]:
+            found[shift, cls] = pipeline_checks.renamed_check_arguments(cls)
+
+    threads = [threading.Thread(target=first_calls, args=(shift,)) for shift in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1
+    assert found == {(shift, cls): expected[cls] for shift in range(4) for cls in classes}
 
 
 class _RenamingPipeline:

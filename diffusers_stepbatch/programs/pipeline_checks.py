@@ -12,6 +12,7 @@ import ast
 import functools
 import inspect
 import textwrap
+import threading
 from typing import Any
 
 from ..errors import InvalidArgument
@@ -51,11 +52,21 @@ def culprit(pipe: Any, bound: inspect.BoundArguments) -> str | None:
     return None
 
 
-@functools.cache
+# NOTE: CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state: two threads parsing at
+# once (concurrent first calls) can raise "SystemError: AST constructor recursion depth mismatch".
+_PARSING = threading.Lock()
+
+
 def renamed_check_arguments(cls: type) -> dict[str, str]:
     """`check_inputs` parameters that `cls.__call__` fills from one of its own parameters of another name
     (ControlNet img2img passes `control_image` as the check's `image`), read from `__call__`'s source: check
     parameter -> `__call__` parameter. Empty where the source is not there or holds other than one such call."""
+    with _PARSING:
+        return _renamed_check_arguments(cls)
+
+
+@functools.cache
+def _renamed_check_arguments(cls: type) -> dict[str, str]:
     call, check = getattr(cls, "__call__", None), getattr(cls, "check_inputs", None)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
