@@ -210,10 +210,7 @@ def _first_tensor_device(module: torch.nn.Module) -> tuple[str | None, str | Non
 
 
 def _models(pipe: Any) -> Iterator[tuple[str, torch.nn.Module]]:
-    """The registered models (`pipe.components` runs an `inspect.signature` per call; optional ones too).
-
-    NOTE: read from the instance dict, where `register_modules` puts them: `getattr` of a plain config entry
-    (Wan's `boundary_ratio`, SDXL's `force_zeros_for_empty_prompt`) raises a FutureWarning in diffusers."""
+    """The registered models, from the instance dict (`getattr` of a plain config entry warns in diffusers)."""
     for name in pipe.config:
         if not name.startswith("_"):
             component = pipe.__dict__.get(name)
