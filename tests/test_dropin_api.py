@@ -2,6 +2,7 @@
 per-call state (`guidance_scale`, `num_timesteps`, `current_timestep`, ...) after a call and inside callbacks."""
 
 import inspect
+import logging
 import pydoc
 import threading
 import warnings
@@ -129,15 +130,38 @@ def test_submit_validates_priority_and_deadline(name):
                         run(pipe, call_kwargs(name))) <= TOLERANCE
 
 
-def _warnings_of(fn, kwargs: dict) -> set[str]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fn(**seeded(kwargs))
-    return {f"{w.category.__name__}: {w.message}" for w in caught}
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.name} {record.levelname}: {record.getMessage()}")
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "wan", "wan-experts"])
-def test_a_wrapped_call_warns_only_where_the_plain_call_does(name):
+def _warnings_of(fn, kwargs: dict) -> tuple[set[str], list[str]]:
+    """The warnings a call raises, and what it logs on diffusers' loggers at WARNING and above."""
+    records, logger = _Records(), logging.getLogger("diffusers")
+    logger.addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn(**seeded(kwargs))
+    finally:
+        logger.removeHandler(records)
+    return {f"{w.category.__name__}: {w.message}" for w in caught}, sorted(records.messages)
+
+
+WARNING_CALLS = [(name, {}) for name in FAMILIES] + [
+    ("wan", {}), ("wan-experts", {}), ("flux", dict(height=40, width=40)), ("sd3-tiny", dict(height=40, width=40)),
+    # QwenImagePipeline's __call__ logs guidance arguments it ignores (its default true_cfg_scale is 4.0)
+    ("qwen-tiny", dict(negative_prompt="blurry", true_cfg_scale=1.0, guidance_scale=3.5)),
+    ("qwen-tiny", dict(negative_prompt="blurry", true_cfg_scale=2.0)),
+]
+
+
+@pytest.mark.parametrize(("name", "extra"), WARNING_CALLS)
+def test_a_wrapped_call_warns_and_logs_as_the_plain_call_does(name, extra):
     # Wan's `boundary_ratio` and SDXL's `force_zeros_for_empty_prompt` are config entries: reading them as
     # pipeline attributes (as a scan of the components by config name did) raises diffusers' FutureWarning
     if name.startswith("wan"):
@@ -146,8 +170,9 @@ def test_a_wrapped_call_warns_only_where_the_plain_call_does(name):
         kwargs = dict(prompt="a red circle", num_frames=5, height=16, width=16, num_inference_steps=2, seed=0,
                       output_type="pt")
     else:
-        pipe, kwargs = pipe_for(name), call_kwargs(name)
-    plain = _warnings_of(pipe, kwargs)
+        pipe, kwargs = pipe_for(name), call_kwargs(name, **extra)
+    plain_warnings, plain_logs = _warnings_of(pipe, kwargs)
     with StepBatched(pipe) as sb:
-        assert _warnings_of(sb, kwargs) <= plain
-
+        wrapped_warnings, wrapped_logs = _warnings_of(sb, kwargs)
+    assert wrapped_warnings <= plain_warnings
+    assert wrapped_logs == plain_logs

@@ -20,6 +20,7 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
+from diffusers.pipelines.qwenimage import pipeline_qwenimage
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from ..adapters.lora import lora_layers, streams_ambiguous
@@ -102,6 +103,7 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     if pipe.transformer.config.guidance_embeds and args["guidance_scale"] is None:
         raise ValueError("guidance_scale is required for a guidance-distilled Qwen-Image transformer")
     has_negative = args["negative_prompt"] is not None or args["negative_prompt_embeds"] is not None
+    _log_ignored_guidance(pipe, args, has_negative)
     do_true_cfg = args["true_cfg_scale"] > 1 and has_negative
     if do_true_cfg:
         negatives = as_list(args["negative_prompt"])
@@ -123,6 +125,20 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     tokens = (latent_h // 2) * (latent_w // 2)
     return PlannedRequest(program=program, num_rows=rows, num_steps=steps, tokens_per_row=tokens,
                           starts_in_caller=True)
+
+
+def _log_ignored_guidance(pipe: QwenImagePipeline, args: dict[str, Any], has_negative: bool) -> None:
+    """The warnings QwenImagePipeline.__call__ logs for guidance arguments it ignores, on its logger."""
+    logger, scale = pipeline_qwenimage.logger, args["true_cfg_scale"]
+    if scale > 1 and not has_negative:
+        logger.warning(f"true_cfg_scale is passed as {scale}, but classifier-free guidance is not enabled since no "
+                       "negative_prompt is provided.")
+    elif scale <= 1 and has_negative:
+        logger.warning(" negative_prompt is passed but classifier-free guidance is not enabled since "
+                       "true_cfg_scale <= 1")
+    if not pipe.transformer.config.guidance_embeds and args["guidance_scale"] is not None:
+        logger.warning(f"guidance_scale is passed as {args['guidance_scale']}, but ignored since the model is not "
+                       "guidance-distilled.")
 
 
 def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
