@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, FluxImg2ImgPipeline
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
@@ -160,19 +160,55 @@ WARNING_CALLS = [(name, {}) for name in FAMILIES] + [
 ]
 
 
+def _pipe_and_call(name: str, extra: dict):
+    if name.startswith("wan"):
+        pipe = tiny_wan_pipeline(experts=name == "wan-experts")
+        pipe.set_progress_bar_config(disable=True)
+        return pipe, dict(prompt="a red circle", num_frames=5, height=16, width=16, num_inference_steps=2, seed=0,
+                          output_type="pt", **extra)
+    if name == "flux-img2img":  # the generic program, which runs the pipeline's check in the caller too
+        pipe = FluxImg2ImgPipeline(**pipe_for("flux").components)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe, call_kwargs("flux", image=torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)),
+                                 strength=0.9, **extra)
+    return pipe_for(name), call_kwargs(name, **extra)
+
+
+WARNING_CALLS = [(name, {}) for name in FAMILIES] + [
+    ("wan", {}), ("wan-experts", {}), ("flux", dict(height=40, width=40)), ("sd3-tiny", dict(height=40, width=40)),
+    ("flux-img2img", {}), ("flux-img2img", dict(height=42, width=42)),  # 42: its check logs the size it rounds
+    # QwenImagePipeline's __call__ logs guidance arguments it ignores (its default true_cfg_scale is 4.0)
+    ("qwen-tiny", dict(negative_prompt="blurry", true_cfg_scale=1.0, guidance_scale=3.5)),
+    ("qwen-tiny", dict(negative_prompt="blurry", true_cfg_scale=2.0)),
+]
+
+
 @pytest.mark.parametrize(("name", "extra"), WARNING_CALLS)
 def test_a_wrapped_call_warns_and_logs_as_the_plain_call_does(name, extra):
     # Wan's `boundary_ratio` and SDXL's `force_zeros_for_empty_prompt` are config entries: reading them as
     # pipeline attributes (as a scan of the components by config name did) raises diffusers' FutureWarning
-    if name.startswith("wan"):
-        pipe = tiny_wan_pipeline(experts=name == "wan-experts")
-        pipe.set_progress_bar_config(disable=True)
-        kwargs = dict(prompt="a red circle", num_frames=5, height=16, width=16, num_inference_steps=2, seed=0,
-                      output_type="pt")
-    else:
-        pipe, kwargs = pipe_for(name), call_kwargs(name, **extra)
+    pipe, kwargs = _pipe_and_call(name, extra)
     plain_warnings, plain_logs = _warnings_of(pipe, kwargs)
     with StepBatched(pipe) as sb:
         wrapped_warnings, wrapped_logs = _warnings_of(sb, kwargs)
     assert wrapped_warnings <= plain_warnings
     assert wrapped_logs == plain_logs
+
+
+@pytest.mark.parametrize("name", ["flux", "flux-img2img"])
+def test_a_refused_call_logs_what_the_plain_check_logs_before_raising(name):
+    # the check runs in the caller (finding the argument to blame re-runs it, logging nothing more); for the
+    # generic program, whose request would run the check again, it logs only when the request is refused
+    pipe, kwargs = _pipe_and_call(name, dict(height=42, width=42, prompt_embeds=torch.zeros(1, 16, 32)))
+    logged = []
+    for fn in (pipe, StepBatched(pipe)):
+        records, logger = _Records(), logging.getLogger("diffusers")
+        logger.addHandler(records)
+        try:
+            with pytest.raises(ValueError, match="Cannot forward both `prompt`"):
+                fn(**seeded(kwargs))
+        finally:
+            logger.removeHandler(records)
+        logged.append(records.messages)
+    assert len(logged[0]) == 1 and "divisible" in logged[0][0]
+    assert logged[1] == logged[0]

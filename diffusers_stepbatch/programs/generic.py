@@ -11,6 +11,7 @@ per model, not per request) or is driven by PAG (its attention processors are se
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -30,7 +31,7 @@ from ..engine.split_reasons import named_key
 from ..module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
 from .options import PlanContext
 from .pid_generic import plan_generic_pid_exit
-from .pipeline_checks import renamed_check_arguments, run_check_inputs
+from .pipeline_checks import check_logs_muted, renamed_check_arguments, run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ..models import support_for
@@ -195,8 +196,11 @@ def _check_call(pipe, args: dict[str, Any]) -> None:
     if "control_guidance_start" in values and "control_guidance_end" in values:
         values.update(_aligned_control_guidance(pipe, values["control_guidance_start"], values["control_guidance_end"]))
     try:
-        run_check_inputs(pipe, **values)
+        with check_logs_muted(pipe):  # the request's own __call__ checks again, and logs then
+            run_check_inputs(pipe, **values)
     except ValueError:
+        with contextlib.suppress(Exception):  # its __call__ won't run: what the failing check logs, logged once
+            pipe.check_inputs(**values)
         raise
     except Exception as exc:  # our mapping doesn't fit this pipeline; its own __call__ still checks
         logger.debug("skipped %s.check_inputs in the caller: %r", type(pipe).__name__, exc)
