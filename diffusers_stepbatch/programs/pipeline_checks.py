@@ -96,13 +96,17 @@ def _passes(pipe: Any, trial: inspect.BoundArguments) -> bool:
     return True
 
 
-class _OtherThreads(logging.Filter):
-    def __init__(self):
-        super().__init__()
-        self.muted = threading.get_ident()
+class _MutedThreads(logging.Filter):
+    """Drops the records of a thread inside `check_logs_muted` (state per thread: no filter list changes per call,
+    which a thread logging at the same moment could iterate past)."""
+
+    state = threading.local()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread != self.muted
+        return not getattr(self.state, "depth", 0)
+
+
+_MUTING = _MutedThreads()
 
 
 @contextlib.contextmanager
@@ -114,13 +118,13 @@ def check_logs_muted(pipe: Any):
     ...     run_check_inputs(pipe, **values)
     """
     check = getattr(unhooked_class(pipe), "check_inputs", None)
-    logger = logging.getLogger(getattr(check, "__module__", None) or "diffusers")
-    muted = _OtherThreads()
-    logger.addFilter(muted)
+    logging.getLogger(getattr(check, "__module__", None) or "diffusers").addFilter(_MUTING)  # once per logger
+    state = _MutedThreads.state
+    state.depth = getattr(state, "depth", 0) + 1
     try:
         yield
     finally:
-        logger.removeFilter(muted)
+        state.depth -= 1
 
 
 def _call_defaults(cls: type) -> dict[str, Any]:
