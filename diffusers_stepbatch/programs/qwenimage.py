@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from diffusers import QwenImagePipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
-from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage import pipeline_qwenimage
+from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from ..adapters.lora import lora_layers, streams_ambiguous
