@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FluxImg2ImgPipeline
 
-from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch import StepBatched, disable_step_batching, enable_step_batching
 from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 
 from .dropin_helpers import FAMILIES, call_kwargs, pipe_for, run
@@ -175,14 +175,22 @@ WARNING_CALLS = [(name, {}) for name in FAMILIES] + [
 ]
 
 
+@pytest.mark.parametrize("hooked", [False, True], ids=["wrapped", "hook-mode"])
 @pytest.mark.parametrize(("name", "extra"), WARNING_CALLS)
-def test_a_wrapped_call_warns_and_logs_as_the_plain_call_does(name, extra):
+def test_a_wrapped_call_warns_and_logs_as_the_plain_call_does(name, extra, hooked):
     # Wan's `boundary_ratio` and SDXL's `force_zeros_for_empty_prompt` are config entries: reading them as
     # pipeline attributes (as a scan of the components by config name did) raises diffusers' FutureWarning
     pipe, kwargs = _pipe_and_call(name, extra)
     plain_warnings, plain_logs = _warnings_of(pipe, kwargs)
-    with StepBatched(pipe) as sb:
-        wrapped_warnings, wrapped_logs = _warnings_of(sb, kwargs)
+    if hooked:
+        enable_step_batching(pipe)
+        try:
+            wrapped_warnings, wrapped_logs = _warnings_of(pipe, kwargs)
+        finally:
+            disable_step_batching(pipe)
+    else:
+        with StepBatched(pipe) as sb:
+            wrapped_warnings, wrapped_logs = _warnings_of(sb, kwargs)
     assert wrapped_warnings <= plain_warnings
     assert wrapped_logs == plain_logs
 
