@@ -1,4 +1,5 @@
-"""Tiny offline pipelines of the newer image families (Z-Image, FLUX.2 dev and klein), for tests and benchmarks.
+"""Tiny offline pipelines of the newer image families (Z-Image, FLUX.2 dev and klein, Qwen-Image Edit and 2.1), for
+tests and benchmarks.
 
 Built from configs, seeded, with the byte-level Qwen tokenizer of `testing.py` plus a short chat template
 (tokens are characters here, so prompts stay short).
@@ -201,5 +202,64 @@ def tiny_qwenimage_edit_pipeline(pipeline_class=None, num_layers: int = 1, atten
         image = "<|vision_start|><|image_pad|><|vision_end|>" if "<|image_pad|>" in pipe.prompt_template_encode else ""
     pipe.prompt_template_encode = prefix + image + "{}<|im_end|>\n<|im_start|>assistant\n"
     pipe.prompt_template_encode_start_idx = len(tokenizer(prefix).input_ids)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# A chat template that also renders a message whose content is a list of text parts (Qwen-Image 2.1 counts the
+# tokens of its system message that way)
+_PARTS_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_qwenimage21_pipeline(heads: int = 2, head_dim: int = 16, axes_dims: tuple[int, int, int] = (4, 6, 6),
+                              latent_channels: int = 8, text_hidden: int = 32, seed: int = 0):
+    """A QwenImage21Pipeline: a 2-layer Qwen3-VL encoder (16 px patches), a 2-block transformer and a 4-channel
+    (RGBA) VAE of scale 16 with no residual blocks; sizes are multiples of 32."""
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class Qwen3VLImageTextProcessor(Qwen3VLProcessor):
+        """Without the video processor (it needs torchvision; the pipeline passes no videos)."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None):
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+
+    tokenizer = tiny_chat_tokenizer()
+    tokenizer.chat_template = _PARTS_CHAT_TEMPLATE
+    processor = Qwen3VLImageTextProcessor(image_processor=Qwen2VLImageProcessorPil(
+        min_pixels=32 * 32, max_pixels=32 * 32 * 4, patch_size=16, merge_size=2), tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template)
+    token = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=text_hidden, intermediate_size=text_hidden, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=text_hidden // 2,
+                         vocab_size=len(tokenizer), max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text_hidden,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=token("<|image_pad|>"), vision_start_token_id=token("<|vision_start|>"),
+        vision_end_token_id=token("<|vision_end|>"))
+    torch.manual_seed(seed + 1)
+    text_encoder = Qwen3VLForConditionalGeneration(config).eval()
+    torch.manual_seed(seed)
+    transformer = QwenImage21Transformer2DModel(
+        in_channels=latent_channels, out_channels=latent_channels, num_layers=2, attention_head_dim=head_dim,
+        num_attention_heads=heads, context_in_dim=text_hidden, axes_dims_rope=axes_dims).eval()
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLQwenImage21(base_dim=4, decoder_base_dim=4, z_dim=latent_channels, dim_mult=[1] * 5,
+                                   num_res_blocks=1, temperal_downsample=[False] * 4,
+                                   latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels).eval()
+    pipe = QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae,
+                               text_encoder=text_encoder, processor=processor, transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
     return pipe

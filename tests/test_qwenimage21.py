@@ -1,0 +1,66 @@
+"""Qwen-Image 2.1 (`QwenImage21Pipeline`) through the generic program: exact, and alone by rule.
+
+Its transformer keeps each request's text and condition-image keys and values in a KV cache object the pipeline
+passes to every call (filled at the first step, read after), and rows of one call share one `img_shapes` layout.
+No model support module knows that class yet, so its calls never share a forward: each request runs its own calls,
+equal to its plain run, and `stats()["splits"]` names the arguments that kept them apart.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.testing_image_models import tiny_qwenimage21_pipeline
+
+from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CONFIGS = {"tiny": {}, "wide": dict(heads=4, head_dim=8, axes_dims=(2, 2, 4), latent_channels=4, text_hidden=24)}
+
+
+@functools.lru_cache(maxsize=None)
+def pipe_for(config: str):
+    return tiny_qwenimage21_pipeline(**CONFIGS[config])
+
+
+def condition_image(width: int, height: int, seed: int) -> Image.Image:
+    return Image.fromarray((np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8"))
+
+
+def requests() -> list[dict]:
+    common = dict(output_type="pt", output_resolution=64)
+    return [dict(common, prompt="a red circle", height=64, width=64, num_inference_steps=3, seed=0),
+            dict(common, prompt="a blue square on grass", height=64, width=96, num_inference_steps=4, seed=1),
+            dict(common, prompt="a cat", height=96, width=64, num_inference_steps=3, seed=2,
+                 negative_prompt="blurry", true_cfg_scale=3.0),
+            dict(common, prompt="make it red", image=condition_image(64, 48, 3), num_inference_steps=3, seed=3),
+            dict(common, prompt="both", image=[condition_image(40, 40, 4), condition_image(64, 32, 5)],
+                 num_inference_steps=2, seed=4),
+            dict(common, prompt="no cache", height=64, width=64, num_inference_steps=3, seed=5, use_kv_cache=False),
+            dict(common, prompt="no cache either", height=64, width=64, num_inference_steps=2, seed=6,
+                 use_kv_cache=False)]
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_concurrent_requests_equal_their_plain_runs_and_say_why_they_run_alone(config):
+    pipe = pipe_for(config)
+    expected = [pipe(**seeded(kwargs)).images for kwargs in requests()]
+    with StepBatched(pipe) as sb:
+        results = submit_all(sb, requests())
+        stats = sb.stats()
+    for result, plain in zip(results, expected):
+        assert result.images.shape == plain.shape
+        assert max_diff(result.images, plain) <= TOLERANCE
+    assert set(stats["rows_histogram"]["denoise"]) == {1}
+    reasons = [reason for reason in stats["splits"] if reason.startswith("denoise:")]
+    assert reasons and all("argument kv_cache" in reason for reason in reasons)
+
+
+def test_nested_condition_images_are_refused_with_the_pipelines_message():
+    pipe = pipe_for("tiny")
+    with StepBatched(pipe) as sb, pytest.raises(ValueError, match="cannot be nested per prompt"):
+        sb(prompt="a cat", image=[[condition_image(32, 32, 0)]], num_inference_steps=2, output_type="pt")
