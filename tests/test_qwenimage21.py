@@ -1,9 +1,9 @@
-"""Qwen-Image 2.1 (`QwenImage21Pipeline`) through the generic program: exact, and alone by rule.
+"""Qwen-Image 2.1 (`QwenImage21Pipeline`) through the generic program and `models/qwenimage21.py`.
 
-Its transformer keeps each request's text and condition-image keys and values in a KV cache object the pipeline
-passes to every call (filled at the first step, read after), and rows of one call share one `img_shapes` layout.
-No model support module knows that class yet, so its calls never share a forward: each request runs its own calls,
-equal to its plain run, and `stats()["splits"]` names the arguments that kept them apart.
+With its KV cache (the default), each request hands its transformer calls its own cache of the text and
+condition-image tokens (filled at the first step, read after): those calls run alone, equal to the plain runs,
+with the reason in `stats()["splits"]`. Without it (`use_kv_cache=False`), requests whose joint text/image layout
+is the same (prompts of one token count, one size) share forwards whatever their steps, seeds and guidance.
 """
 
 import functools
@@ -56,8 +56,26 @@ def test_concurrent_requests_equal_their_plain_runs_and_say_why_they_run_alone(c
         assert result.images.shape == plain.shape
         assert max_diff(result.images, plain) <= TOLERANCE
     assert set(stats["rows_histogram"]["denoise"]) == {1}
-    reasons = [reason for reason in stats["splits"] if reason.startswith("denoise:")]
-    assert reasons and all("argument kv_cache" in reason for reason in reasons)
+    assert any("Qwen-Image 2.1: the KV cache" in reason for reason in stats["splits"])
+
+
+@pytest.mark.parametrize("size", [(64, 64), (64, 96)])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_requests_without_the_kv_cache_share_forwards_where_their_layout_is_one(config, size):
+    pipe = pipe_for(config)
+    height, width = size
+    common = dict(output_type="pt", output_resolution=64, height=height, width=width, use_kv_cache=False)
+    batch = [dict(common, prompt="a cat one", num_inference_steps=3, seed=0),  # prompts of one token count
+             dict(common, prompt="a dog two", num_inference_steps=4, seed=1),
+             dict(common, prompt="a cow 333", num_inference_steps=3, seed=2),
+             dict(common, prompt="a longer prompt", num_inference_steps=2, seed=3)]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in batch]
+    with StepBatched(pipe) as sb:
+        results = submit_all(sb, batch)
+        stats = sb.stats()
+    for result, plain in zip(results, expected):
+        assert max_diff(result.images, plain) <= TOLERANCE
+    assert max(stats["rows_histogram"]["denoise"]) >= 2  # no CFG: a call of 2+ rows holds 2+ requests
 
 
 def test_nested_condition_images_are_refused_with_the_pipelines_message():

@@ -1,0 +1,26 @@
+"""Qwen-Image 2.1 (`QwenImage21Transformer2DModel`).
+
+Its forward lays out one joint text/image sequence for the whole call from row 0: `img_mask[0]` (where the
+vision-language encoder's image slots sit) and `img_shapes[0]`. Rows share a call only where their masks are equal
+(prompts of one token count, condition images of one layout). A request's KV cache of its text and
+condition-image tokens (filled at its first step, read after) belongs to that request's calls: those run alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusers import QwenImage21Transformer2DModel
+
+from . import ModelSupport, register_model
+
+
+def _kv_cache_refusal(model, arguments: dict[str, Any]) -> str | None:
+    if arguments.get("kv_cache_mode") is not None or arguments.get("kv_cache") is not None:
+        return "Qwen-Image 2.1: the KV cache of the text and condition-image tokens belongs to one request's calls"
+    return None
+
+
+@register_model(QwenImage21Transformer2DModel)
+def _qwenimage21() -> ModelSupport:
+    return ModelSupport(shared=("img_mask",), refusal=_kv_cache_refusal)
