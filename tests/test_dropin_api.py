@@ -216,3 +216,42 @@ def test_a_refused_call_logs_what_the_plain_check_logs_before_raising(name):
         wrapped = _logs_of_refused(sb, kwargs)
     assert len(plain) == 1 and "divisible" in plain[0]
     assert wrapped == plain
+
+
+class _SetsItsOwnState(FluxImg2ImgPipeline):
+    """Sets a plain attribute in its call, as PRX's `self.num_timesteps = len(timesteps)` does."""
+
+    def __call__(self, *args, **kwargs):
+        output = super().__call__(*args, **kwargs)
+        self.steps_run = self._num_timesteps
+        return output
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["wrapped", "hook-mode"])
+def test_a_plain_attribute_the_call_sets_reads_as_after_a_plain_call(hooked):
+    pipe = _SetsItsOwnState(**pipe_for("flux").components)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = call_kwargs("flux", image=torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)),
+                         strength=1.0)
+    run(pipe, dict(kwargs, num_inference_steps=4))
+    assert pipe.steps_run == 4
+    sb = enable_step_batching(pipe) if hooked else StepBatched(pipe)
+    try:
+        run(pipe if hooked else sb, dict(kwargs, num_inference_steps=3))
+        assert (pipe if hooked else sb).steps_run == 3
+        if not hooked:  # per calling thread, as the other per-call state
+            seen = {}
+
+            def call(steps):
+                run(sb, dict(kwargs, num_inference_steps=steps))
+                seen[steps] = sb.steps_run
+
+            threads = [threading.Thread(target=call, args=(steps,)) for steps in (2, 5)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert seen == {2: 2, 5: 5} and sb.steps_run == 3
+    finally:
+        disable_step_batching(pipe) if hooked else sb.close()
+

@@ -45,20 +45,24 @@ def active_view_of(pipe: Any) -> Any:
 
 
 def is_call_state(pipe: Any, view: Any, name: str) -> bool:
-    """Whether `name` is per-call state: a family's property (not DiffusionPipeline's) or a private one on the view."""
+    """Whether `name` is per-call state: a family's property (not DiffusionPipeline's), a private one on the view,
+    or a value the call set on its instance (PRX's `self.num_timesteps = ...`)."""
     from diffusers import DiffusionPipeline
 
     if name.startswith(("__", "_stepbatch")):  # NOTE: our own bookkeeping on a view (its source, its device)
         return False
+    own, shared = view.__dict__, pipe.__dict__
     if name.startswith("_"):
-        own, shared = view.__dict__, pipe.__dict__
         return name in own and (name not in shared or own[name] is not shared[name])
+    if (name in own and (name not in shared or own[name] is not shared[name]) and not callable(own[name])
+            and name not in getattr(pipe, "config", ())):  # NOTE: components: the view has its own schedulers
+        return True
     attribute = inspect.getattr_static(type(view), name, None)
     return isinstance(attribute, property) and not hasattr(DiffusionPipeline, name)
 
 
 def copy_call_state(pipe: Any, view: Any) -> None:
-    """Leave a finished call's private state (`_num_timesteps`, ...) on `pipe`, as a plain call does (hook mode)."""
+    """Leave a finished call's state (`_num_timesteps`, ...) on `pipe`, as a plain call does (hook mode)."""
     for name in list(view.__dict__):
-        if name.startswith("_") and is_call_state(pipe, view, name):
+        if is_call_state(pipe, view, name):
             pipe.__dict__[name] = view.__dict__[name]
