@@ -45,8 +45,7 @@ def active_view_of(pipe: Any) -> Any:
 
 
 def is_call_state(pipe: Any, view: Any, name: str) -> bool:
-    """Whether `name` is per-call state: a family's property (not DiffusionPipeline's), a private one on the view,
-    or a value the call set on its instance (PRX's `self.num_timesteps = ...`)."""
+    """Per-call state: a family's property, or a value on the view the pipeline doesn't hold (PRX's num_timesteps)."""
     from diffusers import DiffusionPipeline
 
     if name.startswith(("__", "_stepbatch")):  # NOTE: our own bookkeeping on a view (its source, its device)
@@ -55,7 +54,7 @@ def is_call_state(pipe: Any, view: Any, name: str) -> bool:
     if name.startswith("_"):
         return name in own and (name not in shared or own[name] is not shared[name])
     if (name in own and (name not in shared or own[name] is not shared[name]) and not callable(own[name])
-            and name not in getattr(pipe, "config", ())):  # NOTE: components: the view has its own schedulers
+            and name not in getattr(pipe, "config", ())):
         return True
     attribute = inspect.getattr_static(type(view), name, None)
     return isinstance(attribute, property) and not hasattr(DiffusionPipeline, name)
