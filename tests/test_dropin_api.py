@@ -1,6 +1,7 @@
 """The wrapper looks like the pipeline to code written for the plain pipeline: its call signature, and the
 per-call state (`guidance_scale`, `num_timesteps`, `current_timestep`, ...) after a call and inside callbacks."""
 
+import contextlib
 import inspect
 import logging
 import pydoc
@@ -139,17 +140,23 @@ class _Records(logging.Handler):
         self.messages.append(f"{record.name} {record.levelname}: {record.getMessage()}")
 
 
-def _warnings_of(fn, kwargs: dict) -> tuple[set[str], list[str]]:
-    """The warnings a call raises, and what it logs on diffusers' loggers at WARNING and above."""
+@contextlib.contextmanager
+def _diffusers_logs():
+    """What is logged on diffusers' loggers at WARNING and above meanwhile."""
     records, logger = _Records(), logging.getLogger("diffusers")
     logger.addHandler(records)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn(**seeded(kwargs))
+        yield records.messages
     finally:
         logger.removeHandler(records)
-    return {f"{w.category.__name__}: {w.message}" for w in caught}, sorted(records.messages)
+
+
+def _warnings_of(fn, kwargs: dict) -> tuple[set[str], list[str]]:
+    """The warnings a call raises, and what it logs on diffusers' loggers."""
+    with _diffusers_logs() as logged, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(**seeded(kwargs))
+    return {f"{w.category.__name__}: {w.message}" for w in caught}, sorted(logged)
 
 
 def _pipe_and_call(name: str, extra: dict):
@@ -196,14 +203,9 @@ def test_a_wrapped_call_warns_and_logs_as_the_plain_call_does(name, extra, hooke
 
 
 def _logs_of_refused(fn, kwargs: dict) -> list[str]:
-    records, logger = _Records(), logging.getLogger("diffusers")
-    logger.addHandler(records)
-    try:
-        with pytest.raises(ValueError, match="Cannot forward both `prompt`"):
-            fn(**seeded(kwargs))
-    finally:
-        logger.removeHandler(records)
-    return records.messages
+    with _diffusers_logs() as logged, pytest.raises(ValueError, match="Cannot forward both `prompt`"):
+        fn(**seeded(kwargs))
+    return logged
 
 
 @pytest.mark.parametrize("name", ["flux", "flux-img2img"])

@@ -20,6 +20,16 @@ import torch
 Refusal = Callable[[torch.nn.Module, dict[str, Any]], "str | None"]
 
 
+def kv_cache_refusal(reason: str) -> Refusal:
+    """A refusal of calls given a `kv_cache` or `kv_cache_mode`: a cache a request fills and reads across its calls."""
+
+    def refusal(model: torch.nn.Module, arguments: dict[str, Any]) -> str | None:
+        given = arguments.get("kv_cache_mode") is not None or arguments.get("kv_cache") is not None
+        return reason if given else None
+
+    return refusal
+
+
 @dataclass(frozen=True)
 class Packing:
     """How calls of different sizes run as one packed call of the model's own submodules.

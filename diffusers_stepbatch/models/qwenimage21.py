@@ -8,19 +8,12 @@ condition-image tokens (filled at its first step, read after) belongs to that re
 
 from __future__ import annotations
 
-from typing import Any
-
 from diffusers import QwenImage21Transformer2DModel
 
-from . import ModelSupport, register_model
-
-
-def _kv_cache_refusal(model, arguments: dict[str, Any]) -> str | None:
-    if arguments.get("kv_cache_mode") is not None or arguments.get("kv_cache") is not None:
-        return "Qwen-Image 2.1: the KV cache of the text and condition-image tokens belongs to one request's calls"
-    return None
+from . import ModelSupport, kv_cache_refusal, register_model
 
 
 @register_model(QwenImage21Transformer2DModel)
 def _qwenimage21() -> ModelSupport:
-    return ModelSupport(shared=("img_mask",), refusal=_kv_cache_refusal)
+    return ModelSupport(shared=("img_mask",), refusal=kv_cache_refusal(
+        "Qwen-Image 2.1: the KV cache of the text and condition-image tokens belongs to one request's calls"))

@@ -51,10 +51,10 @@ def is_call_state(pipe: Any, view: Any, name: str) -> bool:
     if name.startswith(("__", "_stepbatch")):  # NOTE: our own bookkeeping on a view (its source, its device)
         return False
     own, shared = view.__dict__, pipe.__dict__
+    view_only = name in own and (name not in shared or own[name] is not shared[name])
     if name.startswith("_"):
-        return name in own and (name not in shared or own[name] is not shared[name])
-    if (name in own and (name not in shared or own[name] is not shared[name]) and not callable(own[name])
-            and name not in getattr(pipe, "config", ())):
+        return view_only
+    if view_only and not callable(own[name]) and name not in getattr(pipe, "config", ()):
         return True
     attribute = inspect.getattr_static(type(view), name, None)
     return isinstance(attribute, property) and not hasattr(DiffusionPipeline, name)

@@ -9,26 +9,20 @@ variant's reference-image KV cache spans a request's calls, so those calls run a
 
 from __future__ import annotations
 
-from typing import Any
-
 from diffusers import Flux2Transformer2DModel
 
-from .. import ModelSupport, Packing, register_model
+from .. import ModelSupport, Packing, kv_cache_refusal, register_model
 from .packing import flux2_packing_unsupported, pack_calls, pack_key, token_rows
 from .teacache import FLUX2_COEFFICIENTS, teacache_call
 
-
-def _kv_cache_refusal(model, arguments: dict[str, Any]) -> str | None:
-    if arguments.get("kv_cache_mode") is not None or arguments.get("kv_cache") is not None:
-        return "FLUX.2 klein KV: the reference-image KV cache belongs to one request's calls"
-    return None
+_KV_CACHE = kv_cache_refusal("FLUX.2 klein KV: the reference-image KV cache belongs to one request's calls")
 
 
 @register_model(Flux2Transformer2DModel)
 def _flux2() -> ModelSupport:
     # NOTE: lora_rows: every LoRA layer of the plain forward sees rows on dim 0 ([rows, tokens, dim] or the
     # [rows, dim] timestep embedding), and the packed forward's see a stream's [tokens, dim] or [rows, dim].
-    return ModelSupport(shared=("img_ids", "txt_ids"), refusal=_kv_cache_refusal, trusted=True, lora_rows=True,
+    return ModelSupport(shared=("img_ids", "txt_ids"), refusal=_KV_CACHE, trusted=True, lora_rows=True,
                         packing=Packing(unsupported=flux2_packing_unsupported, key=pack_key, run=pack_calls,
                                         token_rows=token_rows),
                         teacache_coefficients=FLUX2_COEFFICIENTS, teacache_forward=teacache_call)
