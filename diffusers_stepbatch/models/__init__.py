@@ -20,14 +20,22 @@ import torch
 Refusal = Callable[[torch.nn.Module, dict[str, Any]], "str | None"]
 
 
-def kv_cache_refusal(reason: str) -> Refusal:
-    """A refusal of calls given a `kv_cache` or `kv_cache_mode`: a cache a request fills and reads across its calls."""
+@dataclass(frozen=True)
+class RowState:
+    """A state object holding rows of one call, such as a request's KV cache of its prompt (filled by its first
+    step's call, read by the later ones), given to the model as an argument or returned by it.
 
-    def refusal(model: torch.nn.Module, arguments: dict[str, Any]) -> str | None:
-        given = arguments.get("kv_cache_mode") is not None or arguments.get("kv_cache") is not None
-        return reason if given else None
+    Args:
+        join: `join(parts)`: the state for a merged call from `[(state, rows), ...]`, each part a whole state of one
+            call, in row order; what the merged call stores lands in each part's own state.
+        key: `key(state)`: what the states of merged calls must share (their tokens), or None.
+        cut: `cut(state, begin, end)`: rows [begin, end) of a state the merged call returned, as a state of their own.
+    """
 
-    return refusal
+    state_type: type
+    join: Callable[[list[tuple[Any, int]]], Any]
+    key: Callable[[Any], Any] | None = None
+    cut: Callable[[Any, int, int], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,8 @@ class ModelSupport:
         timestep_rows: numbers or 0-d tensors the model broadcasts over rows: made per-row vectors, so calls at
             different timesteps merge.
         output_lists_are_rows: list outputs hold one entry per row (else a list is a tuple of outputs).
-        refusal: a per-call reason that the call must run alone (e.g. a KV cache carried between calls).
+        refusal: a per-call reason that the call must run alone.
+        row_states: per-row state objects by argument name (a KV cache carried between a request's calls).
         merge_key: `merge_key(arguments)`: a value calls must share to merge by rows, for a decision the model makes
             once for the whole batch (HunyuanVideo 1.5: text-to-video, read from all image embeds at once).
         trusted: equivalence tests prove the row rules; else each call structure's first merge is checked.
@@ -82,6 +91,7 @@ class ModelSupport:
     timestep_rows: tuple[str, ...] = ()
     output_lists_are_rows: bool = False
     refusal: Refusal | None = None
+    row_states: Mapping[str, RowState] = field(default_factory=dict)
     merge_key: Callable[[dict[str, Any]], Any] | None = None
     trusted: bool = False
     teacache_coefficients: tuple[float, ...] | None = None

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from ..programs.validation import freeze
-from . import ModelSupport, support_for
+from . import DEFAULT_SUPPORT, ModelSupport, RowState, support_for
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,11 @@ def _declared_rows(support: ModelSupport, name: str, value: Any, rows: int | Non
         return None
     if name in support.row_lists and isinstance(value, (list, tuple)) and len(value) == rows:
         return list(value), _Row(0, container=type(value)), ("row list",)  # NOTE: entries of any shape
+    state = support.row_states.get(name)
+    if state is not None and isinstance(value, state.state_type):
+        key = state.key(value) if state.key is not None else None
+        return ([(value, row) for row in range(rows)], _Row(0, container=functools.partial(_join_state, state)),
+                ("row state", type(value).__name__, freeze(key)))
     if not isinstance(value, torch.Tensor) and not (name in support.timestep_rows and isinstance(value, (int, float))):
         return None
     if name in support.row_dims and value.ndim > support.row_dims[name] and value.shape[support.row_dims[name]] == rows:
@@ -160,6 +165,19 @@ def _declared_rows(support: ModelSupport, name: str, value: Any, rows: int | Non
             value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
         return scalar.expand(rows), _Row(0), ("timestep rows", scalar.dtype, str(scalar.device))
     return None
+
+
+def _join_state(state: RowState, rows: list[tuple[Any, int]]) -> Any:
+    """The state of a merged call from its rows' `(state, row)` entries, each call's rows whole and in order."""
+    parts: list[tuple[Any, int]] = []
+    for own, row in rows:
+        if parts and parts[-1][0] is own and row == parts[-1][1]:
+            parts[-1] = (own, row + 1)
+        elif row == 0:
+            parts.append((own, 1))
+        else:
+            raise ValueError(f"a merged call holds row {row} of a {type(own).__name__} without its earlier rows")
+    return parts[0][0] if len(parts) == 1 else state.join(parts)
 
 
 class _Row:
@@ -250,28 +268,31 @@ class NotRowWise(ValueError):
     pass
 
 
-def cut(output: Any, begin: int, end: int, total: int, lists_are_rows: bool = False) -> Any:
-    """Rows [begin, end) of a batched output (tensors, model outputs, tuples, dicts)."""
+def cut(output: Any, begin: int, end: int, total: int, support: ModelSupport = DEFAULT_SUPPORT) -> Any:
+    """Rows [begin, end) of a batched output (tensors, model outputs, tuples, dicts, the model's row states)."""
     if isinstance(output, torch.Tensor):
         if output.ndim == 0 or output.shape[0] != total:
             raise NotRowWise(f"an output of shape {tuple(output.shape)} for {total} rows")
         return output[begin:end]
     if isinstance(output, _RECORDS):
-        return type(output)(**{k: cut(v, begin, end, total, lists_are_rows) for k, v in output.items()})
+        return type(output)(**{k: cut(v, begin, end, total, support) for k, v in output.items()})
     if isinstance(output, DiagonalGaussianDistribution):
         return DiagonalGaussianDistribution(cut(output.parameters, begin, end, total), output.deterministic)
-    if isinstance(output, list) and lists_are_rows:
+    if isinstance(output, list) and support.output_lists_are_rows:
         if len(output) != total:
             raise NotRowWise(f"a list output of {len(output)} entries for {total} rows")
         return output[begin:end]
     if isinstance(output, (tuple, list)):
-        return type(output)(cut(v, begin, end, total, lists_are_rows) for v in output)
+        return type(output)(cut(v, begin, end, total, support) for v in output)
     if isinstance(output, dict):
-        return {k: cut(v, begin, end, total, lists_are_rows) for k, v in output.items()}
+        return {k: cut(v, begin, end, total, support) for k, v in output.items()}
     if isinstance(output, Cache):
         return _cache_rows(output, begin, end, total)
     if output is None or isinstance(output, (bool, int, float, str)):
         return output
+    for state in support.row_states.values():
+        if state.cut is not None and isinstance(output, state.state_type):
+            return state.cut(output, begin, end)
     raise NotRowWise(f"an output of type {type(output).__name__} can't be split by rows")
 
 

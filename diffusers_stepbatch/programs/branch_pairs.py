@@ -1,9 +1,9 @@
 """A request's two denoiser calls of a step (CFG's conditional, then unconditional call) run as one engine call.
 
 A pipeline that calls its denoiser once per CFG branch (Wan, Qwen-Image's true CFG) hands the engine a call,
-waits for it, then the other. The second call is predictable from the step before: its arguments that were the
-first call's own objects (latents, timestep) come from this step's first call, the others (the negative prompt's
-embeddings) stay. The first call carries the predicted second as extra rows; the second call is answered from them
+waits for it, then the other. Where the step before's second call took the first call's batch input (the latents),
+the second call is predictable: its arguments that were the first call's own objects (latents, timestep) come from
+this step's first call, the others (the negative prompt's embeddings) stay. The first call carries the predicted second as extra rows; the second call is answered from them
 only if each argument is the predicted object or equal to it, else it runs as it comes and predicting stops.
 """
 
@@ -71,6 +71,12 @@ def _predicted(first: Call, second: Call, now: Call) -> Call | None:
     if len(first_args) != len(now_args) or first_kwargs.keys() != now_kwargs.keys():
         return None
     if len(second_args) != len(first_args) or second_kwargs.keys() != first_kwargs.keys():
+        return None
+    # NOTE: only a call on the first call's own batch input (its first argument) is a branch of it; another (one
+    # reading the first's output, or filling a cache) is not predicted: a wrong guess may change state
+    name = next(iter(first_kwargs), None)
+    mine, theirs = (first_args[0], second_args[0]) if first_args else (first_kwargs.get(name), second_kwargs.get(name))
+    if mine is None or theirs is not mine:
         return None
     args = tuple(new if old is mine else mine for old, mine, new in zip(first_args, second_args, now_args))
     kwargs = {name: now_kwargs[name] if first_kwargs[name] is value else value for name, value in second_kwargs.items()}

@@ -260,7 +260,8 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     if reason is None and paired is not None:
         other = describe_call(module, paired[0], _lora_free(paired[1], adapters), method)
         if other.refusal is None and other.rows and other.signature == call.signature:
-            call.row_inputs = [torch.cat(pair) for pair in zip(call.row_inputs, other.row_inputs)]
+            call.row_inputs = [mine + theirs if isinstance(mine, list) else torch.cat((mine, theirs))
+                              for mine, theirs in zip(call.row_inputs, other.row_inputs)]
             rows += other.rows
             holders += [Holder()] * other.rows
             states += [paired_teacache] * other.rows
@@ -351,7 +352,7 @@ def _hand_out(holders: list[Holder], output: Any, call: ModelCall) -> None:
         holders[0].output = output
         return
     for begin, end in bounds:
-        holders[begin].output = cut(output, begin, end, len(holders), call.support.output_lists_are_rows)
+        holders[begin].output = cut(output, begin, end, len(holders), call.support)
 
 
 def _merged_call(module, call: ModelCall, **inputs):
@@ -380,7 +381,7 @@ def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: in
     except Exception as exc:  # the merged call itself is what fails: these calls run alone from now on
         return _apart(module, call, seen, inputs, bounds, f"a merged call raised {type(exc).__name__}: {exc}")
     try:
-        parts = [cut(output, begin, end, total, call.support.output_lists_are_rows) for begin, end in bounds]
+        parts = [cut(output, begin, end, total, call.support) for begin, end in bounds]
     except NotRowWise as exc:
         return _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
     if not call.support.trusted and seen not in _verified:
