@@ -3,8 +3,9 @@
 A pipeline that calls its denoiser once per CFG branch (Wan, Qwen-Image's true CFG) hands the engine a call,
 waits for it, then the other. Where the step before's second call took the first call's batch input (the latents),
 the second call is predictable: its arguments that were the first call's own objects (latents, timestep) come from
-this step's first call, the others (the negative prompt's embeddings) stay. The first call carries the predicted second as extra rows; the second call is answered from them
-only if each argument is the predicted object or equal to it, else it runs as it comes and predicting stops.
+this step's first call, the others (the negative prompt's embeddings) stay. The first call carries the predicted
+second as extra rows; the second call is answered from them only if each argument is the predicted object or equal
+to it, else it runs as it comes and predicting stops.
 """
 
 from __future__ import annotations
