@@ -82,3 +82,21 @@ def test_nested_condition_images_are_refused_with_the_pipelines_message():
     pipe = pipe_for("tiny")
     with StepBatched(pipe) as sb, pytest.raises(ValueError, match="cannot be nested per prompt"):
         sb(prompt="a cat", image=[[condition_image(32, 32, 0)]], num_inference_steps=2, output_type="pt")
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_prompts_with_the_same_condition_image_encode_apart_by_rule(config):
+    """Equal images give equal `pixel_values`, but Qwen3-VL reads them as one sequence per call: never merged."""
+    pipe = pipe_for(config)
+    image = condition_image(64, 48, 3)
+    batch = [dict(prompt=prompt, image=image, num_inference_steps=2, seed=seed, output_type="pt",
+                  output_resolution=64) for seed, prompt in enumerate(("make it red", "make it blu", "make it tan"))]
+    expected = [pipe(**seeded(kwargs)).images for kwargs in batch]
+    with StepBatched(pipe) as sb:
+        results = submit_all(sb, batch)
+        stats = sb.stats()
+    for result, plain in zip(results, expected):
+        assert max_diff(result.images, plain) <= TOLERANCE
+    assert set(stats["rows_histogram"]["encode"]) == {1}
+    assert any("Qwen3-VL image patches are one sequence" in reason for reason in stats["splits"])
+    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]

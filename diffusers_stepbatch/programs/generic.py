@@ -41,7 +41,7 @@ from .validation import as_list, check_generator, check_num_images_per_prompt, c
 
 logger = logging.getLogger(__name__)
 
-DENOISER_NAMES = ("transformer", "transformer_2", "unet", "prior", "decoder")
+DENOISER_NAMES = ("transformer", "transformer_2", "unconditional_transformer", "unet", "prior", "decoder")
 ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 
 
