@@ -67,6 +67,8 @@ class ModelSupport:
         shared: tensors read as a whole or from row 0 only (FLUX.2's ids): calls merge only when they are equal.
         row_dims: tensors whose rows lie on another dimension (HiDream's Llama states: layers first).
         row_blocks: tensors with a whole number of entries per row along dim 0 (AnimateDiff's text per frame).
+        padded: tensors whose rows are zero-padded to the longest of a merged call along this dimension, as the model
+            masks the padding itself (ERNIE-Image's text, masked by its per-row lengths).
         timestep_rows: numbers or 0-d tensors the model broadcasts over rows: made per-row vectors, so calls at
             different timesteps merge.
         output_lists_are_rows: list outputs hold one entry per row (else a list is a tuple of outputs).
@@ -88,6 +90,7 @@ class ModelSupport:
     shared: tuple[str, ...] = ()
     row_dims: Mapping[str, int] = field(default_factory=dict)
     row_blocks: tuple[str, ...] = ()
+    padded: Mapping[str, int] = field(default_factory=dict)
     timestep_rows: tuple[str, ...] = ()
     output_lists_are_rows: bool = False
     refusal: Refusal | None = None
@@ -140,6 +143,6 @@ def _load_modules() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401  (each registers its classes)
-        autoencoders, bria, chroma, flux, flux2, hidream, hunyuan_video15, ltx2, qwen2_5_vl, qwenimage, qwenimage21,
-        sd3, unet, unet_motion, wan, z_image,
+        autoencoders, bria, chroma, ernie_image, flux, flux2, hidream, hunyuan_video15, ltx2, qwen2_5_vl, qwenimage,
+        qwenimage21, sd3, unet, unet_motion, wan, z_image,
     )

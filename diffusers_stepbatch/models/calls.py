@@ -156,6 +156,11 @@ def _declared_rows(support: ModelSupport, name: str, value: Any, rows: int | Non
         dim = support.row_dims[name]
         moved = value.movedim(dim, 0)
         return moved, _Row(0, dim=dim), ("rows on dim", dim, tuple(moved.shape[1:]), value.dtype, str(value.device))
+    if name in support.padded and value.ndim > support.padded[name] and value.shape[0] == rows:
+        dim = support.padded[name]
+        part = ("padded rows", tuple(n for i, n in enumerate(value.shape) if i not in (0, dim)), value.dtype,
+                str(value.device))
+        return list(value.unbind(0)), _Row(0, container=functools.partial(_padded_stack, dim - 1)), part
     if name in support.row_blocks and value.ndim >= 1 and value.shape[0] % rows == 0 and value.shape[0] > rows:
         blocks = value.reshape(rows, value.shape[0] // rows, *value.shape[1:])
         return blocks, _Row(0, blocks=True), ("row blocks", tuple(blocks.shape[1:]), value.dtype, str(value.device))
@@ -165,6 +170,15 @@ def _declared_rows(support: ModelSupport, name: str, value: Any, rows: int | Non
             value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
         return scalar.expand(rows), _Row(0), ("timestep rows", scalar.dtype, str(scalar.device))
     return None
+
+
+def _padded_stack(dim: int, rows: list[torch.Tensor]) -> torch.Tensor:
+    """The rows as one tensor, each zero-padded at the end of `dim` to the longest."""
+    longest = max(row.shape[dim] for row in rows)
+    padded = [row if row.shape[dim] == longest else torch.cat(
+        [row, row.new_zeros(*row.shape[:dim], longest - row.shape[dim], *row.shape[dim + 1:])], dim=dim)
+        for row in rows]
+    return torch.stack(padded)
 
 
 def _join_state(state: RowState, rows: list[tuple[Any, int]]) -> Any:

@@ -167,8 +167,9 @@ def _rows(transformer, calls: Sequence[dict]) -> list[_Row]:
         per_row = [None if t is None else t.reshape(count, -1) for t in (timestep, audio_timestep, sigma, audio_sigma)]
         masks = [call.get(name) for name in _MASKS]
         for r in range(count):
-            rows.append(_Row(index, len(rows), (video[r], call["audio_hidden_states"][r], call["encoder_hidden_states"][r],
-                                     call["audio_encoder_hidden_states"][r]),
+            streams = (video[r], call["audio_hidden_states"][r], call["encoder_hidden_states"][r],
+                       call["audio_encoder_hidden_states"][r])
+            rows.append(_Row(index, len(rows), streams,
                              tuple(None if m is None else m[r] for m in masks),
                              tuple(None if t is None else t[r] for t in per_row), video_coords[r], audio_coords[r]))
             if rows[-1].video_coords.shape[1] != rows[-1].streams[VIDEO].shape[0]:
