@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,17 @@ def kept_on_failure(states: Iterable[TeaCacheState | None]) -> Iterator[None]:
         for state, fields in saved:
             vars(state).update(fields)
         raise
+
+
+def saved(states: Iterable[TeaCacheState | None]) -> Callable[[], None]:
+    """A function that puts `states` back as they are now (a call that is run again must decide again from them)."""
+    fields = [(state, dict(vars(state))) for state in states if state is not None]
+
+    def restore() -> None:
+        for state, values in fields:
+            vars(state).update(values)
+
+    return restore
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:

@@ -25,7 +25,7 @@ from ..adapters.lora import streams_ambiguous
 from ..adapters.state import AdapterState, lora_rows, without_lora_scale
 from ..cache import encoder_calls
 from ..cache.prompt import PromptCache
-from ..cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure
+from ..cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure, saved
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
 from ..models import Packing, support_for
@@ -373,6 +373,8 @@ def _merged_call(module, call: ModelCall, **inputs):
 
 def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: int) -> list:
     seen = (id(module), call.method, call.structure)
+    checked = not call.support.trusted and seen not in _verified
+    before = saved(inputs[TEACACHE] or ()) if checked else None
     try:
         with solo_kernels(module, [end - begin for begin, end in bounds]):
             output = _run(module, call, inputs)
@@ -384,8 +386,8 @@ def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: in
         parts = [cut(output, begin, end, total, call.support) for begin, end in bounds]
     except NotRowWise as exc:
         return _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
-    if not call.support.trusted and seen not in _verified:
-        parts = _checked(module, call, seen, inputs, bounds, parts)
+    if checked:
+        parts = _checked(module, call, seen, inputs, bounds, parts, before)
     return parts
 
 
@@ -400,9 +402,12 @@ def _model_inputs(inputs: dict) -> dict:
     return {name: value for name, value in inputs.items() if name not in (LORA, TEACACHE)}
 
 
-def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
+def _checked(module, call: ModelCall, seen, inputs, bounds, parts, before: Callable[[], None]) -> list:
     """The first merged call of a structure on a model without proven row rules, checked against the same calls
-    run apart: where the rows were not independent, the separate outputs stand and such calls run alone."""
+    run apart: where the rows were not independent, the separate outputs stand and such calls run alone.
+    `before` puts the rows' TeaCache states back as they were before the merged call, for the separate calls."""
+    after = saved(inputs[TEACACHE] or ())
+    before()
     alone = [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
@@ -410,6 +415,7 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts) -> list:
         _mark_not_rowwise(seen, reason)
         log_once(type(module).__name__, reason)
         return alone
+    after()  # NOTE: the merged outputs stand, and the states as the merged call left them
     _verified.add(seen)
     return parts
 

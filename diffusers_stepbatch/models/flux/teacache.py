@@ -177,6 +177,8 @@ def fit_coefficients(
         steps = call_kwargs.get("num_inference_steps") or len(outputs)
         branches = max(len(outputs) // steps, 1)  # true CFG calls the transformer twice per step
         for i in range(branches, len(outputs)):
+            if outputs[i].shape != outputs[i - branches].shape:
+                continue  # NOTE: a step whose call returns other tokens (a KV cache's filling call): no pair
             xs.append(relative_l1(signals[i], signals[i - branches]))
             ys.append(relative_l1(outputs[i], outputs[i - branches]))
     if len(xs) <= degree:

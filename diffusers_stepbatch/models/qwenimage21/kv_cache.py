@@ -1,19 +1,10 @@
-"""Qwen-Image 2.1 (`QwenImage21Transformer2DModel`).
-
-Its forward lays out one joint text/image sequence for the whole call from row 0: `img_mask[0]` (where the
-vision-language encoder's image slots sit) and `img_shapes[0]`. Rows share a call only where their masks are equal
-(prompts of one token count, condition images of one layout). Each request's KV cache of its text and
-condition-image tokens (filled by its first step's call, read by the later ones) is a row state: a merged call
-reads the stacked caches of its rows and stores each row's keys and values in that row's own cache.
-"""
+"""Qwen-Image 2.1's KV cache as a row state: each request's cache of its text and condition-image keys and values,
+filled by its first step's call and read by the later ones. A merged call gets the caches of its calls joined."""
 
 from __future__ import annotations
 
 import torch
-from diffusers import QwenImage21Transformer2DModel
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache, QwenImage21KVLayerCache
-
-from . import ModelSupport, RowState, register_model
 
 
 class JoinedLayerCache:
@@ -43,6 +34,16 @@ class JoinedKVCache:
         return JoinedLayerCache([(cache.get_layer(layer_idx), rows) for cache, rows in self.parts])
 
 
-@register_model(QwenImage21Transformer2DModel)
-def _qwenimage21() -> ModelSupport:
-    return ModelSupport(shared=("img_mask",), row_states={"kv_cache": RowState(QwenImage21KVCache, JoinedKVCache)})
+def cache_rows(cache: QwenImage21KVCache | JoinedKVCache | None, rows: list[int], total: int):
+    """The cache of a call of rows `rows` (ascending) of a `total`-row call: whole calls' caches only."""
+    if cache is None or len(rows) == total:
+        return cache
+    parts, begin, wanted = [], 0, set(rows)
+    for own, count in cache.parts if isinstance(cache, JoinedKVCache) else [(cache, total)]:
+        held = wanted.intersection(range(begin, begin + count))
+        if held and len(held) != count:
+            raise ValueError("a TeaCache decision split the rows of one request's KV cache")
+        if held:
+            parts.append((own, count))
+        begin += count
+    return parts[0][0] if len(parts) == 1 else JoinedKVCache(parts)

@@ -1,0 +1,91 @@
+"""Qwen-Image 2.1 TeaCache per request (`models/qwenimage21/teacache.py`): the same skips in shared forwards as
+alone, with the KV cache (whose filling call always computes) and without it, also where the first merge is checked
+against separate calls (each request's states decide once per step)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+from diffusers_stepbatch import StepBatched, models
+from diffusers_stepbatch.cache import TeaCacheConfig
+from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.models.qwenimage21.teacache import signal_hook, teacache_call
+from diffusers_stepbatch.programs import intercept
+
+from .references import TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401  (fixture)
+from .test_qwenimage21 import condition_image, pipe_for
+from .test_row_states import captured_calls
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+COMMON = dict(output_type="pt", output_resolution=64)
+
+
+@pytest.mark.parametrize("case", [{}, dict(use_kv_cache=False), dict(image=condition_image(48, 64, 3)),
+                                  dict(negative_prompt="bad", true_cfg_scale=3.0)])
+@pytest.mark.parametrize("config", ["tiny", "wide"])
+def test_teacache_forward_with_every_row_computing_is_the_model_forward(config, case):
+    pipe = pipe_for(config)
+    model, blocks = pipe.transformer, len(pipe.transformer.transformer_blocks)
+    calls = captured_calls(pipe, prompt="a cat one", height=64, width=96, num_inference_steps=3, output_resolution=64,
+                           **case)
+    caches = {}  # the run's own caches, replaced by fresh ones per side
+    with torch.no_grad():
+        for call in calls:
+            own = caches.setdefault(id(call.get("kv_cache")), (QwenImage21KVCache(blocks), QwenImage21KVCache(blocks)))
+            model_side = dict(call, kv_cache=own[0] if call.get("kv_cache") is not None else None)
+            teacache_side = dict(call, kv_cache=own[1] if call.get("kv_cache") is not None else None)
+            assert max_diff(teacache_call(model, [None], teacache_side)[0], model(**model_side)[0]) == 0.0
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("use_kv_cache", [True, False])
+def test_teacache_in_shared_forwards_equals_teacache_alone(use_kv_cache, checked, monkeypatch):
+    pipe = pipe_for("tiny")
+    if checked:  # as a model without proven row rules: its first merge is checked against separate calls
+        support = models.support_for(pipe.transformer)
+        monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, trusted=False))
+        monkeypatch.setattr(intercept, "_verified", set())
+    common = dict(COMMON, use_kv_cache=use_kv_cache)
+    requests = [dict(common, prompt="a cat one", height=64, width=64, num_inference_steps=12, seed=0),
+                dict(common, prompt="a dog two", height=64, width=64, num_inference_steps=14, seed=1),
+                dict(common, prompt="a cow 333", height=64, width=64, num_inference_steps=13, seed=2,
+                     negative_prompt="bad", true_cfg_scale=3.0),
+                dict(common, prompt="a pig 444", height=64, width=64, num_inference_steps=12, seed=3,
+                     teacache=None)]  # computes every step, beside the others
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    teacache = TeaCacheConfig(threshold=0.6)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+        with engine_held(sb, dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        batched = [future.result(300).images for future in futures]
+        rows = sb.stats()["rows_histogram"]["denoise"]
+    assert max(max_diff(got, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    assert max(rows) >= 3, rows  # a forward held rows of several requests
+    assert max_diff(solo[3], exact[3]) <= TOLERANCE  # teacache=None: every step computed
+    assert min(max_diff(solo[i], exact[i]) for i in range(3)) > 10 * TOLERANCE, "TeaCache skipped no step"
+
+
+def test_fitted_coefficients_explain_the_output_change():
+    pipe = pipe_for("tiny")
+    call = dict(height=64, width=64, num_inference_steps=12, output_resolution=64, output_type="latent")
+    coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
+    signals, outputs = [], []
+    hooks = [signal_hook(pipe.transformer, lambda tensor: signals.append(tensor.double())),
+             pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out[0].double()))]
+    try:
+        with torch.no_grad():
+            pipe("a yellow cross", **call)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    pairs = [(signals[i], signals[i - 1], outputs[i], outputs[i - 1]) for i in range(2, len(signals))]  # cached calls
+    xs = [float((s - p).abs().mean() / p.abs().mean()) for s, p, _, _ in pairs]
+    ys = [float((o - q).abs().mean() / q.abs().mean()) for _, _, o, q in pairs]
+    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
+    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
+    assert fitted < constant
