@@ -141,5 +141,5 @@ def _load_modules() -> None:
     _loaded = True
     from . import (  # noqa: F401  (each registers its classes)
         autoencoders, bria, chroma, flux, flux2, hidream, hunyuan_video15, ltx2, qwen2_5_vl, qwenimage, qwenimage21,
-        sd3, unet, unet_motion, wan, z_image,
+        rfd4_proteina, sd3, unet, unet_motion, wan, z_image,
     )
