@@ -140,6 +140,6 @@ def _load_modules() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401  (each registers its classes)
-        autoencoders, bria, chroma, flux, flux2, hidream, hunyuan_video15, longcat_image, ltx2, qwen2_5_vl, qwenimage,
-        qwenimage21, sd3, unet, unet_motion, wan, z_image,
+        autoencoders, bria, chroma, flux, flux2, hidream, hunyuan_video15, ideogram4, longcat_image, ltx2, qwen2_5_vl,
+        qwenimage, qwenimage21, sd3, unet, unet_motion, wan, z_image,
     )
