@@ -152,3 +152,20 @@ def test_edits_of_one_image_encode_apart_by_rule_and_share_the_transformer(confi
         hook.remove()
     assert image_calls == [1] * 2 * len(batch), image_calls  # plain, then wrapped: one prompt per call
     assert any("Qwen3-VL image patches are one sequence" in reason for reason in stats["splits"]), stats["splits"]
+
+
+@pytest.mark.parametrize("sized", [True, False])
+@pytest.mark.parametrize("image", ["single", "list"])
+def test_a_bad_edit_prompt_is_refused_at_submit_with_the_pipelines_message(image, sized):
+    """`__call__` wraps a single image in a list before its check, and takes the size from the image when none is
+    given: the caller-side check does both, so a bad edit fails before it is queued, whatever form it takes."""
+    pipe = pipe_for("tiny")
+    height, width = CONFIGS["tiny"][1]
+    reference = edit_image(0)
+    kwargs = dict(prompt=caption("a red bike"), image=reference if image == "single" else [reference],
+                  num_inference_steps=2, output_type="np", **(dict(height=height, width=width) if sized else {}))
+    with pytest.raises(ValueError, match="edit_instruction") as plain:
+        pipe(**kwargs)
+    with StepBatched(pipe) as sb, pytest.raises(ValueError, match="edit_instruction") as wrapped:
+        sb.submit(**kwargs)  # raises here, in the caller, not from the request's result
+    assert str(wrapped.value) == str(plain.value)

@@ -140,12 +140,18 @@ class _BatchMixing(torch.nn.Module):
         return out - out.mean(dim=0, keepdim=True) + 0.5 * out
 
 
-def test_unproven_models_that_mix_rows_are_caught_and_run_alone(caplog):
+@pytest.mark.parametrize("steps", [1, 3])
+def test_unproven_models_that_mix_rows_are_caught_and_run_alone(caplog, steps, monkeypatch):
+    """Also with one step: the merged call that is caught says why in `splits`, not only the later ones."""
     from diffusers import DDIMScheduler
 
-    pipe = ToyLoopPipeline(_BatchMixing(), DDIMScheduler())
+    from diffusers_stepbatch.programs import intercept
+
+    monkeypatch.setattr(intercept, "_logged", set())  # NOTE: each reason is logged once per process
+
+    pipe = ToyLoopPipeline(_BatchMixing(), DDIMScheduler(timestep_spacing="trailing"))  # one step: t=999, not 0
     assert support_for(pipe.unet) is DEFAULT_SUPPORT
-    requests = [dict(batch_size=2, num_inference_steps=3, seed=i) for i in range(4)]
+    requests = [dict(batch_size=2, num_inference_steps=steps, seed=i) for i in range(4)]
     expected = [pipe(**seeded(kwargs)) for kwargs in requests]
     with caplog.at_level(logging.INFO), StepBatched(pipe) as sb:
         results = submit_all(sb, requests)

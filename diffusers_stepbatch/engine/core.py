@@ -27,6 +27,7 @@ from .metrics import EngineMetrics
 from .ownership import current_owner, set_owner
 from .request import Request, RequestStatus
 from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, StepScheduler
+from .split_reasons import running
 from .timing import CallTimer
 
 logger = logging.getLogger(__name__)
@@ -362,7 +363,8 @@ class EngineCore:
         started = timing.wall
         self.metrics.record_overhead(started - assembling)
         try:
-            output = run_batch(batch)
+            with running(self.metrics.splits, kind):
+                output = run_batch(batch)
             check_row_count(output, batch.num_rows, kind)
         except BaseException as exc:  # a BaseException from a model or hook fails its request, not the engine
             if is_out_of_memory(exc):

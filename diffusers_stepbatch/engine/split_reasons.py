@@ -8,15 +8,17 @@ round's first; the differing fields count under `"<kind>: <field names>"` in `st
 True
 
 Equal keys cut apart by the cost model or a memory cap count under `SAME_KEY`; fields that vary inside one
-packed call never count.
+packed call never count. A merged call that runs its requests apart inside (the model layer's fallback) reports
+them with `split_inside`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 SAME_KEY = "same key: the cost model or a memory cap cut one group into several forwards"
@@ -119,6 +121,31 @@ class SplitCounter:
             with self._lock:
                 self._counts.update(reasons)
 
+    def add(self, reason: str, calls: int) -> None:
+        with self._lock:
+            self._counts[reason] += calls
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts.most_common())
+
+
+_running = threading.local()
+
+
+@contextlib.contextmanager
+def running(counter: SplitCounter, kind: str) -> Iterator[None]:
+    """While a merged call of `kind` runs on this thread, `split_inside` counts into `counter`."""
+    _running.call = (counter, kind)
+    try:
+        yield
+    finally:
+        _running.call = None
+
+
+def split_inside(reason: str, calls: int) -> None:
+    """`calls` more calls ran apart inside the running merged call, for `reason` (nothing outside one)."""
+    running_call = getattr(_running, "call", None)
+    if running_call is not None and calls > 0:
+        counter, kind = running_call
+        counter.add(f"{kind}: {reason}", calls)

@@ -31,7 +31,7 @@ from ..engine.split_reasons import named_key
 from ..module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
 from .options import PlanContext
 from .pid_generic import plan_generic_pid_exit
-from .pipeline_checks import check_logs_muted, renamed_check_arguments, run_check_inputs
+from .pipeline_checks import arguments_set_before_check, check_logs_muted, renamed_check_arguments, run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ..models import support_for
@@ -180,15 +180,17 @@ def _check_call(pipe, args: dict[str, Any]) -> None:
     parameters = _parameters_after_self(check.__func__) if inspect.ismethod(check) else tuple(
         inspect.signature(check).parameters.values())
     renamed = renamed_check_arguments(unhooked_class(pipe))  # e.g. the check's `image` is the call's control image
+    wrapped, assigned = arguments_set_before_check(unhooked_class(pipe))
     for parameter in parameters:
         name = parameter.name
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
-        if name in ("height", "width") and args.get(name) is None:
-            return  # the pipeline derives a default size first; it checks again itself
         source = renamed.get(name, name)  # the call argument __call__ passes as this check parameter
+        if name in ("height", "width") and args.get(name) is None and source in assigned:
+            return  # the pipeline derives a default size first; it checks again itself
         if source in args:
-            values[name] = args[source]
+            single = wrapped.get(source)  # `if isinstance(image, PIL.Image.Image): image = [image]` before the check
+            values[name] = [args[source]] if single is not None and isinstance(args[source], single) else args[source]
         elif name == "callback_steps":  # NOTE: SD-era checks still require it; their __call__ passes None
             values[name] = None
         elif parameter.default is parameter.empty:

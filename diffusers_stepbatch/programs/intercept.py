@@ -27,7 +27,7 @@ from ..cache import encoder_calls
 from ..cache.prompt import PromptCache
 from ..cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure, saved
 from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key
+from ..engine.split_reasons import named_key, split_inside
 from ..models import Packing, support_for
 from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
 from ..models.calls import run_call, slice_rows
@@ -411,9 +411,8 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts, before: Calla
     alone = [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
     difference = max(max_difference(part, own) for part, own in zip(parts, alone))
     if difference > probe_tolerance(alone[0]):
-        reason = f"merged outputs differed from separate calls by {difference:.2e}"
-        _mark_not_rowwise(seen, reason)
-        log_once(type(module).__name__, reason)
+        _mark_not_rowwise(module, seen, f"merged outputs differed from separate calls by {difference:.2e}",
+                          len(bounds))
         return alone
     after()  # NOTE: the merged outputs stand, and the states as the merged call left them
     _verified.add(seen)
@@ -426,14 +425,16 @@ def _not_rowwise_reason(module, method: str, call: ModelCall) -> str | None:
     return _not_rowwise.get((id(module), method, call.structure))
 
 
-def _mark_not_rowwise(seen: tuple, reason: str) -> None:
+def _mark_not_rowwise(module, seen: tuple, reason: str, calls: int) -> None:
+    """Calls of this structure run alone from now on; the `calls` of the running merged call ran apart."""
     _not_rowwise[seen] = reason
     _models_not_rowwise.add(seen[:2])
+    log_once(type(module).__name__, reason)
+    split_inside(f"generic program: {reason}", calls - 1)
 
 
 def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
-    _mark_not_rowwise(seen, reason)
-    log_once(type(module).__name__, reason)
+    _mark_not_rowwise(module, seen, reason, len(bounds))
     return [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
 
 

@@ -87,6 +87,63 @@ def _renamed_check_arguments(cls: type) -> dict[str, str]:
             if isinstance(value, ast.Name) and value.id != name and value.id in call_names}
 
 
+def arguments_set_before_check(cls: type) -> tuple[dict[str, type], frozenset[str]]:
+    """What `cls.__call__` does to its own parameters before its `self.check_inputs(...)` call, read from its source:
+    (parameters it wraps in a list where they are a single `T`, as `if isinstance(image, PIL.Image.Image): image =
+    [image]` does: name -> T; the other parameters it assigns before the check). Empty where the source isn't there."""
+    with _PARSING:
+        return _arguments_set_before_check(cls)
+
+
+@functools.cache
+def _arguments_set_before_check(cls: type) -> tuple[dict[str, type], frozenset[str]]:
+    call = getattr(cls, "__call__", None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
+        call_names = set(inspect.signature(call).parameters)
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return {}, frozenset()
+    checks = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and node.func.attr == "check_inputs"]
+    if not checks:
+        return {}, frozenset()
+    before = [node for node in ast.walk(tree) if getattr(node, "lineno", checks[0]) < checks[0]]
+    wrapped = {}
+    for node in before:
+        name, single = _wrapped_in_list(node, inspect.getmodule(call))
+        if name in call_names and single is not None:
+            wrapped[name] = single
+    assigned = {target.id for node in before if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for target in ast.walk(target) if isinstance(target, ast.Name)}
+    return wrapped, frozenset(assigned & call_names - set(wrapped))
+
+
+def _wrapped_in_list(node: ast.AST, module: Any) -> tuple[str | None, type | None]:
+    """(X, T) for `if isinstance(X, T): X = [X]` (no else), resolved in the pipeline's module; else (None, None)."""
+    if not (isinstance(node, ast.If) and not node.orelse and len(node.body) == 1
+            and isinstance(node.test, ast.Call) and isinstance(node.test.func, ast.Name)
+            and node.test.func.id == "isinstance" and len(node.test.args) == 2
+            and isinstance(node.test.args[0], ast.Name)):
+        return None, None
+    name, body = node.test.args[0].id, node.body[0]
+    if not (isinstance(body, ast.Assign) and [getattr(t, "id", None) for t in body.targets] == [name]
+            and isinstance(body.value, ast.List) and len(body.value.elts) == 1
+            and getattr(body.value.elts[0], "id", None) == name):
+        return None, None
+    single = _resolved(node.test.args[1], vars(module) if module is not None else {})
+    return name, single if isinstance(single, type) else None
+
+
+def _resolved(expression: ast.AST, names: dict[str, Any]) -> Any:
+    """The object a dotted name (`PIL.Image.Image`) stands for in `names`, or None."""
+    if isinstance(expression, ast.Name):
+        return names.get(expression.id)
+    if isinstance(expression, ast.Attribute):
+        return getattr(_resolved(expression.value, names), expression.attr, None)
+    return None
+
+
 def _passes(pipe: Any, trial: inspect.BoundArguments) -> bool:
     try:
         with check_logs_muted(pipe):  # a trial, not the call's check
