@@ -76,8 +76,9 @@ def _predicted(first: Call, second: Call, now: Call) -> Call | None:
     # NOTE: only a call on the first call's own batch input (its first argument) is a branch of it; another (one
     # reading the first's output, or filling a cache) is not predicted: a wrong guess may change state
     name = next(iter(first_kwargs), None)
-    mine, theirs = (first_args[0], second_args[0]) if first_args else (first_kwargs.get(name), second_kwargs.get(name))
-    if mine is None or theirs is not mine:
+    first_batch, second_batch = (first_args[0], second_args[0]) if first_args else (first_kwargs.get(name),
+                                                                                   second_kwargs.get(name))
+    if first_batch is None or second_batch is not first_batch:
         return None
     args = tuple(new if old is mine else mine for old, mine, new in zip(first_args, second_args, now_args))
     kwargs = {name: now_kwargs[name] if first_kwargs[name] is value else value for name, value in second_kwargs.items()}

@@ -107,7 +107,7 @@ def _arguments_set_before_check(cls: type) -> tuple[dict[str, type], frozenset[s
               and isinstance(node.func, ast.Attribute) and node.func.attr == "check_inputs"]
     if not checks:
         return {}, frozenset()
-    before = [node for node in ast.walk(tree) if getattr(node, "lineno", checks[0]) < checks[0]]
+    before = [node for node in ast.walk(tree) if getattr(node, "lineno", min(checks)) < min(checks)]
     wrapped = {}
     for node in before:
         name, single = _wrapped_in_list(node, inspect.getmodule(call))
