@@ -54,7 +54,8 @@ def test_teacache_in_shared_forwards_equals_teacache_alone(use_kv_cache, checked
                 dict(common, prompt="a cow 333", height=64, width=64, num_inference_steps=13, seed=2,
                      negative_prompt="bad", true_cfg_scale=3.0),
                 dict(common, prompt="a pig 444", height=64, width=64, num_inference_steps=12, seed=3,
-                     teacache=None)]  # computes every step, beside the others
+                     teacache=None),  # computes every step, beside the others
+                dict(common, prompt="a much longer prompt", height=96, width=64, num_inference_steps=13, seed=4)]
     exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
     teacache = TeaCacheConfig(threshold=0.6)
     with StepBatched(pipe, teacache=teacache) as sb:
@@ -63,11 +64,11 @@ def test_teacache_in_shared_forwards_equals_teacache_alone(use_kv_cache, checked
         with engine_held(sb, dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)):
             futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
         batched = [future.result(300).images for future in futures]
-        rows = sb.stats()["rows_histogram"]["denoise"]
+        rows, mixed = sb.stats()["rows_histogram"]["denoise"], sb.stats()["mixed"]["calls"]
     assert max(max_diff(got, want) for got, want in zip(batched, solo)) <= TOLERANCE
-    assert max(rows) >= 3, rows  # a forward held rows of several requests
+    assert max(rows) >= 3 and mixed > 0, (rows, mixed)  # forwards held rows of several requests and sizes
     assert max_diff(solo[3], exact[3]) <= TOLERANCE  # teacache=None: every step computed
-    assert min(max_diff(solo[i], exact[i]) for i in range(3)) > 10 * TOLERANCE, "TeaCache skipped no step"
+    assert min(max_diff(solo[i], exact[i]) for i in (0, 1, 2, 4)) > 10 * TOLERANCE, "TeaCache skipped no step"
 
 
 def test_fitted_coefficients_explain_the_output_change():

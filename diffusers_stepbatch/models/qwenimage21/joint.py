@@ -1,0 +1,77 @@
+"""One Qwen-Image 2.1 call's joint sequence, as `QwenImage21Transformer2DModel.forward` builds it before its blocks
+(call for call, for its per-segment attention processors), for the TeaCache and packed forwards."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_qwenimage21 import _qwenimage21_prefix_segments
+
+_SLOT_TOKENS = 4  # latent tokens per image slot of the vision-language sequence (2x2)
+
+# the forward's arguments these forwards reproduce; a call with any other computes as the model does
+REPRODUCED = frozenset({"hidden_states", "encoder_hidden_states", "timestep", "img_shapes", "img_mask",
+                        "encoder_hidden_states_mask", "attention_kwargs", "kv_cache", "kv_cache_mode", "return_dict"})
+
+
+@dataclass
+class JointCall:
+    """The blocks' inputs for one call: `joint` [rows, tokens, dim] (only the target image's tokens when the call
+    reads its KV cache), and what the blocks and the output layers take with it."""
+
+    joint: torch.Tensor
+    rotary_emb: torch.Tensor
+    temb: torch.Tensor
+    modulation: torch.Tensor
+    modulation_mask: torch.Tensor | None  # which tokens read their row's timestep row (else the t=0 row)
+    target: torch.Tensor  # the target image's tokens of `joint`
+    attention_mask: torch.Tensor | None
+    segments: list | None  # the prefix's attention segments (a call that runs its whole sequence)
+    key_valid: torch.Tensor | None
+    write: slice | None  # the prefix's tokens, where the call fills the KV cache
+    kv_cache: Any
+    kv_cache_mode: str | None
+
+
+def joint_call(model, hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
+               encoder_hidden_states_mask=None, attention_kwargs=None, kv_cache=None, kv_cache_mode=None) -> JointCall:
+    rows = hidden_states.shape[0]
+    hidden_states = model.img_in(hidden_states)
+    encoder_hidden_states = model.txt_in(encoder_hidden_states)
+    repeats = torch.where(img_mask, _SLOT_TOKENS, 1)[0]
+    image_pad_mask = torch.repeat_interleave(img_mask[0], repeats)
+    target_tokens = math.prod(img_shapes[0][-1])
+    joint = torch.cat([encoder_hidden_states, encoder_hidden_states.new_zeros(
+        rows, target_tokens // _SLOT_TOKENS, encoder_hidden_states.shape[2])], dim=1)
+    joint = joint.repeat_interleave(repeats, dim=1)
+    joint[:, image_pad_mask] = hidden_states
+    rotary_emb = model.pos_embed(img_shapes[0], image_pad_mask, device=hidden_states.device)
+    image_ids, target = model.build_token_metadata(image_pad_mask, img_shapes[0])
+
+    timestep = timestep.to(hidden_states.dtype)
+    modulation_mask = None
+    if model.config.causal_condition:
+        timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
+        modulation_mask = target
+    temb = model.time_text_embed(timestep, hidden_states)
+    modulation = model.modulation(temb)
+
+    key_valid = None
+    if encoder_hidden_states_mask is not None:
+        key_valid = torch.ones(rows, image_pad_mask.shape[0], dtype=torch.bool, device=hidden_states.device)
+        text_positions = (~image_pad_mask).nonzero(as_tuple=True)[0]
+        vlm_text_positions = ~img_mask[0][: encoder_hidden_states_mask.shape[1]]
+        key_valid[:, text_positions] = encoder_hidden_states_mask.bool()[:, vlm_text_positions]
+    prefix_len = int((~target).sum())
+
+    if kv_cache_mode == "cached":
+        return JointCall(joint[:, prefix_len:], rotary_emb[prefix_len:], temb, modulation,
+                         modulation_mask[prefix_len:], target[prefix_len:],
+                         None if key_valid is None else key_valid[:, None, None, :], None, None, None, kv_cache,
+                         kv_cache_mode)
+    return JointCall(joint, rotary_emb, temb, modulation, modulation_mask, target, None,
+                     _qwenimage21_prefix_segments(image_ids, prefix_len), key_valid,
+                     slice(0, prefix_len) if kv_cache_mode == "extract" else None, kv_cache, kv_cache_mode)
