@@ -1,5 +1,6 @@
 """Property: FLUX.2 klein requests with any mix of sizes, reference images (none, or several of other sizes) and
-arrival order each equal their own solo run; Z-Image the same over sizes and guidance."""
+arrival order each equal their own solo run; Z-Image the same over sizes and guidance; Qwen-Image 2.1 over sizes,
+prompt lengths, condition images and its KV cache on or off."""
 
 import functools
 
@@ -9,7 +10,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
+from diffusers_stepbatch.testing_image_models import (
+    tiny_flux2_klein_pipeline, tiny_qwenimage21_pipeline, tiny_z_image_pipeline,
+)
 
 from .references import TOLERANCE, call_with_delays, max_diff, seeded
 
@@ -93,5 +96,47 @@ def test_z_image_mixes_of_sizes_and_guidance_equal_solo(cost_aware, requests):
     expected = [z_image_solo(*key) for key in keys]
     with StepBatched(z_image(), scheduler=SchedulerConfig(max_batch_size=8, cost_aware=cost_aware)) as sb:
         results = call_with_delays(sb, [z_image_kwargs(*key) for key in keys], [r["delay_ms"] for r in requests])
+    for got, want in zip(results, expected):
+        assert max_diff(got, want) <= TOLERANCE
+
+
+@functools.cache
+def qwenimage21():
+    return tiny_qwenimage21_pipeline()
+
+
+def qwenimage21_kwargs(size, seed, steps, prompt, conditions, use_kv_cache):
+    kwargs = dict(prompt=prompt, num_inference_steps=steps, seed=seed, output_type="pt", output_resolution=64,
+                  use_kv_cache=use_kv_cache)
+    if conditions:  # NOTE: the output takes the last condition image's aspect
+        kwargs["image"] = [reference(ref_size, shade) for ref_size, shade in conditions]
+    else:
+        kwargs.update(height=size[0] * 2, width=size[1] * 2)  # sizes are multiples of 32
+    return kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def qwenimage21_solo(*key):
+    return qwenimage21()(**seeded(qwenimage21_kwargs(*key))).images
+
+
+qwenimage21_requests = st.lists(st.fixed_dictionaries({
+    "size": st.sampled_from(SIZES),
+    "seed": st.integers(0, 2),
+    "steps": st.integers(1, 3),
+    "prompt": st.sampled_from(["a cat", "a red circle", "a blue square on grass"]),
+    "conditions": st.lists(st.tuples(st.sampled_from(REFERENCE_SIZES), st.integers(0, 1)), max_size=2).map(tuple),
+    "use_kv_cache": st.booleans(),
+    "delay_ms": st.integers(0, 20),
+}), min_size=2, max_size=4)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cost_aware=st.booleans(), requests=qwenimage21_requests)
+def test_qwenimage21_mixes_of_sizes_prompts_and_condition_images_equal_solo(cost_aware, requests):
+    keys = [(r["size"], r["seed"], r["steps"], r["prompt"], r["conditions"], r["use_kv_cache"]) for r in requests]
+    expected = [qwenimage21_solo(*key) for key in keys]
+    with StepBatched(qwenimage21(), scheduler=SchedulerConfig(max_batch_size=8, cost_aware=cost_aware)) as sb:
+        results = call_with_delays(sb, [qwenimage21_kwargs(*key) for key in keys], [r["delay_ms"] for r in requests])
     for got, want in zip(results, expected):
         assert max_diff(got, want) <= TOLERANCE
