@@ -69,8 +69,15 @@ def _qwenimage_img2img():
     return pipe, dict(true_cfg_scale=1.0, max_sequence_length=32, strength=1.0, image=_reference)
 
 
+def _qwenimage21():
+    from diffusers_stepbatch.testing_image_models import tiny_qwenimage21_pipeline
+
+    # NOTE: its sizes are multiples of 32 (a VAE of scale 16 and 2x2 patches): twice the other families' sides
+    return tiny_qwenimage21_pipeline(), dict(output_resolution=64, _scale=2)
+
+
 FAMILIES = {"z-image": _z_image, "flux2-klein": _flux2_klein, "flux-kontext": _flux_kontext,
-            "qwenimage-img2img": _qwenimage_img2img}
+            "qwenimage-img2img": _qwenimage_img2img, "qwenimage21": _qwenimage21}
 
 
 def _reference(height: int, width: int, seed: int) -> torch.Tensor:
@@ -79,9 +86,10 @@ def _reference(height: int, width: int, seed: int) -> torch.Tensor:
 
 def _requests(extra: dict, n: int, steps: int) -> list[dict]:
     requests = []
+    scale = extra.get("_scale", 1)
     for i in range(n):
-        height, width = SIZES[i % len(SIZES)]
-        kwargs = {name: value for name, value in extra.items() if name != "image"}
+        height, width = (side * scale for side in SIZES[i % len(SIZES)])
+        kwargs = {name: value for name, value in extra.items() if name not in ("image", "_scale")}
         if "image" in extra:
             kwargs["image"] = extra["image"](height, width, i)
             if "max_area" not in kwargs and "_auto_resize" in kwargs:
