@@ -41,3 +41,16 @@ def test_packed_calls_equal_each_call_alone_at_every_step(config):
             packed = pack_calls(model, sides[1], "auto", [None] * len(sides[1]))
             for own, (out,) in zip(alone, packed):
                 assert max_diff(out, own) <= TOLERANCE
+
+
+def test_calls_the_model_would_refuse_run_as_the_model_does():
+    """A KV cache without its mode (or a mode without a cache) is the model's error to raise: never packed."""
+    from diffusers_stepbatch.models.qwenimage21.teacache import teacache_call
+
+    pipe = pipe_for("tiny")
+    call = captured_calls(pipe, num_inference_steps=2, output_resolution=64, **RUNS[0])[1]
+    assert pack_key(call) is not None
+    for wrong in (dict(call, kv_cache_mode=None), dict(call, kv_cache=None), dict(call, kv_cache_mode="other")):
+        assert pack_key(wrong) is None and teacache_call(pipe.transformer, [None], wrong) is None
+        with pytest.raises(ValueError, match="kv_cache"):
+            pipe.transformer(**wrong)

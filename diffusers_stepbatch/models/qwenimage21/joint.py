@@ -10,11 +10,21 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import _qwenimage21_prefix_segments
 
+from ..packing.support import reproduces_call
+
 _SLOT_TOKENS = 4  # latent tokens per image slot of the vision-language sequence (2x2)
 
 # the forward's arguments these forwards reproduce; a call with any other computes as the model does
 REPRODUCED = frozenset({"hidden_states", "encoder_hidden_states", "timestep", "img_shapes", "img_mask",
                         "encoder_hidden_states_mask", "attention_kwargs", "kv_cache", "kv_cache_mode", "return_dict"})
+
+
+def reproduced(arguments: dict) -> bool:
+    """The call is one these forwards reproduce: no other argument, and a KV cache only with its mode (else the
+    model's own forward runs, and raises as it does)."""
+    mode = arguments.get("kv_cache_mode")
+    return (reproduces_call(arguments, REPRODUCED, "attention_kwargs") and mode in (None, "extract", "cached")
+            and (arguments.get("kv_cache") is None) == (mode is None))
 
 
 @dataclass

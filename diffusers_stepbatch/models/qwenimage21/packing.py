@@ -20,8 +20,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 )
 from diffusers.utils import apply_lora_scale
 
-from ..packing.support import reproduces_call, unsupported_reason
-from .joint import REPRODUCED, JointCall, joint_call
+from ..packing.support import unsupported_reason
+from .joint import REPRODUCED, JointCall, joint_call, reproduced
 from .teacache import teacache_call
 
 
@@ -32,7 +32,7 @@ def qwenimage21_packing_unsupported(transformer) -> str | None:
 
 def pack_key(arguments: dict) -> tuple | None:
     """(what must match for calls to pack, tokens per row), or None."""
-    if not reproduces_call(arguments, REPRODUCED, "attention_kwargs"):
+    if not reproduced(arguments):
         return None
     hidden, mask, timestep = arguments["hidden_states"], arguments.get("img_mask"), arguments.get("timestep")
     if not (isinstance(mask, torch.Tensor) and isinstance(timestep, torch.Tensor) and timestep.ndim == 1

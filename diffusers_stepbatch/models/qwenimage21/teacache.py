@@ -19,8 +19,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Att
 from diffusers.utils import apply_lora_scale
 
 from ...cache.teacache import TeaCacheState, row_groups
-from ..packing.support import reproduces_call
-from .joint import REPRODUCED, joint_call
+from .joint import REPRODUCED, joint_call, reproduced
 from .kv_cache import cache_rows
 
 QWENIMAGE21_COEFFICIENTS = (2.30581477e01, -1.18756920e00, 6.04744574e-02)
@@ -30,7 +29,7 @@ QWENIMAGE21_COEFFICIENTS = (2.30581477e01, -1.18756920e00, 6.04744574e-02)
 def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:
     """A `QwenImage21Transformer2DModel` call (its arguments by name) with per-row TeaCache decisions, as the model
     returns it; None when the call has arguments or attention processors this forward doesn't reproduce."""
-    if not reproduces_call(arguments, REPRODUCED, "attention_kwargs") or not all(
+    if not reproduced(arguments) or not all(
             type(block.attn.processor) is QwenImage21AttnProcessor for block in transformer.transformer_blocks):
         return None
     names = REPRODUCED - {"return_dict"}
