@@ -12,7 +12,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import _qwenimage21_p
 
 from ..packing.support import reproduces_call
 
-_SLOT_TOKENS = 4  # latent tokens per image slot of the vision-language sequence (2x2)
+SLOT_TOKENS = 4  # latent tokens per image slot of the vision-language sequence (2x2)
 
 # the forward's arguments these forwards reproduce; a call with any other computes as the model does
 REPRODUCED = frozenset({"hidden_states", "encoder_hidden_states", "timestep", "img_shapes", "img_mask",
@@ -51,11 +51,11 @@ def joint_call(model, hidden_states, encoder_hidden_states, timestep, img_shapes
     rows = hidden_states.shape[0]
     hidden_states = model.img_in(hidden_states)
     encoder_hidden_states = model.txt_in(encoder_hidden_states)
-    repeats = torch.where(img_mask, _SLOT_TOKENS, 1)[0]
+    repeats = torch.where(img_mask, SLOT_TOKENS, 1)[0]
     image_pad_mask = torch.repeat_interleave(img_mask[0], repeats)
     target_tokens = math.prod(img_shapes[0][-1])
     joint = torch.cat([encoder_hidden_states, encoder_hidden_states.new_zeros(
-        rows, target_tokens // _SLOT_TOKENS, encoder_hidden_states.shape[2])], dim=1)
+        rows, target_tokens // SLOT_TOKENS, encoder_hidden_states.shape[2])], dim=1)
     joint = joint.repeat_interleave(repeats, dim=1)
     joint[:, image_pad_mask] = hidden_states
     rotary_emb = model.pos_embed(img_shapes[0], image_pad_mask, device=hidden_states.device)

@@ -21,7 +21,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 from diffusers.utils import apply_lora_scale
 
 from ..packing.support import unsupported_reason
-from .joint import REPRODUCED, JointCall, joint_call, reproduced
+from .joint import REPRODUCED, SLOT_TOKENS, JointCall, joint_call, reproduced
 from .teacache import teacache_call
 
 
@@ -39,7 +39,7 @@ def pack_key(arguments: dict) -> tuple | None:
             and timestep.shape[0] == hidden.shape[0]):
         return None
     tokens = hidden.shape[1] if arguments.get("kv_cache_mode") == "cached" else \
-        int(torch.where(mask[0], 4, 1).sum())
+        int(torch.where(mask[0], SLOT_TOKENS, 1).sum())
     scale = (arguments.get("attention_kwargs") or {}).get("scale")
     return (scale, hidden.dtype, str(hidden.device), arguments.get("return_dict", True)), tokens
 
