@@ -209,24 +209,46 @@ def test_threshold_zero_never_skips(variant):
         assert max_diff(sb(**seeded(kwargs)).images, exact) <= TOLERANCE
 
 
-def test_klein_kv_requests_with_teacache_compute_the_cached_calls_and_stay_exact():
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_klein_kv_cache_reading_calls_with_every_row_computing_are_the_model_forward(config):
     from diffusers import Flux2KleinKVPipeline
 
-    pipe = Flux2KleinKVPipeline(**flux2_pipe("klein", "narrow").components)
-    pipe.set_progress_bar_config(disable=True)
-    requests = [dict(prompt="a cat", image=reference_image(64, 64, 0), height=32, width=32, num_inference_steps=10,
-                     seed=0, **COMMON),
-                dict(prompt="a dog", image=[reference_image(64, 96, 1)], height=32, width=48, num_inference_steps=11,
-                     seed=1, **COMMON)]
-    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
-    # NOTE: a polynomial that is negative everywhere: any call TeaCache decided on would skip
-    with StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.5, coefficients=(-1.0,)), max_batch_size=16) as sb:
-        futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
-        results = [future.result(300).images for future in futures]
-        stats = sb.stats()
-    # exact under a polynomial that would skip every call it decides on: the KV calls all computed
-    assert max(max_diff(got, want) for got, want in zip(results, expected)) <= TOLERANCE
-    assert stats["mixed"]["calls"] == 0
+    from .test_row_states import captured_calls
+
+    pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline, **CONFIGS[config])  # NOTE: its own
+    model = pipe.transformer  # transformer: the KV pipeline sets KV attention processors on it
+    calls = captured_calls(pipe, prompt="a cat", image=reference_image(64, 64, 0), height=32, width=48,
+                           num_inference_steps=3, **{k: v for k, v in COMMON.items() if k != "output_type"})
+    with torch.no_grad():
+        assert teacache_call(model, [None], calls[0]) is None  # filling the cache: the model's own forward
+        cache = model(**calls[0])[1]
+        for call in calls[1:]:
+            call = dict(call, kv_cache=cache)
+            assert max_diff(teacache_call(model, [None], call)[0], model(**call)[0]) == 0.0
+
+
+def test_klein_kv_teacache_in_shared_forwards_equals_teacache_alone():
+    from diffusers import Flux2KleinKVPipeline
+
+    pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline, **CONFIGS["narrow"])
+    reference = reference_image(64, 64, 0)
+    requests = [dict(prompt=prompt, image=reference, height=32, width=32, num_inference_steps=steps, seed=seed,
+                     **COMMON) for prompt, steps, seed in (("a cat", 10, 0), ("a dog", 12, 1), ("a cow", 11, 2))]
+    requests.append(dict(requests[0], seed=3, teacache=None))  # computes every step, beside the others
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    teacache = TeaCacheConfig(threshold=0.6)
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+        blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)
+        with engine_held(sb, blocker):  # all start in lockstep
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        batched = [future.result(300).images for future in futures]
+        rows = sb.stats()["rows_histogram"]["denoise"]
+    assert max(max_diff(got, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    assert max(rows) >= 3, rows  # cache-reading calls of several requests in one forward
+    assert max_diff(solo[3], exact[3]) <= TOLERANCE  # teacache=None: every step computed
+    assert min(max_diff(solo[i], exact[i]) for i in range(3)) > 10 * TOLERANCE, "TeaCache skipped no step"
 
 
 def test_requests_with_their_own_adapters_and_teacache_share_forwards_and_equal_their_solo_runs():

@@ -37,4 +37,13 @@ def cut(cache: Flux2KVCache, begin: int, end: int) -> Flux2KVCache:
     return rows
 
 
+def cache_rows(cache: Flux2KVCache, rows: torch.Tensor) -> Flux2KVCache:
+    """The cache of a call of these rows (an index into the cache's rows), for a TeaCache forward's computing rows."""
+    subset = _new_cache(cache)
+    for layer, whole in zip(_layers(subset), _layers(cache)):
+        keys, values = whole.get()
+        layer.store(keys[rows], values[rows])
+    return subset
+
+
 KV_CACHE = RowState(Flux2KVCache, join, key=lambda cache: cache.num_ref_tokens, cut=cut)
