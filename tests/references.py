@@ -128,6 +128,16 @@ def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[d
     assert max(sizes) <= max_batch_size
 
 
+def assert_polynomial_beats_a_constant(coefficients, xs: list[float], ys: list[float]) -> None:
+    """A TeaCache rescale polynomial predicts the output changes `ys` from the signal changes `xs` (pairs it was
+    not fitted on, `change_pairs`) better than their mean does."""
+    import numpy as np
+
+    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
+    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
+    assert fitted < constant
+
+
 def call_with_delays(sb, calls: list[dict], delays_ms: list[int]) -> list:
     """Each call from its own thread after its delay (arrivals in random order); returns the images in order."""
     results = [None] * len(calls)

@@ -7,7 +7,6 @@ its solo run with the same TeaCache config, and a request with `teacache=None` e
 """
 
 
-import numpy as np
 import pytest
 import torch
 from diffusers import Flux2Transformer2DModel
@@ -16,12 +15,12 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models import support_for
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
 from diffusers_stepbatch.models.flux2.teacache import FLUX2_COEFFICIENTS, signal_hook, teacache_call
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
-from .references import TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
+from .references import assert_polynomial_beats_a_constant, TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -108,22 +107,7 @@ def test_fitted_coefficients_explain_the_output_change():
     call = dict(height=32, width=32, num_inference_steps=12, guidance_scale=1.0, output_type="latent",
                 text_encoder_out_layers=(1,), max_sequence_length=32)
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
-    signals, outputs = [], []
-    hooks = [signal_hook(pipe.transformer, lambda tensor: signals.append(tensor.double())),
-             pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out[0].double()))]
-    try:
-        with torch.no_grad():
-            pipe(prompt="a yellow cross", **call)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    xs = [float((signals[i] - signals[i - 1]).abs().mean() / signals[i - 1].abs().mean())
-          for i in range(1, len(signals))]
-    ys = [float((outputs[i] - outputs[i - 1]).abs().mean() / outputs[i - 1].abs().mean())
-          for i in range(1, len(outputs))]
-    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
-    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
-    assert fitted < constant
+    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", signal_hook, **call))
 
 
 class BlockPasses:

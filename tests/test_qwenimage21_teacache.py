@@ -4,18 +4,19 @@ against separate calls (each request's states decide once per step)."""
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 from diffusers_stepbatch import StepBatched, models
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
 from diffusers_stepbatch.models.qwenimage21.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.programs import intercept
 
-from .references import TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401  (fixture)
+from .references import (  # noqa: F401  (single_thread is a fixture)
+    TOLERANCE, assert_polynomial_beats_a_constant, engine_held, max_diff, seeded, single_thread,
+)
 from .test_qwenimage21 import condition_image, pipe_for
 from .test_row_states import captured_calls
 
@@ -75,18 +76,4 @@ def test_fitted_coefficients_explain_the_output_change():
     pipe = pipe_for("tiny")
     call = dict(height=64, width=64, num_inference_steps=12, output_resolution=64, output_type="latent")
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
-    signals, outputs = [], []
-    hooks = [signal_hook(pipe.transformer, lambda tensor: signals.append(tensor.double())),
-             pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out[0].double()))]
-    try:
-        with torch.no_grad():
-            pipe("a yellow cross", **call)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    pairs = [(signals[i], signals[i - 1], outputs[i], outputs[i - 1]) for i in range(2, len(signals))]  # cached calls
-    xs = [float((s - p).abs().mean() / p.abs().mean()) for s, p, _, _ in pairs]
-    ys = [float((o - q).abs().mean() / q.abs().mean()) for _, _, o, q in pairs]
-    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
-    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
-    assert fitted < constant
+    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", signal_hook, **call))

@@ -3,7 +3,6 @@
 import math
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,7 +12,9 @@ from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models.flux.teacache import FLUX_COEFFICIENTS, flux_teacache_forward
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 
-from .references import TOLERANCE, engine_held, flux_pipe, in_lockstep, max_diff, seeded
+from .references import (
+    TOLERANCE, assert_polynomial_beats_a_constant, engine_held, flux_pipe, in_lockstep, max_diff, seeded,
+)
 
 SIZES = {"dev-tiny": (32, 32), "schnell-tiny": (32, 48), "dev-wide": (24, 40)}
 
@@ -235,7 +236,7 @@ def test_config_validation(bad, match):
 
 
 def test_fitted_coefficients_explain_the_output_change():
-    from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+    from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
 
     pipe = flux_pipe("dev-tiny")
     call = dict(height=32, width=32, num_inference_steps=12, max_sequence_length=16, output_type="latent",
@@ -243,23 +244,7 @@ def test_fitted_coefficients_explain_the_output_change():
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, **call)
     assert len(coefficients) == 3 and all(map(math.isfinite, coefficients))
     # On a prompt it was not fitted on, the polynomial predicts the output change better than a constant.
-    xs, ys = [], []
-    signals, outputs = [], []
-    hooks = [pipe.transformer.transformer_blocks[0].norm1.register_forward_hook(
-                 lambda m, a, out: signals.append(out[0].double())),
-             pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out[0].double()))]
-    try:
-        with torch.no_grad():
-            pipe("a yellow cross", **call)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for i in range(2, len(outputs)):
-        xs.append(float((signals[i] - signals[i - 2]).abs().mean() / signals[i - 2].abs().mean()))
-        ys.append(float((outputs[i] - outputs[i - 2]).abs().mean() / outputs[i - 2].abs().mean()))
-    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
-    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
-    assert fitted < constant
+    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", **call))
     with pytest.raises(ValueError, match="cannot fit a degree-4"):
         fit_coefficients(pipe, ["x"], **dict(call, num_inference_steps=2))
 

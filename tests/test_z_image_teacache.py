@@ -4,17 +4,16 @@ Z-Image calls take one list entry per image and pad them, so requests of differe
 request's TeaCache state decides for its own rows (both CFG rows of its one call), on its own tokens only.
 """
 
-import numpy as np
 import pytest
 import torch
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
 from diffusers_stepbatch.models.z_image.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
 
-from .references import TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
+from .references import assert_polynomial_beats_a_constant, TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 COMMON = dict(output_type="pt", max_sequence_length=16)
@@ -69,20 +68,4 @@ def test_fitted_coefficients_explain_the_output_change():
     call = dict(height=32, width=32, num_inference_steps=12, guidance_scale=3.0, negative_prompt="bad",
                 output_type="latent", max_sequence_length=16)
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
-    signals, outputs = [], []
-    hooks = [signal_hook(pipe.transformer, lambda tensor: signals.append(tensor.double())),
-             pipe.transformer.register_forward_hook(
-                 lambda m, a, out: outputs.append(torch.cat([o.double().flatten() for o in out[0]])))]
-    try:
-        with torch.no_grad():
-            pipe("a yellow cross", **call)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    xs = [float((signals[i] - signals[i - 1]).abs().mean() / signals[i - 1].abs().mean())
-          for i in range(1, len(signals))]
-    ys = [float((outputs[i] - outputs[i - 1]).abs().mean() / outputs[i - 1].abs().mean())
-          for i in range(1, len(outputs))]
-    fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))
-    constant = sum(abs(sum(ys) / len(ys) - y) for y in ys)
-    assert fitted < constant
+    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", signal_hook, **call))

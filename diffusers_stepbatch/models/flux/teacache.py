@@ -157,33 +157,43 @@ def fit_coefficients(
     """
     import numpy as np
 
-    transformer = pipe.transformer
-    signal = signal or _flux_signal
     xs, ys = [], []
     for index, prompt in enumerate(prompts):
-        signals, outputs = [], []
-        hooks = [
-            signal(transformer, lambda tensor: signals.append(tensor.detach().double())),
-            transformer.register_forward_hook(
-                lambda module, args, out: outputs.append(_sample(out[0] if isinstance(out, tuple) else out.sample))),
-        ]
-        try:
-            with torch.no_grad():
-                generator = call_kwargs.get("generator") or torch.Generator().manual_seed(seed + index)
-                pipe(prompt=prompt, **{**call_kwargs, "generator": generator})  # NOTE: FLUX.2 takes `image` first
-        finally:
-            for hook in hooks:
-                hook.remove()
-        steps = call_kwargs.get("num_inference_steps") or len(outputs)
-        branches = max(len(outputs) // steps, 1)  # true CFG calls the transformer twice per step
-        for i in range(branches, len(outputs)):
-            if outputs[i].shape != outputs[i - branches].shape:
-                continue  # NOTE: a step whose call returns other tokens (a KV cache's filling call): no pair
-            xs.append(relative_l1(signals[i], signals[i - branches]))
-            ys.append(relative_l1(outputs[i], outputs[i - branches]))
+        generator = call_kwargs.get("generator") or torch.Generator().manual_seed(seed + index)
+        changes = change_pairs(pipe, prompt, signal, **{**call_kwargs, "generator": generator})
+        xs.extend(changes[0])
+        ys.extend(changes[1])
     if len(xs) <= degree:
         raise ValueError(f"{len(xs)} step pairs cannot fit a degree-{degree} polynomial; use more prompts or steps")
     return tuple(float(c) for c in np.polyfit(xs, ys, degree))
+
+
+def change_pairs(pipe: Any, prompt: str, signal: Callable | None = None,
+                 **call_kwargs: Any) -> tuple[list[float], list[float]]:
+    """The points `fit_coefficients` fits, from one run of `pipe` on `prompt` (unwrapped, every step computed):
+    over consecutive steps of each CFG branch, the signal's relative L1 change and the model output's."""
+    transformer = pipe.transformer
+    signals, outputs = [], []
+    hooks = [
+        (signal or _flux_signal)(transformer, lambda tensor: signals.append(tensor.detach().double())),
+        transformer.register_forward_hook(
+            lambda module, args, out: outputs.append(_sample(out[0] if isinstance(out, tuple) else out.sample))),
+    ]
+    try:
+        with torch.no_grad():
+            pipe(prompt=prompt, **call_kwargs)  # NOTE: FLUX.2 takes `image` first
+    finally:
+        for hook in hooks:
+            hook.remove()
+    steps = call_kwargs.get("num_inference_steps") or len(outputs)
+    branches = max(len(outputs) // steps, 1)  # true CFG calls the transformer twice per step
+    xs, ys = [], []
+    for i in range(branches, len(outputs)):
+        if outputs[i].shape != outputs[i - branches].shape:
+            continue  # NOTE: a step whose call returns other tokens (a KV cache's filling call): no pair
+        xs.append(relative_l1(signals[i], signals[i - branches]))
+        ys.append(relative_l1(outputs[i], outputs[i - branches]))
+    return xs, ys
 
 
 def _flux_signal(transformer, record):
