@@ -138,6 +138,28 @@ def assert_polynomial_beats_a_constant(coefficients, xs: list[float], ys: list[f
     assert fitted < constant
 
 
+def assert_teacache_shared_equals_alone(pipe, requests: list[dict], teacache, blocker: dict) -> dict:
+    """Under `teacache`, each request submitted with all of them (in lockstep behind `blocker`) equals it alone;
+    a request with `teacache=None` equals its plain run and every other one skipped steps. Returns the shared
+    engine's `stats()`."""
+    from diffusers_stepbatch import StepBatched
+
+    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache) as sb:
+        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
+    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
+        with engine_held(sb, blocker):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        shared = [future.result(300).images for future in futures]
+        stats = sb.stats()
+    assert max(max_diff(got, want) for got, want in zip(shared, solo)) <= TOLERANCE
+    computing = [i for i, kwargs in enumerate(requests) if "teacache" in kwargs and kwargs["teacache"] is None]
+    assert all(max_diff(solo[i], exact[i]) <= TOLERANCE for i in computing)  # every step computed
+    skipping = [i for i in range(len(requests)) if i not in computing]
+    assert min(max_diff(solo[i], exact[i]) for i in skipping) > 10 * TOLERANCE, "TeaCache skipped no step"
+    return stats
+
+
 def call_with_delays(sb, calls: list[dict], delays_ms: list[int]) -> list:
     """Each call from its own thread after its delay (arrivals in random order); returns the images in order."""
     results = [None] * len(calls)

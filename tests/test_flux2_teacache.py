@@ -20,7 +20,10 @@ from diffusers_stepbatch.models.flux2.teacache import FLUX2_COEFFICIENTS, signal
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
-from .references import assert_polynomial_beats_a_constant, TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
+from .references import (  # noqa: F401  (single_thread is a fixture)
+    TOLERANCE, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, engine_held, max_diff, seeded,
+    single_thread,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -219,20 +222,10 @@ def test_klein_kv_teacache_in_shared_forwards_equals_teacache_alone():
     requests = [dict(prompt=prompt, image=reference, height=32, width=32, num_inference_steps=steps, seed=seed,
                      **COMMON) for prompt, steps, seed in (("a cat", 10, 0), ("a dog", 12, 1), ("a cow", 11, 2))]
     requests.append(dict(requests[0], seed=3, teacache=None))  # computes every step, beside the others
-    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
-    teacache = TeaCacheConfig(threshold=0.6)
-    with StepBatched(pipe, teacache=teacache) as sb:
-        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
-    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
-        blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)
-        with engine_held(sb, blocker):  # all start in lockstep
-            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
-        batched = [future.result(300).images for future in futures]
-        rows = sb.stats()["rows_histogram"]["denoise"]
-    assert max(max_diff(got, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)
+    stats = assert_teacache_shared_equals_alone(pipe, requests, TeaCacheConfig(threshold=0.6), blocker)
+    rows = stats["rows_histogram"]["denoise"]
     assert max(rows) >= 3, rows  # cache-reading calls of several requests in one forward
-    assert max_diff(solo[3], exact[3]) <= TOLERANCE  # teacache=None: every step computed
-    assert min(max_diff(solo[i], exact[i]) for i in range(3)) > 10 * TOLERANCE, "TeaCache skipped no step"
 
 
 def test_requests_with_their_own_adapters_and_teacache_share_forwards_and_equal_their_solo_runs():

@@ -8,14 +8,14 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-from diffusers_stepbatch import StepBatched, models
+from diffusers_stepbatch import models
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
 from diffusers_stepbatch.models.qwenimage21.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.programs import intercept
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, assert_polynomial_beats_a_constant, engine_held, max_diff, seeded, single_thread,
+    assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, max_diff, single_thread,
 )
 from .test_qwenimage21 import condition_image, pipe_for
 from .test_row_states import captured_calls
@@ -57,19 +57,10 @@ def test_teacache_in_shared_forwards_equals_teacache_alone(use_kv_cache, checked
                 dict(common, prompt="a pig 444", height=64, width=64, num_inference_steps=12, seed=3,
                      teacache=None),  # computes every step, beside the others
                 dict(common, prompt="a much longer prompt", height=96, width=64, num_inference_steps=13, seed=4)]
-    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
-    teacache = TeaCacheConfig(threshold=0.6)
-    with StepBatched(pipe, teacache=teacache) as sb:
-        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
-    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
-        with engine_held(sb, dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)):
-            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
-        batched = [future.result(300).images for future in futures]
-        rows, mixed = sb.stats()["rows_histogram"]["denoise"], sb.stats()["mixed"]["calls"]
-    assert max(max_diff(got, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)
+    stats = assert_teacache_shared_equals_alone(pipe, requests, TeaCacheConfig(threshold=0.6), blocker)
+    rows, mixed = stats["rows_histogram"]["denoise"], stats["mixed"]["calls"]
     assert max(rows) >= 3 and mixed > 0, (rows, mixed)  # forwards held rows of several requests and sizes
-    assert max_diff(solo[3], exact[3]) <= TOLERANCE  # teacache=None: every step computed
-    assert min(max_diff(solo[i], exact[i]) for i in (0, 1, 2, 4)) > 10 * TOLERANCE, "TeaCache skipped no step"
 
 
 def test_fitted_coefficients_explain_the_output_change():

@@ -7,13 +7,14 @@ request's TeaCache state decides for its own rows (both CFG rows of its one call
 import pytest
 import torch
 
-from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
 from diffusers_stepbatch.models.z_image.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
 
-from .references import assert_polynomial_beats_a_constant, TOLERANCE, engine_held, max_diff, seeded, single_thread  # noqa: F401
+from .references import (  # noqa: F401  (single_thread is a fixture)
+    assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, max_diff, single_thread,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 COMMON = dict(output_type="pt", max_sequence_length=16)
@@ -48,19 +49,10 @@ def test_teacache_in_shared_forwards_equals_teacache_alone():
         dict(prompt="a red bird", height=48, width=48, num_inference_steps=12, guidance_scale=4.0,
              negative_prompt="", seed=3, teacache=None, **COMMON),  # computes every step, beside the others
     ]
-    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
-    teacache = TeaCacheConfig(threshold=0.5)
-    with StepBatched(pipe, teacache=teacache) as sb:
-        solo = [sb(**seeded(kwargs)).images for kwargs in requests]
-    with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
-        with engine_held(sb, dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)):
-            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
-        batched = [future.result(300) for future in futures]
-        rows = sb.stats()["rows_histogram"]["denoise"]
-    assert max(max_diff(got.images, want) for got, want in zip(batched, solo)) <= TOLERANCE
+    blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, **COMMON)
+    stats = assert_teacache_shared_equals_alone(pipe, requests, TeaCacheConfig(threshold=0.5), blocker)
+    rows = stats["rows_histogram"]["denoise"]
     assert max(rows) > 2, rows  # a forward held rows of several requests
-    assert max_diff(solo[3], exact[3]) <= TOLERANCE  # teacache=None: every step computed
-    assert min(max_diff(solo[i], exact[i]) for i in range(3)) > 10 * TOLERANCE, "TeaCache skipped no step"
 
 
 def test_fitted_coefficients_explain_the_output_change():
