@@ -4,6 +4,7 @@ import contextlib
 import functools
 import threading
 import time
+from typing import NamedTuple
 
 import torch
 from diffusers import DiffusionPipeline
@@ -109,6 +110,33 @@ def submit_all(sb, requests: list[dict]) -> list:
 def output_images(output):
     """The images of a pipeline output, whether `return_dict` was True or False."""
     return output[0] if isinstance(output, tuple) else output.images
+
+
+class PlainAndWrapped(NamedTuple):
+    plain: list  # each request's output, run plainly one after another
+    wrapped: list  # the same requests submitted at once to StepBatched
+    plain_rows: list[int]  # the denoiser's rows per forward in the plain runs
+    wrapped_rows: list[int]  # and in the wrapped ones
+    stats: dict  # the wrapped engine's stats()
+
+
+def plain_and_wrapped(pipe, requests: list[dict], denoiser: torch.nn.Module | None = None,
+                      **options) -> PlainAndWrapped:
+    """The requests (seeded) run plainly, then submitted at once to `StepBatched(pipe, **options)`, with the rows
+    of each forward of `denoiser` (the pipeline's transformer by default) on both sides."""
+    from diffusers_stepbatch import StepBatched
+
+    rows, hook = count_forwards(pipe.transformer if denoiser is None else denoiser)
+    try:
+        plain = [pipe(**seeded(kwargs)) for kwargs in requests]
+        plain_rows = list(rows)
+        rows.clear()
+        with StepBatched(pipe, **options) as sb:
+            wrapped = submit_all(sb, requests)
+            stats = sb.stats()
+    finally:
+        hook.remove()
+    return PlainAndWrapped(plain, wrapped, plain_rows, rows, stats)
 
 
 def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[dict], max_batch_size: int) -> None:

@@ -19,7 +19,7 @@ from PIL import Image
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing_image_models import tiny_chat_tokenizer
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -96,22 +96,13 @@ def edit_image(seed: int) -> Image.Image:
 def run_both(pipe, batch: list[dict]):
     """Each request of `batch` equal to its plain run, and transformer forwards of several rows; (plain transformer
     forwards, wrapped ones, stats)."""
-    sizes, hook = count_forwards(pipe.transformer)
-    try:
-        expected = [pipe(**seeded(kwargs)).images for kwargs in batch]
-        plain_sizes = list(sizes)
-        sizes.clear()
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, batch)
-            stats = sb.stats()
-    finally:
-        hook.remove()
-    for kwargs, result, want in zip(batch, results, expected):
-        assert result.images.shape == want.shape
-        assert max_diff(result.images, want) <= TOLERANCE, kwargs["prompt"]
-    assert max(sizes) > 1, sizes
-    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]
-    return plain_sizes, sizes, stats
+    runs = plain_and_wrapped(pipe, batch)
+    for kwargs, result, want in zip(batch, runs.wrapped, runs.plain):
+        assert result.images.shape == want.images.shape
+        assert max_diff(result.images, want.images) <= TOLERANCE, kwargs["prompt"]
+    assert max(runs.wrapped_rows) > 1, runs.wrapped_rows
+    assert not any("merged call raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]
+    return runs.plain_rows, runs.wrapped_rows, runs.stats
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))

@@ -8,10 +8,9 @@ import torch
 from diffusers import AutoencoderKLFlux2, ErnieImagePipeline, ErnieImageTransformer2DModel
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing import tiny_qwen2_tokenizer
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -65,15 +64,9 @@ def test_prompts_of_other_lengths_share_forwards_and_equal_their_plain_runs(conf
                 dict(common, prompt="a dog on the moon at night", num_inference_steps=4, seed=1, guidance_scale=3.0),
                 dict(common, prompt="x", negative_prompt="blurry and dark", num_inference_steps=3, seed=2),
                 dict(common, prompt="two birds", num_inference_steps=2, seed=3, guidance_scale=1.0)]
-    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
-    rows, hook = count_forwards(pipe.transformer)
-    try:
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, requests)
-            stats = sb.stats()
-    finally:
-        hook.remove()
-    for result, plain in zip(results, expected):
-        assert max_diff(result.images, plain) <= TOLERANCE
-    assert max(rows) >= 3, rows  # more rows than one request's CFG pair: prompts of other lengths in one call
-    assert not any("text_bth" in reason for reason in stats["splits"]), stats["splits"]
+    runs = plain_and_wrapped(pipe, requests)
+    for result, plain in zip(runs.wrapped, runs.plain):
+        assert max_diff(result.images, plain.images) <= TOLERANCE
+    # more rows than one request's CFG pair: prompts of other lengths in one call
+    assert max(runs.wrapped_rows) >= 3, runs.wrapped_rows
+    assert not any("text_bth" in reason for reason in runs.stats["splits"]), runs.stats["splits"]

@@ -27,6 +27,7 @@ from .references import (  # noqa: F401  (single_thread is a fixture)
     count_forwards,
     engine_held,
     max_diff,
+    plain_and_wrapped,
     seeded,
     single_thread,
     submit_all,
@@ -172,16 +173,10 @@ def test_klein_kv_requests_share_forwards_through_their_caches_and_stay_exact(co
         dict(prompt="a b", image=reference_image(80, 64, 5), height=48, width=32, num_inference_steps=2, seed=4,
              **COMMON),
         dict(prompt="no reference", height=32, width=32, num_inference_steps=2, seed=5, **COMMON)]
-    expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
-    calls, hook = count_forwards(pipe.transformer)
-    try:
-        with StepBatched(pipe, max_batch_size=16) as sb:
-            results = submit_all(sb, requests)
-    finally:
-        hook.remove()
-    assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
+    runs = plain_and_wrapped(pipe, requests, max_batch_size=16)
+    assert max(max_diff(got.images, want.images) for got, want in zip(runs.wrapped, runs.plain)) <= TOLERANCE
     # the three requests with one 64x64 reference share calls that fill or read their caches
-    assert max(calls) >= 2, calls
+    assert max(runs.wrapped_rows) >= 2, runs.wrapped_rows
 
 
 # ------------------------------------------------------------------------------------------- per-request LoRA

@@ -15,11 +15,10 @@ from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteSchedule
 from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_ti2va
 from PIL import Image
 
-from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing import tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_qwen2_tokenizer
 from diffusers_stepbatch.testing_image_models import tiny_qwen2_vl_processor
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -119,17 +118,10 @@ def test_text_and_image_to_video_requests_share_forwards_and_equal_their_plain_r
                 video("a dog runs", height, width, text_frames, 3, 2.5, seed=1),
                 video("a cow sings", height, width, image_frames, 2, 4.0, seed=2, image=True),
                 video("a fox jumps", height, width, image_frames, 3, 6.0, seed=3, image=True)]
-    expected = [pipe(**seeded(kwargs)) for kwargs in requests]
-    sizes, hook = count_forwards(pipe.transformer)
-    try:
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, requests)
-            stats = sb.stats()
-    finally:
-        hook.remove()
-    assert_equal_to_plain(results, expected)
-    assert max(sizes) >= 2, sizes  # each call holds one request's branch: 2+ rows are 2+ requests
-    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]
+    runs = plain_and_wrapped(pipe, requests)
+    assert_equal_to_plain(runs.wrapped, runs.plain)
+    assert max(runs.wrapped_rows) >= 2, runs.wrapped_rows  # each call holds one request's branch: 2+ requests
+    assert not any("merged call raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -140,15 +132,9 @@ def test_image_to_video_at_one_patch_shares_its_position_ranges(config):
     requests = [video("a cow sings", 16, 16, 5, 2, 4.0, seed=0, image=True),
                 video("a fox jumps", 16, 16, 5, 3, 2.0, seed=1, image=True),
                 video("a hen naps", 16, 16, 5, 2, 5.0, seed=2, image=True)]
-    expected = [pipe(**seeded(kwargs)) for kwargs in requests]
-    sizes, hook = count_forwards(pipe.transformer)
-    try:
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, requests)
-            stats = sb.stats()
-    finally:
-        hook.remove()
-    assert_equal_to_plain(results, expected)
-    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]
-    assert max(sizes) >= 2, sizes
-    assert len(sizes) < sum(2 * kwargs["num_inference_steps"] for kwargs in requests)  # fewer forwards than plain
+    runs = plain_and_wrapped(pipe, requests)
+    assert_equal_to_plain(runs.wrapped, runs.plain)
+    assert not any("merged call raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]
+    assert max(runs.wrapped_rows) >= 2, runs.wrapped_rows
+    # fewer forwards than plain
+    assert len(runs.wrapped_rows) < sum(2 * kwargs["num_inference_steps"] for kwargs in requests)

@@ -15,11 +15,10 @@ from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, LongCatIm
                        LongCatImageTransformer2DModel)
 from PIL import Image
 
-from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing import tiny_qwenimage_pipeline
 from diffusers_stepbatch.testing_image_models import tiny_qwen2_vl_processor
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -67,21 +66,6 @@ def requests(height: int, width: int) -> list[dict]:
                  enable_cfg_renorm=False, seed=3)]
 
 
-def run_both(pipe, batch: list[dict]):
-    """(plain images, wrapped images, plain forward sizes, wrapped forward sizes, stats) of `batch`."""
-    sizes, hook = count_forwards(pipe.transformer)
-    try:
-        expected = [pipe(**seeded(kwargs)).images for kwargs in batch]
-        plain_sizes = list(sizes)
-        sizes.clear()
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, batch)
-            stats = sb.stats()
-    finally:
-        hook.remove()
-    return expected, [result.images for result in results], plain_sizes, sizes, stats
-
-
 def assert_shared(sizes: list[int], plain_sizes: list[int]) -> None:
     assert len(sizes) < len(plain_sizes) and max(sizes) > 1, sizes
     assert sum(sizes) == sum(plain_sizes)  # each row ran once: trusted, no merge is checked against calls apart
@@ -91,13 +75,13 @@ def assert_shared(sizes: list[int], plain_sizes: list[int]) -> None:
 def test_concurrent_requests_equal_their_plain_runs_and_share_forwards(config):
     height, width = CONFIGS[config][2]
     batch = requests(height, width) + [dict(requests(height, width)[0], height=2 * height, seed=4)]
-    expected, results, plain_sizes, sizes, stats = run_both(pipe_for(config), batch)
-    for kwargs, result, plain in zip(batch, results, expected):
-        assert result.shape == plain.shape
-        assert max_diff(result, plain) <= TOLERANCE, kwargs
-    assert_shared(sizes, plain_sizes)
-    assert any("argument img_ids" in reason for reason in stats["splits"])  # the other size keeps its calls apart
-    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]
+    runs = plain_and_wrapped(pipe_for(config), batch)
+    for kwargs, result, plain in zip(batch, runs.wrapped, runs.plain):
+        assert result.images.shape == plain.images.shape
+        assert max_diff(result.images, plain.images) <= TOLERANCE, kwargs
+    assert_shared(runs.wrapped_rows, runs.plain_rows)
+    assert any("argument img_ids" in reason for reason in runs.stats["splits"])  # the other size keeps its calls apart
+    assert not any("merged call raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -105,12 +89,12 @@ def test_one_token_images_merge_with_their_ids_shared(config):
     """A 1-token image's `img_ids` ([1, 3]) has a 1-row call's rows on dim 0, yet is read once for the call."""
     side = 2 ** (CONFIGS[config][1] - 1) * 2  # one 2x2 latent patch
     batch = [dict(kwargs, height=side, width=side) for kwargs in requests(side, side)]
-    expected, results, plain_sizes, sizes, stats = run_both(pipe_for(config), batch)
-    for kwargs, result, plain in zip(batch, results, expected):
-        assert result.shape == plain.shape == (1, side, side, 3)
-        assert max_diff(result, plain) <= TOLERANCE, kwargs
-    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]
-    assert_shared(sizes, plain_sizes)
+    runs = plain_and_wrapped(pipe_for(config), batch)
+    for kwargs, result, plain in zip(batch, runs.wrapped, runs.plain):
+        assert result.images.shape == plain.images.shape == (1, side, side, 3)
+        assert max_diff(result.images, plain.images) <= TOLERANCE, kwargs
+    assert not any("merged call raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]
+    assert_shared(runs.wrapped_rows, runs.plain_rows)
 
 
 def edit_image(width: int, height: int, seed: int) -> Image.Image:
@@ -129,9 +113,9 @@ def test_edit_requests_with_one_image_size_share_forwards(config):
                   seed=1),
              dict(common, image=edit_image(48, 48, 2), prompt="make it red", num_inference_steps=2,
                   guidance_scale=1.0, seed=2)]
-    expected, results, plain_sizes, sizes, stats = run_both(pipe, batch)
-    for kwargs, result, plain in zip(batch, results, expected):
-        assert result.shape == plain.shape
-        assert max_diff(result, plain) <= TOLERANCE, kwargs["prompt"]
-    assert_shared(sizes, plain_sizes)
-    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]
+    runs = plain_and_wrapped(pipe, batch)
+    for kwargs, result, plain in zip(batch, runs.wrapped, runs.plain):
+        assert result.images.shape == plain.images.shape
+        assert max_diff(result.images, plain.images) <= TOLERANCE, kwargs["prompt"]
+    assert_shared(runs.wrapped_rows, runs.plain_rows)
+    assert not any("merged call raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]

@@ -15,7 +15,7 @@ from PIL import Image
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing_image_models import tiny_qwenimage21_pipeline
 
-from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401  (fixture)
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -49,15 +49,13 @@ def requests() -> list[dict]:
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_concurrent_requests_equal_their_plain_runs(config):
     pipe = pipe_for(config)
-    expected = [pipe(**seeded(kwargs)).images for kwargs in requests()]
-    with StepBatched(pipe) as sb:
-        results = submit_all(sb, requests())
-        stats = sb.stats()
-    for result, plain in zip(results, expected):
-        assert result.images.shape == plain.shape
-        assert max_diff(result.images, plain) <= TOLERANCE
+    runs = plain_and_wrapped(pipe, requests())
+    for result, plain in zip(runs.wrapped, runs.plain):
+        assert result.images.shape == plain.images.shape
+        assert max_diff(result.images, plain.images) <= TOLERANCE
     # other sizes, prompt lengths and condition images, cache filling and reading: packed into shared forwards
-    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
+    mixed = runs.stats["mixed"]
+    assert mixed["calls"] > 0 and mixed["sizes_per_call"] > 1, mixed
 
 
 @pytest.mark.parametrize("use_kv_cache", [True, False])
@@ -71,13 +69,10 @@ def test_requests_share_forwards_where_their_layout_is_one(config, size, use_kv_
              dict(common, prompt="a dog two", num_inference_steps=4, seed=1),
              dict(common, prompt="a cow 333", num_inference_steps=3, seed=2),
              dict(common, prompt="a longer prompt", num_inference_steps=2, seed=3)]
-    expected = [pipe(**seeded(kwargs)).images for kwargs in batch]
-    with StepBatched(pipe) as sb:
-        results = submit_all(sb, batch)
-        stats = sb.stats()
-    for result, plain in zip(results, expected):
-        assert max_diff(result.images, plain) <= TOLERANCE
-    assert max(stats["rows_histogram"]["denoise"]) >= 2  # no CFG: a call of 2+ rows holds 2+ requests
+    runs = plain_and_wrapped(pipe, batch)
+    for result, plain in zip(runs.wrapped, runs.plain):
+        assert max_diff(result.images, plain.images) <= TOLERANCE
+    assert max(runs.stats["rows_histogram"]["denoise"]) >= 2  # no CFG: a call of 2+ rows holds 2+ requests
 
 
 def test_nested_condition_images_are_refused_with_the_pipelines_message():
@@ -93,12 +88,10 @@ def test_prompts_with_the_same_condition_image_encode_apart_by_rule(config):
     image = condition_image(64, 48, 3)
     batch = [dict(prompt=prompt, image=image, num_inference_steps=2, seed=seed, output_type="pt",
                   output_resolution=64) for seed, prompt in enumerate(("make it red", "make it blu", "make it tan"))]
-    expected = [pipe(**seeded(kwargs)).images for kwargs in batch]
-    with StepBatched(pipe) as sb:
-        results = submit_all(sb, batch)
-        stats = sb.stats()
-    for result, plain in zip(results, expected):
-        assert max_diff(result.images, plain) <= TOLERANCE
+    runs = plain_and_wrapped(pipe, batch)
+    stats = runs.stats
+    for result, plain in zip(runs.wrapped, runs.plain):
+        assert max_diff(result.images, plain.images) <= TOLERANCE
     assert set(stats["rows_histogram"]["encode"]) == {1}
     assert any("Qwen3-VL image patches are one sequence" in reason for reason in stats["splits"])
     assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]

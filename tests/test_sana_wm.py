@@ -18,10 +18,9 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.sana_wm import SanaWMLTX2Refiner
 from PIL import Image
 
-from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing_ltx_models import tiny_gemma3_encoder, tiny_gemma_tokenizer
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -82,19 +81,13 @@ def test_camera_video_requests_share_forwards_and_equal_their_plain_runs(config)
                 camera_video(config, "forest", "a-4,jw-4", 3, 3.0, seed=1),
                 camera_video(config, "a city at night in the rain", "s-8", 2, 5.5, seed=2),
                 camera_video(config, "x", "w-3,jw-3,d-3", 3, 4.0, seed=3)]
-    expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
-    sizes, hook = count_forwards(pipe.transformer)
-    try:
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, requests)
-            stats = sb.stats()
-    finally:
-        hook.remove()
-    for got, want in zip(results, expected):
-        assert got.frames.shape == want.shape
-        assert max_diff(got.frames, want) <= TOLERANCE
-    assert max(sizes) >= 4, sizes  # a request's call holds its two CFG rows: 4+ rows are 2+ requests
-    assert not any("merged call raised" in reason for reason in stats["splits"]), stats["splits"]
+    runs = plain_and_wrapped(pipe, requests)
+    for got, want in zip(runs.wrapped, runs.plain):
+        assert got.frames.shape == want.frames.shape
+        assert max_diff(got.frames, want.frames) <= TOLERANCE
+    # a request's call holds its two CFG rows: 4+ rows are 2+ requests
+    assert max(runs.wrapped_rows) >= 4, runs.wrapped_rows
+    assert not any("merged call raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]
 
 
 # refiner, name: (layers, latent frames, latent height and width, frames per block, most frames kept in the cache)
@@ -136,30 +129,17 @@ def refinement(config: str, prompt: str, seed: int) -> dict:
                 output_type="pt", seed=seed)
 
 
-def plain_and_wrapped(pipe, requests: list[dict]) -> tuple[list, int, list, int, dict]:
-    """(plain outputs, plain transformer forwards, wrapped outputs, wrapped forwards, wrapped splits)."""
-    sizes, hook = count_forwards(pipe.transformer)
-    try:
-        expected = [pipe(**seeded(kwargs)) for kwargs in requests]
-        plain_forwards = len(sizes)
-        with StepBatched(pipe) as sb:
-            results = submit_all(sb, requests)
-            stats = sb.stats()
-    finally:
-        hook.remove()
-    return expected, plain_forwards, results, len(sizes) - plain_forwards, stats["splits"]
-
-
 @pytest.mark.parametrize("requests", [1, 3])
 @pytest.mark.parametrize("config", sorted(REFINER_CONFIGS))
 def test_refiner_requests_run_their_cached_calls_as_plain(config, requests):
     pipe = refiner_pipe(config)
     batch = [refinement(config, prompt, seed) for seed, prompt in
              enumerate(("a car drives through a desert", "a boat at sea", "snow"))][:requests]
-    expected, plain_forwards, results, wrapped_forwards, splits = plain_and_wrapped(pipe, batch)
-    for got, want in zip(results, expected):
+    runs = plain_and_wrapped(pipe, batch)
+    splits = runs.stats["splits"]
+    for got, want in zip(runs.wrapped, runs.plain):
         assert max_diff(got, want) <= TOLERANCE
-    assert wrapped_forwards == plain_forwards  # no predicted branch ran as extra rows
+    assert len(runs.wrapped_rows) == len(runs.plain_rows)  # no predicted branch ran as extra rows
     assert not any("merged call raised" in reason for reason in splits), splits
     if requests > 1:  # each request's calls read and fill its own cache
         assert any("argument kv_cache" in reason for reason in splits), splits
