@@ -68,17 +68,31 @@ def renamed_check_arguments(cls: type) -> dict[str, str]:
 
 
 @functools.cache
-def _renamed_check_arguments(cls: type) -> dict[str, str]:
-    call, check = getattr(cls, "__call__", None), getattr(cls, "check_inputs", None)
+def _call_source(cls: type) -> tuple[ast.Module, set[str], list[ast.Call]] | None:
+    """`cls.__call__`'s source tree, its parameter names and its `self.check_inputs(...)` calls; None where the
+    source isn't there."""
+    call = getattr(cls, "__call__", None)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
-        check_names = list(inspect.signature(check).parameters)[1:]
         call_names = set(inspect.signature(call).parameters)
     except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+    checks = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "check_inputs" and isinstance(node.func.value, ast.Name)
+              and node.func.value.id == "self"]
+    return tree, call_names, checks
+
+
+@functools.cache
+def _renamed_check_arguments(cls: type) -> dict[str, str]:
+    source = _call_source(cls)
+    try:
+        check_names = list(inspect.signature(getattr(cls, "check_inputs", None)).parameters)[1:]
+    except (TypeError, ValueError):
+        source = None
+    if source is None:
         return {}
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-             and node.func.attr == "check_inputs" and isinstance(node.func.value, ast.Name)
-             and node.func.value.id == "self"]
+    _, call_names, calls = source
     if len(calls) != 1 or any(isinstance(arg, ast.Starred) for arg in calls[0].args) or any(
             keyword.arg is None for keyword in calls[0].keywords):
         return {}
@@ -97,20 +111,16 @@ def arguments_set_before_check(cls: type) -> tuple[dict[str, type], frozenset[st
 
 @functools.cache
 def _arguments_set_before_check(cls: type) -> tuple[dict[str, type], frozenset[str]]:
-    call = getattr(cls, "__call__", None)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))
-        call_names = set(inspect.signature(call).parameters)
-    except (OSError, TypeError, ValueError, SyntaxError):
+    source = _call_source(cls)
+    if source is None or not source[2]:
         return {}, frozenset()
-    checks = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-              and isinstance(node.func, ast.Attribute) and node.func.attr == "check_inputs"]
-    if not checks:
-        return {}, frozenset()
-    before = [node for node in ast.walk(tree) if getattr(node, "lineno", min(checks)) < min(checks)]
+    tree, call_names, checks = source
+    first = min(check.lineno for check in checks)
+    before = [node for node in ast.walk(tree) if getattr(node, "lineno", first) < first]
+    module = inspect.getmodule(getattr(cls, "__call__", None))
     wrapped = {}
     for node in before:
-        name, single = _wrapped_in_list(node, inspect.getmodule(call))
+        name, single = _wrapped_in_list(node, module)
         if name in call_names and single is not None:
             wrapped[name] = single
     assigned = {target.id for node in before if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))

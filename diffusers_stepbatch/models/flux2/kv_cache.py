@@ -30,20 +30,21 @@ def join(parts: list[tuple[Flux2KVCache, int]]) -> Flux2KVCache:
 
 def cut(cache: Flux2KVCache, begin: int, end: int) -> Flux2KVCache:
     """Rows [begin, end) of the cache a merged extract call returned, copied so each request holds its own."""
-    rows = _new_cache(cache)
-    for layer, merged in zip(_layers(rows), _layers(cache)):
-        keys, values = merged.get()
-        layer.store(keys[begin:end].clone(), values[begin:end].clone())
-    return rows
+    return _rows_of(cache, lambda tensor: tensor[begin:end].clone())
 
 
 def cache_rows(cache: Flux2KVCache, rows: torch.Tensor) -> Flux2KVCache:
     """The cache of a call of these rows (an index into the cache's rows), for a TeaCache forward's computing rows."""
-    subset = _new_cache(cache)
-    for layer, whole in zip(_layers(subset), _layers(cache)):
+    return _rows_of(cache, lambda tensor: tensor[rows])
+
+
+def _rows_of(cache: Flux2KVCache, select) -> Flux2KVCache:
+    """A cache of the same layers holding `select(keys)` and `select(values)` of each."""
+    rows = _new_cache(cache)
+    for layer, whole in zip(_layers(rows), _layers(cache)):
         keys, values = whole.get()
-        layer.store(keys[rows], values[rows])
-    return subset
+        layer.store(select(keys), select(values))
+    return rows
 
 
 KV_CACHE = RowState(Flux2KVCache, join, key=lambda cache: cache.num_ref_tokens, cut=cut)
