@@ -1,13 +1,14 @@
 """Row rules the model layer declares per denoiser class, and per-request copies of stateful components.
 
-Each test fails without its rule: AnimateDiff's per-frame text blocks and scalar timestep (merged calls used to
-fail), rows on another dimension (HiDream's Llama states: a merged call re-split one request's states), a
-guider's step state (HunyuanImage: one request's `set_state` changed another's), combined pipelines (their
-sub-pipelines' denoisers were never shared).
+Each test fails without its rule: AnimateDiff's per-frame text blocks, ControlNet residuals and scalar timestep
+(merged calls used to fail; residuals kept requests apart), rows on another dimension (HiDream's Llama states: a
+merged call re-split one request's states), a guider's step state (HunyuanImage: one request's `set_state` changed
+another's), combined pipelines (their sub-pipelines' denoisers were never shared).
 """
 
 import pytest
 import torch
+from PIL import Image
 from diffusers import DDIMScheduler, DiffusionPipeline
 
 from diffusers_stepbatch import StepBatched
@@ -28,8 +29,15 @@ def _batched(pipe, requests, model):
         hook.remove()
 
 
-def _animatediff(frames_channels: tuple[int, int]):
-    from diffusers import AnimateDiffPipeline, AutoencoderKL, MotionAdapter, UNet2DConditionModel
+def _animatediff(frames_channels: tuple[int, int], controlnet: bool = False):
+    from diffusers import (
+        AnimateDiffControlNetPipeline,
+        AnimateDiffPipeline,
+        AutoencoderKL,
+        ControlNetModel,
+        MotionAdapter,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from diffusers_stepbatch.testing import tiny_clip_tokenizer
@@ -52,9 +60,19 @@ def _animatediff(frames_channels: tuple[int, int]):
     adapter = MotionAdapter(block_out_channels=(channels, channels), motion_layers_per_block=1,
                             motion_norm_num_groups=2, motion_num_attention_heads=heads)
     scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="linear", clip_sample=False)
-    pipe = AnimateDiffPipeline(vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet,
-                               motion_adapter=adapter, scheduler=scheduler, feature_extractor=None,
-                               image_encoder=None)
+    components = dict(vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet,
+                      motion_adapter=adapter, scheduler=scheduler, feature_extractor=None, image_encoder=None)
+    if controlnet:
+        torch.manual_seed(0)
+        components["controlnet"] = ControlNetModel(
+            block_out_channels=(channels, channels), layers_per_block=1, in_channels=4,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), cross_attention_dim=8,
+            conditioning_embedding_out_channels=(8, 8), norm_num_groups=1).eval()
+        with torch.no_grad():  # NOTE: its zero-initialised output convolutions would give every request zero residuals
+            for parameter in components["controlnet"].parameters():
+                if not parameter.any():
+                    parameter.normal_(0, 0.1)
+    pipe = (AnimateDiffControlNetPipeline if controlnet else AnimateDiffPipeline)(**components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -76,6 +94,22 @@ def test_animatediff_requests_share_forwards_across_steps_and_prompts(channels_h
     assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
     assert max(rows) > 2, f"no forward held several requests' rows: {rows}"
     assert not any("raised" in reason for reason in stats["splits"]), stats["splits"]
+
+
+@pytest.mark.parametrize("frames", [2, 4])
+@pytest.mark.parametrize("channels_heads", [(8, 4), (16, 2)])
+def test_animatediff_controlnet_residuals_are_per_frame_rows(channels_heads, frames):
+    pipe = _animatediff(channels_heads, controlnet=True)
+    requests = [dict(prompt=f"a squirrel {'eating ' * i}", num_frames=frames, height=16, width=16,
+                     conditioning_frames=[Image.new("RGB", (16, 16), (40 * i + 20 * f, 90, 200 - 30 * f))
+                                          for f in range(frames)],
+                     num_inference_steps=2 + i % 2, guidance_scale=1.0 + 2 * i, output_type="pt", seed=i)
+                for i in range(4)]
+    expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
+    results, rows = _batched(pipe, requests, pipe.unet)
+    assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
+    # each request's residuals differ: without them as rows its calls would never share a forward
+    assert max(rows) > 2, f"no forward held several requests' rows: {rows}"
 
 
 class _LayersFirst(torch.nn.Module):

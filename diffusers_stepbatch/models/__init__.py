@@ -66,7 +66,8 @@ class ModelSupport:
         row_lists: list arguments with one entry per row (Z-Image's per-image latents and captions).
         shared: tensors read as a whole or from row 0 only (FLUX.2's ids): calls merge only when they are equal.
         row_dims: tensors whose rows lie on another dimension (HiDream's Llama states: layers first).
-        row_blocks: tensors with a whole number of entries per row along dim 0 (AnimateDiff's text per frame).
+        row_blocks: tensors (or tuples of them) with a whole number of entries per row along dim 0 (AnimateDiff's
+            text and ControlNet residuals, per frame).
         padded: tensors whose rows are zero-padded to the longest of a merged call along this dimension, as the model
             masks the padding itself (ERNIE-Image's text, masked by its per-row lengths).
         timestep_rows: numbers or 0-d tensors the model broadcasts over rows: made per-row vectors, so calls at
@@ -143,6 +144,7 @@ def _load_modules() -> None:
         return
     _loaded = True
     from . import (  # noqa: F401  (each registers its classes)
-        autoencoders, bria, chroma, ernie_image, flux, flux2, hidream, hunyuan_video15, ideogram4, kandinsky6,
-        longcat_image, ltx2, qwen2_5_vl, qwenimage, qwenimage21, rfd4_proteina, sd3, unet, unet_motion, wan, z_image,
+        autoencoders, bria, chroma, cogvideox, ernie_image, flux, flux2, hidream, hunyuan_video15, ideogram4,
+        kandinsky6, longcat_image, ltx2, qwen2_5_vl, qwenimage, qwenimage21, rfd4_proteina, sd3, unet, unet_motion, wan,
+        z_image,
     )

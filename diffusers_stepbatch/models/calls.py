@@ -116,7 +116,8 @@ def describe_call(model: torch.nn.Module, args: tuple, kwargs: dict, method: str
             template[name].index = len(row_inputs) - 1
             described.append((name, part))
             continue
-        template[name], part = _describe(value, None if name in support.shared else rows, row_inputs)
+        template[name], part = _describe(value, None if name in support.shared else rows, row_inputs,
+                                         blocks=name in support.row_blocks)
         described.append((name, part))
     if support.merge_key is not None:
         described.append(("merge key", ("value", support.merge_key(named))))
@@ -161,9 +162,6 @@ def _declared_rows(support: ModelSupport, name: str, value: Any, rows: int | Non
         part = ("padded rows", tuple(n for i, n in enumerate(value.shape) if i not in (0, dim)), value.dtype,
                 str(value.device))
         return list(value.unbind(0)), _Row(0, container=functools.partial(_padded_stack, dim - 1)), part
-    if name in support.row_blocks and value.ndim >= 1 and value.shape[0] % rows == 0 and value.shape[0] > rows:
-        blocks = value.reshape(rows, value.shape[0] // rows, *value.shape[1:])
-        return blocks, _Row(0, blocks=True), ("row blocks", tuple(blocks.shape[1:]), value.dtype, str(value.device))
     if name in support.timestep_rows and (not isinstance(value, torch.Tensor) or value.ndim == 0):
         # NOTE: as the model makes a tensor of a number (UNet2DConditionModel: float64 / int64), then per row
         scalar = value if isinstance(value, torch.Tensor) else torch.tensor(
@@ -224,18 +222,23 @@ class Exact:
                                   and mine.device == theirs.device and torch.equal(mine, theirs))
 
 
-def _describe(value: Any, rows: int | None, row_inputs: list) -> tuple[Any, Any]:
-    """(template, signature): the value with row tensors replaced by `_Row` markers, and its hashable form."""
+def _describe(value: Any, rows: int | None, row_inputs: list, blocks: bool = False) -> tuple[Any, Any]:
+    """(template, signature): the value with row tensors replaced by `_Row` markers, and its hashable form.
+    `blocks`: tensors (in a tuple too) with a whole number of entries per row along dim 0 are rows of blocks."""
     if isinstance(value, torch.Tensor):
         if rows is not None and value.ndim >= 1 and value.shape[0] == rows:
             row_inputs.append(value)
             return _Row(len(row_inputs) - 1), ("row", tuple(value.shape[1:]), value.dtype, str(value.device))
+        if blocks and rows is not None and value.ndim >= 1 and value.shape[0] > rows and value.shape[0] % rows == 0:
+            row_inputs.append(value.reshape(rows, value.shape[0] // rows, *value.shape[1:]))
+            return _Row(len(row_inputs) - 1, blocks=True), ("row blocks", tuple(row_inputs[-1].shape[1:]),
+                                                            value.dtype, str(value.device))
         return value, ("same", Exact(value))
     if isinstance(value, (tuple, list)):
-        parts = [_describe(v, rows, row_inputs) for v in value]
+        parts = [_describe(v, rows, row_inputs, blocks) for v in value]
         return type(value)(p[0] for p in parts), (type(value).__name__, tuple(p[1] for p in parts))
     if isinstance(value, dict):
-        parts = {k: _describe(v, rows, row_inputs) for k, v in value.items()}
+        parts = {k: _describe(v, rows, row_inputs, blocks) for k, v in value.items()}
         return {k: p[0] for k, p in parts.items()}, ("dict", tuple((k, p[1]) for k, p in parts.items()))
     return value, ("value", type(value).__name__, freeze(value))
 
