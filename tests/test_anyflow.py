@@ -6,11 +6,10 @@ import functools
 import pytest
 import torch
 
-from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing import tiny_t5_encoder, tiny_t5_tokenizer
 from diffusers_stepbatch.testing_video_models import tiny_wan_vae
 
-from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -39,10 +38,8 @@ def test_kv_cache_calls_run_alone_by_rule_and_equal_plain_runs(head_dim):
     requests = [dict(prompt=prompt, negative_prompt="bad", num_inference_steps=2 + i % 2, guidance_scale=6.0 - i,
                      height=16, width=16, num_frames=9, max_sequence_length=16, output_type="pt", seed=i)
                 for i, prompt in enumerate(("a cat", "a dog", "an owl"))]
-    expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
-    with StepBatched(pipe) as sb:
-        results = submit_all(sb, requests)
-        splits = sb.stats()["splits"]
-    assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
+    runs = plain_and_wrapped(pipe, requests)
+    splits = runs.stats["splits"]
+    assert max(max_diff(got.frames, want.frames) for got, want in zip(runs.wrapped, runs.plain)) <= TOLERANCE
     assert any("KV cache is preallocated per request" in reason for reason in splits), splits
     assert not any("raised" in reason for reason in splits), splits

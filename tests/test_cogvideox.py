@@ -12,10 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing import tiny_t5_encoder, tiny_t5_tokenizer
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded, single_thread, submit_all  # noqa: F401
+from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -65,14 +64,7 @@ def test_requests_share_forwards_and_equal_plain_runs(image_to_video, head_dim, 
     if image_to_video:
         for i, request in enumerate(requests):
             request["image"] = _image(i)
-    expected = [pipe(**seeded(kwargs)).frames for kwargs in requests]
-    rows, hook = count_forwards(pipe.transformer)
-    try:
-        with StepBatched(pipe, max_batch_size=8) as sb:
-            results = submit_all(sb, requests)
-            splits = sb.stats()["splits"]
-    finally:
-        hook.remove()
-    assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
-    assert max(rows) > 2, f"no forward held several requests' rows: {rows}"
-    assert not any("raised" in reason for reason in splits), splits
+    runs = plain_and_wrapped(pipe, requests, max_batch_size=8)
+    assert max(max_diff(got.frames, want.frames) for got, want in zip(runs.wrapped, runs.plain)) <= TOLERANCE
+    assert max(runs.wrapped_rows) > 2, f"no forward held several requests' rows: {runs.wrapped_rows}"
+    assert not any("raised" in reason for reason in runs.stats["splits"]), runs.stats["splits"]
