@@ -2,8 +2,9 @@
 
 Each test fails without its rule: AnimateDiff's per-frame text blocks, ControlNet residuals and scalar timestep
 (merged calls used to fail; residuals kept requests apart), rows on another dimension (HiDream's Llama states: a
-merged call re-split one request's states), a guider's step state (HunyuanImage: one request's `set_state` changed
-another's), combined pipelines (their sub-pipelines' denoisers were never shared).
+merged call re-split one request's states), the unCLIP priors' scalar timestep (requests of other step counts
+never shared a forward), a guider's step state (HunyuanImage: one request's `set_state` changed another's),
+combined pipelines (their sub-pipelines' denoisers were never shared).
 """
 
 import pytest
@@ -110,6 +111,51 @@ def test_animatediff_controlnet_residuals_are_per_frame_rows(channels_heads, fra
     assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
     # each request's residuals differ: without them as rows its calls would never share a forward
     assert max(rows) > 2, f"no forward held several requests' rows: {rows}"
+
+
+def _kandinsky_prior(width: int):
+    from diffusers import KandinskyV22PriorPipeline, PriorTransformer, UnCLIPScheduler
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    from diffusers_stepbatch.testing import tiny_clip_text_encoder, tiny_clip_tokenizer
+
+    tokenizer = tiny_clip_tokenizer()
+    torch.manual_seed(0)
+    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=12, embedding_dim=width, num_layers=1).eval()
+    with torch.no_grad():  # NOTE: a zero clip_std would make every output embedding zero
+        prior.clip_std.fill_(1.0)
+    torch.manual_seed(0)
+    image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=width, image_size=28, projection_dim=width, intermediate_size=37, num_attention_heads=4,
+        num_hidden_layers=2, patch_size=14)).eval()
+    pipe = KandinskyV22PriorPipeline(
+        prior=prior, image_encoder=image_encoder, tokenizer=tokenizer,
+        text_encoder=tiny_clip_text_encoder(tokenizer, hidden_size=width, projection_dim=width),
+        image_processor=CLIPImageProcessor(crop_size=28, size=28),
+        scheduler=UnCLIPScheduler(variance_type="fixed_small_log", prediction_type="sample",
+                                  num_train_timesteps=1000, clip_sample=True, clip_sample_range=10.0))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("width", [32, 48])
+def test_prior_calls_at_other_timesteps_share_forwards(width):
+    """The priors' one timestep per call becomes a per-row vector: requests of other step counts share forwards."""
+    pipe = _kandinsky_prior(width)
+    requests = [dict(prompt=prompt, num_inference_steps=steps, guidance_scale=4.0 + i, output_type="pt", seed=i)
+                for i, (prompt, steps) in enumerate((("a horse", 2), ("a red cat", 3), ("an owl", 4), ("a dog", 5)))]
+    expected = [pipe(**seeded(kwargs)).image_embeds for kwargs in requests]
+    timesteps = []
+    hook = pipe.prior.register_forward_pre_hook(
+        lambda _m, args, kwargs: timesteps.append(torch.as_tensor(
+            args[1] if len(args) > 1 else kwargs["timestep"]).unique().numel()),
+        with_kwargs=True)
+    try:
+        results, _ = _batched(pipe, requests, pipe.prior)
+    finally:
+        hook.remove()
+    assert max(max_diff(got.image_embeds, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert max(timesteps) > 1, f"no forward held rows at different timesteps: {timesteps}"
 
 
 class _LayersFirst(torch.nn.Module):

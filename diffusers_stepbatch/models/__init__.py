@@ -145,6 +145,6 @@ def _load_modules() -> None:
     _loaded = True
     from . import (  # noqa: F401  (each registers its classes)
         anyflow, autoencoders, bria, chroma, cogvideox, ernie_image, flux, flux2, hidream, hunyuan_video15, ideogram4,
-        kandinsky6, longcat_image, ltx2, qwen2_5_vl, qwenimage, qwenimage21, rfd4_proteina, sd3, unet, unet_motion, wan,
-        z_image,
+        kandinsky6, longcat_image, ltx2, prior_transformer, qwen2_5_vl, qwenimage, qwenimage21, rfd4_proteina, sd3,
+        unet, unet_motion, wan, z_image,
     )
