@@ -1,0 +1,109 @@
+"""Qwen-Image's TeaCache forward: `QwenImageTransformer2DModel.forward` with one skip decision per request branch.
+
+The signal is TeaCache's usual one, the first block's modulated image input (`img_mod` of the time embedding
+applied to `img_norm1`), per row; an edit row's reference-image tokens are part of its image tokens. A skipping
+row adds its cached residual of all blocks to its embedded image tokens; the row loop is FLUX.1's
+(`flux/teacache.per_row_blocks`), the packed calls' decisions are in `packing.py`. Calls the packed forward can't
+stand in for (`zero_cond_t`, `use_additional_t_cond`, `use_layer3d_rope`, guidance embeds, ControlNet residuals,
+other attention processors) run as the model runs them, without TeaCache.
+
+The rescale polynomial (highest power first) is the one vLLM-Omni ships for `QwenImageTransformer2DModel` on this
+signal, for the whole Qwen-Image family (`_MODEL_COEFFICIENTS` in vllm_omni/diffusion/cache/teacache/config.py,
+github.com/vllm-project/vllm-omni, there credited to ComfyUI-TeaCache's tuning). Its round values are hand-tuned,
+not a fit: `fit_coefficients(pipe, prompts, signal=signal_hook, ...)` fits one for a given checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+from diffusers.utils import apply_lora_scale
+
+from ...cache.teacache import TeaCacheState
+from ..flux.teacache import per_row_blocks
+from ..packing.support import reproduces_call
+from .packing import REPRODUCED_ARGUMENTS, qwenimage_packing_unsupported
+
+QWENIMAGE_COEFFICIENTS = (-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02)
+
+
+def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:
+    """A `QwenImageTransformer2DModel` call (its arguments by name) with per-row TeaCache decisions, as the model
+    returns it; None when the call has arguments or a configuration this forward doesn't reproduce."""
+    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "attention_kwargs") or \
+            qwenimage_packing_unsupported(transformer) is not None or not len(transformer.transformer_blocks) or \
+            arguments.get("img_shapes") is None or arguments.get("encoder_hidden_states") is None:
+        return None
+    output = qwenimage_teacache_forward(
+        transformer, states, arguments["hidden_states"], arguments["encoder_hidden_states"],
+        arguments.get("encoder_hidden_states_mask"), arguments["timestep"], arguments["img_shapes"],
+        arguments.get("attention_kwargs"))
+    return (output,) if not arguments.get("return_dict", True) else Transformer2DModelOutput(sample=output)
+
+
+def qwenimage_teacache_forward(
+    transformer: Any,
+    states: Sequence[TeaCacheState | None],
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    timestep: torch.Tensor,
+    img_shapes: list,
+    attention_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """`QwenImageTransformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions.
+
+    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute); the
+    states change only after the forward succeeded, so a failed batch retried row by row stays correct.
+    """
+    return _forward(transformer, states, hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                    encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
+                    attention_kwargs=attention_kwargs)
+
+
+def qwenimage_signal(block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """The TeaCache signal: `block`'s modulated image input, [rows, tokens, dim], as the block computes it."""
+    return block._modulate(block.img_norm1(hidden), block.img_mod(temb).chunk(2, dim=-1)[0])[0]
+
+
+def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
+    """`fit_coefficients`' `signal=` for Qwen-Image: records `qwenimage_signal` at the first block."""
+    def hook(block, args, kwargs):
+        record(qwenimage_signal(block, kwargs["hidden_states"], kwargs["temb"]))
+
+    return transformer.transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@apply_lora_scale("attention_kwargs")
+def _forward(transformer, states, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
+             img_shapes, attention_kwargs):
+    # NOTE: the embeddings as QwenImageTransformer2DModel.forward makes them, op for op (tested)
+    hidden = transformer.img_in(hidden_states)
+    timestep = timestep.to(hidden.dtype)
+    encoder = transformer.txt_in(transformer.txt_norm(encoder_hidden_states))
+    text_length, _, mask = compute_text_seq_len_from_mask(encoder, encoder_hidden_states_mask)
+    temb = transformer.time_text_embed(timestep, hidden)
+    rotary = transformer.pos_embed(img_shapes, max_txt_seq_len=text_length, device=hidden.device)
+    signal = qwenimage_signal(transformer.transformer_blocks[0], hidden, temb)
+
+    out, commit = per_row_blocks(transformer, states, hidden, signal, functools.partial(
+        _blocks, transformer, encoder=encoder, mask=mask, temb=temb, rotary=rotary, attention_kwargs=attention_kwargs))
+    output = transformer.proj_out(transformer.norm_out(out, temb))
+    commit()
+    return output
+
+
+def _blocks(transformer, hidden, rows, encoder, mask, temb, rotary, attention_kwargs):
+    """The blocks as the model runs them, on `rows` (None: all); returns the image tokens."""
+    if rows is not None:
+        encoder, temb = encoder[rows], temb[rows]
+        mask = None if mask is None else mask[rows]
+    for block in transformer.transformer_blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, encoder_hidden_states_mask=mask,
+                                temb=temb, image_rotary_emb=rotary, joint_attention_kwargs=attention_kwargs)
+    return hidden
