@@ -159,3 +159,20 @@ def test_a_zero_cond_t_transformer_runs_as_the_model_does():
     with StepBatched(pipe, teacache=TeaCacheConfig(threshold=1e9)) as sb:
         assert max_diff(sb(**seeded(request)).images, want) <= TOLERANCE
     assert support_for(model).teacache_forward is teacache_call
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_teacache_in_the_qwenimage_programs_shared_packed_forwards_equals_teacache_alone(config):
+    """QwenImagePipeline runs its own step program, which takes the model layer's TeaCache forwards."""
+    pipe = sibling(config, QwenImagePipeline)
+    requests = [{k: v for k, v in kwargs.items() if k != "image"} for kwargs in _requests(QwenImageEditPipeline)]
+    requests[3]["prompt"] = "a much longer prompt of a hat"  # text of another length in the same grid's call
+    blocker = dict(requests[0], prompt="a blocker", num_inference_steps=1, seed=9)
+    model = pipe.transformer
+    passes = BlockTokenPasses(model.img_in, model.transformer_blocks[0].attn.to_q)
+    try:
+        stats = assert_teacache_shared_equals_alone(pipe, requests, TEACACHE, blocker)
+    finally:
+        passes.remove()
+    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
+    assert passes.packed_with_skips > 0, passes.forwards
