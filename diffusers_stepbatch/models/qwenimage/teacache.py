@@ -1,16 +1,12 @@
 """Qwen-Image's TeaCache forward: `QwenImageTransformer2DModel.forward` with one skip decision per request branch.
 
-The signal is TeaCache's usual one, the first block's modulated image input (`img_mod` of the time embedding
-applied to `img_norm1`), per row; an edit row's reference-image tokens are part of its image tokens. A skipping
-row adds its cached residual of all blocks to its embedded image tokens; the row loop is FLUX.1's
-(`flux/teacache.per_row_blocks`), the packed calls' decisions are in `packing.py`. Calls the packed forward can't
-stand in for (`zero_cond_t`, `use_additional_t_cond`, `use_layer3d_rope`, guidance embeds, ControlNet residuals,
-other attention processors) run as the model runs them, without TeaCache.
+The signal is the first block's modulated image input (`img_mod` of the time embedding on `img_norm1`), an edit
+row's reference tokens included; a skipping row adds its residual of all blocks (the row loop is FLUX.1's
+`per_row_blocks`; packed calls decide in `packing.py`). Calls the packed forward can't stand in for (`zero_cond_t`,
+ControlNet residuals, other attention processors, ...) run as the model does, without TeaCache.
 
-The rescale polynomial (highest power first) is the one vLLM-Omni ships for `QwenImageTransformer2DModel` on this
-signal, for the whole Qwen-Image family (`_MODEL_COEFFICIENTS` in vllm_omni/diffusion/cache/teacache/config.py,
-github.com/vllm-project/vllm-omni, there credited to ComfyUI-TeaCache's tuning). Its round values are hand-tuned,
-not a fit: `fit_coefficients(pipe, prompts, signal=signal_hook, ...)` fits one for a given checkpoint.
+The polynomial is vLLM-Omni's for Qwen-Image on this signal (github.com/vllm-project/vllm-omni,
+vllm_omni/diffusion/cache/teacache/config.py), hand-tuned; `fit_coefficients(..., signal=signal_hook)` fits one.
 """
 
 from __future__ import annotations
@@ -56,10 +52,8 @@ def qwenimage_teacache_forward(
     img_shapes: list,
     attention_kwargs: dict | None = None,
 ) -> torch.Tensor:
-    """`QwenImageTransformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions.
-
-    `states[r]` is row r's state (rows of one request branch share one object) or None (always compute); the
-    states change only after the forward succeeded, so a failed batch retried row by row stays correct.
+    """`QwenImageTransformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions: `states[r]`
+    is row r's state (shared by a request branch's rows) or None (compute); states change once the forward succeeded.
     """
     return _forward(transformer, states, hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                     encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
@@ -99,7 +93,6 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, encoder_
 
 
 def _blocks(transformer, hidden, rows, encoder, mask, temb, rotary, attention_kwargs):
-    """The blocks as the model runs them, on `rows` (None: all); returns the image tokens."""
     if rows is not None:
         encoder, temb = encoder[rows], temb[rows]
         mask = None if mask is None else mask[rows]
