@@ -118,12 +118,9 @@ def _requests(pipeline_class, steps=(10, 12, 11, 13)):
     return requests
 
 
-@pytest.mark.parametrize("pipeline_class, config", [(QwenImageEditPipeline, "edit-tiny"),
-                                                    (QwenImageEditPlusPipeline, "edit-wide"),
-                                                    (QwenImageImg2ImgPipeline, "edit-tiny")])
-def test_teacache_in_shared_packed_forwards_equals_teacache_alone(pipeline_class, config):
-    pipe = edit_pipe(config) if pipeline_class is QwenImageEditPipeline else sibling(config, pipeline_class)
-    requests = _requests(pipeline_class)
+def assert_shared_with_packed_skips_equals_alone(pipe, requests: list[dict]) -> None:
+    """`assert_teacache_shared_equals_alone`, where packed forwards of several sizes ran and some of their rows
+    skipped the blocks while others ran them."""
     blocker = dict(requests[0], prompt="a blocker", num_inference_steps=1, seed=9)
     model = pipe.transformer
     passes = BlockTokenPasses(model.img_in, model.transformer_blocks[0].attn.to_q)
@@ -132,7 +129,16 @@ def test_teacache_in_shared_packed_forwards_equals_teacache_alone(pipeline_class
     finally:
         passes.remove()
     assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
-    assert passes.packed_with_skips > 0, passes.forwards  # packed forwards where some rows skipped
+    assert passes.packed_with_skips > 0, passes.forwards
+
+
+@pytest.mark.parametrize("pipeline_class, config", [(QwenImageEditPipeline, "edit-tiny"),
+                                                    (QwenImageEditPlusPipeline, "edit-wide"),
+                                                    (QwenImageImg2ImgPipeline, "edit-tiny")])
+def test_teacache_in_shared_packed_forwards_equals_teacache_alone(pipeline_class, config):
+    pipe = edit_pipe(config) if pipeline_class is QwenImageEditPipeline else sibling(config, pipeline_class)
+    requests = _requests(pipeline_class)
+    assert_shared_with_packed_skips_equals_alone(pipe, requests)
 
 
 def test_fitted_coefficients_explain_the_output_change():
@@ -167,12 +173,4 @@ def test_teacache_in_the_qwenimage_programs_shared_packed_forwards_equals_teacac
     pipe = sibling(config, QwenImagePipeline)
     requests = [{k: v for k, v in kwargs.items() if k != "image"} for kwargs in _requests(QwenImageEditPipeline)]
     requests[3]["prompt"] = "a much longer prompt of a hat"  # text of another length in the same grid's call
-    blocker = dict(requests[0], prompt="a blocker", num_inference_steps=1, seed=9)
-    model = pipe.transformer
-    passes = BlockTokenPasses(model.img_in, model.transformer_blocks[0].attn.to_q)
-    try:
-        stats = assert_teacache_shared_equals_alone(pipe, requests, TEACACHE, blocker)
-    finally:
-        passes.remove()
-    assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
-    assert passes.packed_with_skips > 0, passes.forwards
+    assert_shared_with_packed_skips_equals_alone(pipe, requests)

@@ -29,35 +29,14 @@ QWENIMAGE_COEFFICIENTS = (-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02)
 
 
 def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:
-    """A `QwenImageTransformer2DModel` call (its arguments by name) with per-row TeaCache decisions, as the model
-    returns it; None when the call has arguments or a configuration this forward doesn't reproduce."""
+    """The call with a TeaCache state (or None) per row, as the model returns it; None for calls it can't reproduce."""
     if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "attention_kwargs") or \
             qwenimage_packing_unsupported(transformer) is not None or not len(transformer.transformer_blocks) or \
             arguments.get("img_shapes") is None or arguments.get("encoder_hidden_states") is None:
         return None
-    output = qwenimage_teacache_forward(
-        transformer, states, arguments["hidden_states"], arguments["encoder_hidden_states"],
-        arguments.get("encoder_hidden_states_mask"), arguments["timestep"], arguments["img_shapes"],
-        arguments.get("attention_kwargs"))
+    names = REPRODUCED_ARGUMENTS - {"return_dict"}
+    output = _forward(transformer, states, **{name: arguments.get(name) for name in names})
     return (output,) if not arguments.get("return_dict", True) else Transformer2DModelOutput(sample=output)
-
-
-def qwenimage_teacache_forward(
-    transformer: Any,
-    states: Sequence[TeaCacheState | None],
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    encoder_hidden_states_mask: torch.Tensor | None,
-    timestep: torch.Tensor,
-    img_shapes: list,
-    attention_kwargs: dict | None = None,
-) -> torch.Tensor:
-    """`QwenImageTransformer2DModel.forward` (return_dict=False, [0]) with per-row TeaCache decisions: `states[r]`
-    is row r's state (shared by a request branch's rows) or None (compute); states change once the forward succeeded.
-    """
-    return _forward(transformer, states, hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                    encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
-                    attention_kwargs=attention_kwargs)
 
 
 def qwenimage_signal(block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
