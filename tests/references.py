@@ -188,6 +188,35 @@ def assert_teacache_shared_equals_alone(pipe, requests: list[dict], teacache, bl
     return stats
 
 
+class BlockTokenPasses:
+    """Per transformer forward (plain or packed): image tokens into `embedder`, and image tokens into `query` (the
+    first block's image query projection, which the plain and the packed forwards both call)."""
+
+    def __init__(self, embedder: torch.nn.Module, query: torch.nn.Module):
+        self.forwards: list[list[int]] = []
+        self._handles = [
+            embedder.register_forward_pre_hook(
+                lambda m, a: self.forwards.append([a[0].shape[:-1].numel(), 0, a[0].ndim == 2])),
+            query.register_forward_pre_hook(self._entered),
+        ]
+
+    def _entered(self, module, args):
+        self.forwards[-1][1] += args[0].shape[:-1].numel()
+
+    @property
+    def skipped(self) -> int:
+        return sum(tokens - entered for tokens, entered, _ in self.forwards)
+
+    @property
+    def packed_with_skips(self) -> int:
+        """Packed forwards in which some rows skipped the blocks and others ran them."""
+        return sum(packed and 0 < entered < tokens for tokens, entered, packed in self.forwards)
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+
+
 def call_with_delays(sb, calls: list[dict], delays_ms: list[int]) -> list:
     """Each call from its own thread after its delay (arrivals in random order); returns the images in order."""
     results = [None] * len(calls)

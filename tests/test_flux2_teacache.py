@@ -21,8 +21,8 @@ from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, engine_held, max_diff, seeded,
-    single_thread,
+    TOLERANCE, BlockTokenPasses, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, engine_held,
+    max_diff, seeded, single_thread,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -113,33 +113,9 @@ def test_fitted_coefficients_explain_the_output_change():
     assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", signal_hook, **call))
 
 
-class BlockPasses:
-    """Per transformer forward (plain or packed): image tokens in, and image tokens that ran the first block."""
-
-    def __init__(self, transformer):
-        self.forwards: list[list[int]] = []
-        self._handles = [
-            transformer.x_embedder.register_forward_pre_hook(
-                lambda m, a: self.forwards.append([a[0].shape[:-1].numel(), 0, a[0].ndim == 2])),
-            # NOTE: the first double block's image query: the plain and the packed forward both call it
-            transformer.transformer_blocks[0].attn.to_q.register_forward_pre_hook(self._entered),
-        ]
-
-    def _entered(self, module, args):
-        self.forwards[-1][1] += args[0].shape[:-1].numel()
-
-    @property
-    def skipped(self) -> int:
-        return sum(tokens - entered for tokens, entered, _ in self.forwards)
-
-    @property
-    def packed_with_skips(self) -> int:
-        """Packed forwards in which some rows skipped the blocks and others ran them."""
-        return sum(packed and 0 < entered < tokens for tokens, entered, packed in self.forwards)
-
-    def remove(self):
-        for handle in self._handles:
-            handle.remove()
+def block_passes(transformer) -> BlockTokenPasses:
+    # NOTE: the first double block's image query: the plain and the packed forward both call it
+    return BlockTokenPasses(transformer.x_embedder, transformer.transformer_blocks[0].attn.to_q)
 
 
 def _requests():
@@ -168,7 +144,7 @@ def test_teacache_in_shared_packed_forwards_equals_teacache_alone(variant, confi
     teacache = TeaCacheConfig(threshold=0.5)
     with StepBatched(pipe, teacache=teacache) as sb:
         solo = [sb(**seeded(kwargs)).images for kwargs in requests]
-    passes = BlockPasses(pipe.transformer)
+    passes = block_passes(pipe.transformer)
     try:
         with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
             blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, teacache=None, **COMMON)
@@ -242,7 +218,7 @@ def test_requests_with_their_own_adapters_and_teacache_share_forwards_and_equal_
     teacache = TeaCacheConfig(threshold=0.5)
     with StepBatched(pipe, teacache=teacache) as sb:
         solo = [sb(**seeded(kwargs)).images for kwargs in requests]
-    passes = BlockPasses(pipe.transformer)
+    passes = block_passes(pipe.transformer)
     try:
         with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:
             blocker = dict(prompt="a blocker", height=32, width=32, num_inference_steps=1, adapters={}, teacache=None,

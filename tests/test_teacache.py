@@ -253,7 +253,8 @@ def test_teacache_on_a_family_without_it_is_an_error():
     from diffusers_stepbatch.testing import tiny_sd3_pipeline
 
     pipe = tiny_sd3_pipeline()
-    message = r"teacache= is not supported for StableDiffusion3Pipeline; supported: \[.FluxPipeline.\] and the"
+    message = (r"teacache= is not supported for StableDiffusion3Pipeline; supported: \[.FluxPipeline., "
+               r".QwenImagePipeline.\] and")
     with pytest.raises(ValueError, match=message):
         StepBatched(pipe, teacache=TeaCacheConfig(threshold=0.4))
     with StepBatched(pipe) as sb, pytest.raises(ValueError, match="teacache= is not supported"):

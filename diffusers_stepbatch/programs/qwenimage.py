@@ -5,7 +5,8 @@ batched forward pads them to the batch's longest with `encoder_hidden_states_mas
 masked out, and text RoPE positions don't depend on the padded length). RoPE takes `img_shapes[0]` for the
 whole batch, so the image grid is part of the key; requests of other grids share a packed call instead
 (`models/qwenimage/packing.py`: tokens of every row without padding, attention inside each row). True CFG adds the
-negative rows to the same forward; its scale and norm rescaling are applied per request after the split.
+negative rows to the same forward; its scale and norm rescaling are applied per request after the split. TeaCache
+is the model layer's (`models/qwenimage/teacache.py`), one state per request and branch, in merged and packed calls.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..adapters.state import (
     text_encoder_state,
     without_lora_scale,
 )
+from ..cache.teacache import TeaCacheState, kept_on_failure
 from ..decoders.vae import vae_decode_item
 from ..engine.batch import Packable, WorkItem
 from ..engine.split_reasons import named_key
@@ -42,6 +44,7 @@ from ..models.qwenimage.packing import (
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
+from ..models.qwenimage.teacache import teacache_call
 from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -78,9 +81,10 @@ class QwenImageCall:
     pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
+    teacache: list[TeaCacheState] | None = None  # one per CFG branch; None: every step runs the blocks
 
 
-@register_program(QwenImagePipeline, features=("adapters",))
+@register_program(QwenImagePipeline, features=("adapters", "teacache"))
 def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
@@ -116,8 +120,16 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     check_latents(args["latents"], (num_images, (latent_h // 2) * (latent_w // 2), channels))
     adapters = request_adapters(pipe.transformer, context.adapters,
                                 lora_scale=(args["attention_kwargs"] or {}).get("scale"))
+    options = context.options
+    teacache = options.teacache.states(pipe.transformer, steps, 2 if do_true_cfg else 1) \
+        if options.teacache is not None else None
+    if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
+        raise ValueError(
+            "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
+            "pipe.transformer; call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None"
+        )
     call = QwenImageCall(args, height, width, steps, num_images, do_true_cfg, pid=pid, adapters=adapters,
-                         packed_attention=context.options.packed_attention)
+                         packed_attention=options.packed_attention, teacache=teacache)
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(call.packed_attention, pipe.transformer)
     rows = num_images * (2 if do_true_cfg else 1)
@@ -215,6 +227,8 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
             if view._interrupt:
                 continue
             view._current_timestep = t
+            for state in call.teacache or ():
+                state.step = i
             timestep = t.expand(latents.shape[0]).to(latents.dtype)
             images = latents.shape[0]
             inputs = {
@@ -224,6 +238,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                 "text": [embeds[j] for embeds, _ in branches for j in range(images)],
                 "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
                 "lora": [call.adapters] * (len(branches) * images),
+                "teacache": [state for state in call.teacache or [None] * len(branches) for _ in range(images)],
             }
             if hooked is not None:
                 yield from hooked.take_turn()
@@ -311,23 +326,30 @@ def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
     """One packed forward for several grids' batches; text padding is dropped per row, not masked."""
     parts = [
         QwenImagePart(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], text=inputs["text"],
-                      text_mask=inputs["text_mask"], img_shapes=[grid])
+                      text_mask=inputs["text_mask"], img_shapes=[grid], teacache=inputs["teacache"])
         for grid, inputs in shapes
     ]
+    with kept_on_failure(state for part in parts for state in part.teacache):
+        return _run_packed(transformer, attention_kwargs, packed_attention, shapes, parts)
+
+
+def _run_packed(transformer, attention_kwargs, packed_attention, shapes, parts: list[QwenImagePart]) -> list:
     if not lora_layers(transformer):
         return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
                                         packed_attention=packed_attention)
     # Per-row LoRA over the packed text and image streams (packed_token_rows).
     lora = [row for _, inputs in shapes for row in inputs["lora"]]
     streams = packed_token_rows(parts)
-    if streams_ambiguous(len(lora), streams):  # NOTE: shapes can't tell these streams apart: one call per grid
+    if any(state is not None for part in parts for state in part.teacache) or streams_ambiguous(len(lora), streams):
+        # NOTE: TeaCache's packed sub-calls (fewer rows) and streams of coinciding lengths can't be mapped to rows
+        # by shape: one ordinary forward per grid, adapters still per row
         return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
     with lora_rows(transformer, lora, token_rows=streams):
         return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
                                         packed_attention=packed_attention)
 
 
-def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora):
+def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora, teacache):
     """One forward over rows whose prompt embeddings may differ in length: pad to the longest and mask."""
     lengths = [row.shape[0] for row in text]
     longest = max(lengths)
@@ -338,9 +360,10 @@ def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guida
     else:
         embeds = torch.stack([torch.nn.functional.pad(row, (0, 0, 0, longest - row.shape[0])) for row in text])
         mask = torch.stack([torch.nn.functional.pad(m, (0, longest - m.shape[0])) for m in masks])
-    with lora_rows(transformer, lora):
-        return transformer(
-            hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
-            encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0],
-            attention_kwargs=attention_kwargs, return_dict=False,
-        )[0]
+    arguments = dict(hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
+                     encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0],
+                     attention_kwargs=attention_kwargs, return_dict=False)
+    with kept_on_failure(teacache), lora_rows(transformer, lora):
+        # NOTE: None where TeaCache can't reproduce the call (a config or processor it doesn't know): it computes
+        output = teacache_call(transformer, teacache, arguments) if any(s is not None for s in teacache) else None
+        return (output if output is not None else transformer(**arguments))[0]

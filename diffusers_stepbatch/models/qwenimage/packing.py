@@ -9,7 +9,8 @@ Text padding is dropped rather than masked: the model masks padded text tokens o
 never reach a kept token, and text RoPE positions are indices into the padded sequence, offset by the image
 grid (`max(height // 2, width // 2)` with `scale_rope`), so a kept token keeps its position when the padding
 around it goes. Rows that end with equal image and text token counts attend as one SDPA batch, whatever their
-grids (RoPE is applied per token before).
+grids (RoPE is applied per token before). TeaCache decisions stay per request and CFG branch, on the signal
+`teacache.py` decides on: a request may alternate between packed and ordinary calls.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
+from ...cache.teacache import TeaCacheState, row_groups, settle_packed_decisions
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -48,6 +50,7 @@ class QwenImagePart:
     text: Sequence[torch.Tensor]  # per row [text tokens, joint_attention_dim]
     text_mask: Sequence[torch.Tensor | None] | None  # per row [text tokens] (1 / True: valid), or None
     img_shapes: Sequence[tuple[int, int, int]]  # one row's entry of the model's `img_shapes`: [(frames, h, w)]
+    teacache: Sequence[TeaCacheState | None] | None = None  # per row
 
 
 def qwenimage_packing_unsupported(transformer) -> str | None:
@@ -69,14 +72,15 @@ def qwenimage_packed_forward(transformer, parts: Sequence[QwenImagePart], attent
     return _forward(transformer, parts, attention_kwargs=attention_kwargs, packed_attention=packed_attention)
 
 
-# the forward's arguments a packed call reproduces; a call with any other argument set runs unpacked
-_PACKED_ARGUMENTS = frozenset({"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
+# the forward's arguments that the packed and TeaCache forwards reproduce; a call with any other argument set
+# (ControlNet residuals, guidance, additional_t_cond) runs as the model runs it
+REPRODUCED_ARGUMENTS = frozenset({"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
                                "img_shapes", "attention_kwargs", "return_dict"})
 
 
 def pack_key(arguments: dict) -> tuple | None:
     """(what must match for calls of `QwenImageTransformer2DModel.forward` to pack, tokens per row), or None."""
-    if not reproduces_call(arguments, _PACKED_ARGUMENTS, "attention_kwargs"):
+    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "attention_kwargs"):
         return None
     attention_kwargs = arguments.get("attention_kwargs") or {}
     hidden, text, shapes = arguments["hidden_states"], arguments["encoder_hidden_states"], arguments["img_shapes"]
@@ -88,16 +92,19 @@ def pack_key(arguments: dict) -> tuple | None:
 
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
-    """One packed forward for calls of different grids and text lengths; each output as the model returns it."""
-    outputs = qwenimage_packed_forward(transformer, _parts(calls), calls[0].get("attention_kwargs"), packed_attention)
+    """One packed forward for calls of different grids and text lengths; each output as the model returns it.
+    `teacache[i]`: call i's per-row TeaCache states, or None."""
+    outputs = qwenimage_packed_forward(transformer, _parts(calls, teacache), calls[0].get("attention_kwargs"),
+                                       packed_attention)
     return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
             for c, out in zip(calls, outputs)]
 
 
-def _parts(calls: Sequence[dict]) -> list[QwenImagePart]:
+def _parts(calls: Sequence[dict], teacache: Sequence | None = None) -> list[QwenImagePart]:
     return [QwenImagePart(hidden_states=c["hidden_states"], timestep=c["timestep"], text=c["encoder_hidden_states"],
-                          text_mask=c.get("encoder_hidden_states_mask"), img_shapes=c["img_shapes"][0])
-            for c in calls]
+                          text_mask=c.get("encoder_hidden_states_mask"), img_shapes=c["img_shapes"][0],
+                          teacache=states)
+            for c, states in zip(calls, teacache or [None] * len(calls))]
 
 
 @dataclass
@@ -180,8 +187,12 @@ def _forward(transformer, parts, attention_kwargs=None, packed_attention="auto")
     temb = transformer.time_text_embed(timestep, hidden)
     rotary = _packed_rotary(transformer, [rows[r] for r in order], device)
 
-    for block in transformer.transformer_blocks:
-        encoder, hidden = _block(block, layout, hidden, encoder, temb, packed, rotary, method, split)
+    states = [state for part in parts for state in (part.teacache or [None] * part.hidden_states.shape[0])]
+    if any(state is not None for state in states) and len(transformer.transformer_blocks):
+        hidden = _teacache_blocks(transformer, layout, states, order, hidden, encoder, temb, packed, rotary, method,
+                                  split)
+    else:
+        hidden = _blocks(transformer, layout, hidden, encoder, temb, packed, rotary, method, split)
 
     norm_out = transformer.norm_out
     emb = _in_order(norm_out.linear(norm_out.silu(temb).to(hidden.dtype)), packed)
@@ -228,6 +239,54 @@ def _rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 def _in_order(per_row: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     """Rows in the parts' order -> rows in the packed order (None: the same order)."""
     return per_row if packed is None else per_row.index_select(0, packed)
+
+
+def _blocks(transformer, layout, hidden, encoder, temb, packed, rotary, method, split):
+    """The blocks on packed tokens; `temb` per row in the parts' order (`packed` maps it to the packed order, None:
+    the same order). Returns the image tokens."""
+    for block in transformer.transformer_blocks:
+        encoder, hidden = _block(block, layout, hidden, encoder, temb, packed, rotary, method, split)
+    return hidden
+
+
+def _teacache_blocks(transformer, layout, states, order, hidden, encoder, temb, packed, rotary, method, split):
+    """`_blocks` with per-state TeaCache decisions (`states` per row in the parts' order) on the signal as
+    `teacache.py` computes it, op for op; skipping rows add their cached residual."""
+    block = transformer.transformer_blocks[0]
+    shift, scale = _in_order(block.img_mod(temb), packed).index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
+    signal = block.img_norm1(hidden) * (1 + scale) + shift
+    position = {row: p for p, row in enumerate(order)}
+    decisions = []  # (state, rows, their image tokens, own signal, compute, accumulated), as settle_packed_decisions
+    for state, start, end in row_groups(states):
+        rows = [position[row] for row in range(start, end)]  # NOTE: a state's rows may sit in several parts
+        if state is None:
+            decisions.append((None, rows, None, None, True, 0.0))
+            continue
+        tokens = torch.cat([_image_tokens(layout, p) for p in rows]).to(hidden.device)
+        own = signal.index_select(0, tokens).unflatten(0, (len(rows), -1))
+        decisions.append((state, rows, tokens, own, *state.decide(own)))
+    computing = sorted(p for _, rows, _, _, compute, _ in decisions if compute for p in rows)
+
+    if len(computing) == len(order):
+        computed = (None, hidden, _blocks(transformer, layout, hidden, encoder, temb, packed, rotary, method, split))
+    elif computing:
+        sub_layout, (text_index, image_index) = layout.select_rows(computing)
+        sub_temb = _in_order(temb, packed).index_select(0, torch.tensor(computing, device=temb.device))
+        sub_hidden = hidden.index_select(0, image_index)
+        sub_rotary = (rotary[TEXT].index_select(0, text_index), rotary[IMAGE].index_select(0, image_index))
+        computed = (image_index, sub_hidden, _blocks(transformer, sub_layout, sub_hidden,
+                                                     encoder.index_select(0, text_index), sub_temb, None, sub_rotary,
+                                                     method, split))
+    else:
+        computed = None
+    return settle_packed_decisions(decisions, hidden, computed)
+
+
+def _image_tokens(layout, position: int) -> torch.Tensor:
+    """The packed image tokens of the row at `position` in the packed order."""
+    part, inner = layout.part_of_row(position)
+    span = layout.row_tokens(IMAGE, part, inner, inner + 1)
+    return torch.arange(span.start, span.stop)
 
 
 def _block(block, layout, hidden, encoder, temb, packed, rotary, method, split):
