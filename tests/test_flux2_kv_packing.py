@@ -6,6 +6,7 @@ calls, as one packed forward. Each request still equals its plain solo run, with
 """
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -48,9 +49,9 @@ def _calls(pipe, kwargs) -> list[dict]:
 
 
 @contextlib.contextmanager
-def packed_forwards(monkeypatch):
+def packed_forwards(monkeypatch, caplog):
     """Per packed forward, its parts as (KV mode, reference tokens per row, image tokens per row, rows, whether
-    any row holds a TeaCache state)."""
+    any row holds a TeaCache state); none of them may fail (the engine would run each shape on its own)."""
     forwards, real = [], packing.flux2_packed_forward
 
     def record(transformer, parts, *args, **kwargs):
@@ -59,7 +60,9 @@ def packed_forwards(monkeypatch):
         return real(transformer, parts, *args, **kwargs)
 
     monkeypatch.setattr(packing, "flux2_packed_forward", record)
-    yield forwards
+    with caplog.at_level(logging.WARNING, logger="diffusers_stepbatch.engine"):
+        yield forwards
+    assert not [r.message for r in caplog.records if "packed" in r.message and "failed" in r.message]
 
 
 def _sizes(forward, mode) -> set:
@@ -118,14 +121,14 @@ def test_pack_key_takes_the_kv_calls_the_pipeline_makes_and_refuses_the_others()
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_klein_kv_requests_of_different_sizes_and_references_pack_and_equal_their_solo_runs(config, monkeypatch):
+def test_kv_requests_of_different_sizes_and_references_pack_and_equal_their_solo_runs(config, monkeypatch, caplog):
     pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline, **CONFIGS[config])
     requests = [_request("a cat", (32, 32), [(64, 64)], 3, 0), _request("a dog", (32, 48), [(64, 96), (64, 64)], 2, 1),
                 _request("a cow on grass", (48, 32), [(80, 64)], 4, 2), _request("no reference", (32, 32), [], 2, 3),
                 _request("a bird", (48, 48), [(64, 64)], 3, 4), _request("a fish", (32, 48), [], 3, 5),
                 _request("a cat", (32, 32), [(64, 64)], 2, 6)]
     expected = [pipe(**seeded(kwargs)).images for kwargs in requests]
-    with packed_forwards(monkeypatch) as forwards, StepBatched(pipe, max_batch_size=16) as sb:
+    with packed_forwards(monkeypatch, caplog) as forwards, StepBatched(pipe, max_batch_size=16) as sb:
         with engine_held(sb, BLOCKER):  # all start in lockstep
             futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
         results = [future.result(300) for future in futures]
@@ -143,7 +146,7 @@ def test_klein_kv_requests_of_different_sizes_and_references_pack_and_equal_thei
     assert any(mode == "cached" and rows == 2 for forward in forwards for mode, _, _, rows, _ in forward), forwards
 
 
-def test_requests_with_their_own_adapters_share_packed_kv_forwards_and_equal_plain_runs(monkeypatch):
+def test_requests_with_their_own_adapters_share_packed_kv_forwards_and_equal_plain_runs(monkeypatch, caplog):
     from diffusers_stepbatch.adapters import state as adapter_state
 
     pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline, seed=5)
@@ -164,7 +167,7 @@ def test_requests_with_their_own_adapters_share_packed_kv_forwards_and_equal_pla
         return real(model, row_weights, token_rows)
 
     monkeypatch.setattr(adapter_state, "per_row_lora", record)
-    with packed_forwards(monkeypatch) as forwards, StepBatched(pipe, max_batch_size=16) as sb:
+    with packed_forwards(monkeypatch, caplog) as forwards, StepBatched(pipe, max_batch_size=16) as sb:
         with engine_held(sb, dict(BLOCKER, adapters={})):
             futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
         results = [future.result(300) for future in futures]
@@ -177,12 +180,12 @@ def test_requests_with_their_own_adapters_share_packed_kv_forwards_and_equal_pla
     assert max(map(len, recorded)) >= 3, recorded
 
 
-def test_klein_kv_teacache_in_packed_forwards_equals_teacache_alone(monkeypatch):
+def test_klein_kv_teacache_in_packed_forwards_equals_teacache_alone(monkeypatch, caplog):
     pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline, **CONFIGS["narrow"])
-    requests = [_request("a cat", (32, 32), [(64, 64)], 10, 0),
+    requests = [_request("a cat", (32, 32), [(64, 64)], 10, 0), _request("a bird", (32, 32), [(64, 64)], 13, 4),
                 _request("a dog", (32, 48), [(64, 96), (64, 64)], 12, 1), _request("no reference", (48, 32), [], 11, 2),
-                _request("a cow", (48, 32), [(80, 64)], 10, 3, teacache=None)]  # computes every step, beside them
-    with packed_forwards(monkeypatch) as forwards:
+                _request("a cow", (32, 32), [(64, 64)], 10, 3, teacache=None)]  # computes every step, beside them
+    with packed_forwards(monkeypatch, caplog) as forwards:
         assert_teacache_shared_equals_alone(pipe, requests, TeaCacheConfig(threshold=0.6), BLOCKER)
     # cache-reading calls of other sizes, their rows with TeaCache states, in one forward
     assert any(len({(tokens, refs) for mode, refs, tokens, _, states in forward if mode == "cached" and states}) >= 2
