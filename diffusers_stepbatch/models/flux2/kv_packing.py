@@ -1,14 +1,12 @@
 """FLUX.2 klein KV calls in the packed forward: parts that fill or read a reference-image KV cache.
 
 A klein KV request's first call (`kv_cache_mode="extract"`) holds its reference-image tokens at the front of each
-row's image tokens: they are modulated with the embedding of a fixed timestep (`ref_fixed_timestep`), attend only
-to each other while the text and target tokens attend to all, and their keys and values after RoPE fill a new
-`Flux2KVCache`, layer by layer, that the call returns; their outputs are dropped. Its later calls (`"cached"`)
-hold only text and target tokens, and their attention reads the cache's reference keys and values put between the
-text and image keys. `Flux2KVAttnProcessor` and `Flux2KVParallelSelfAttnProcessor` do this per call; here each
-part's attention does it for the part's rows, op for op, so parts of other sizes, reference counts and modes (plain
-calls too) share one packed forward. A cached part reads its rows' cache (one request's, or the row-state join of
-several); an extract part fills a cache of its rows, which the row state cuts back per request.
+row's image tokens: modulated with a fixed timestep's embedding, they attend only to each other (text and target
+tokens attend to all), and their keys and values after RoPE fill a new `Flux2KVCache` that the call returns. Its
+later calls (`"cached"`) attend to that cache's keys and values as well, put between the text and image keys.
+The KV attention processors do this per call; here each part's attention does it for the part's rows, op for op,
+so calls of other sizes, reference counts and modes (plain calls too) share one packed forward. A cached part reads
+its rows' cache (one request's, or the row-state join of several); an extract part fills one the row state cuts.
 """
 
 from __future__ import annotations
@@ -81,14 +79,12 @@ class PackedKV:
     ref_mods: tuple[torch.Tensor, torch.Tensor] | None
 
     def image_values(self, layout: PackedLayout, mod_img: torch.Tensor) -> list[RowValues]:
-        """The double blocks' image-stream (shift, 1 + scale, gate) x 2, reference tokens with their row's
-        reference values (the model's `_blend_double_block_mods`)."""
+        """The double blocks' image-stream AdaLN values, reference tokens with their row's reference ones."""
         return self._values(layout, IMAGE, mod_img, [0] * layout.num_parts, 6)
 
     def joint_values(self, joint_layout: PackedLayout, text_lengths: Sequence[int], mod_single: torch.Tensor
                      ) -> list[RowValues]:
-        """The single blocks' (shift, 1 + scale, gate) over each row's text then image tokens, reference tokens
-        with their row's reference values (the model's `_blend_single_block_mods`)."""
+        """The single blocks' AdaLN values over each row's text then image tokens, as `image_values`."""
         return self._values(joint_layout, 0, mod_single, text_lengths, 3)
 
     def _values(self, layout, stream, mod, offsets, chunks):

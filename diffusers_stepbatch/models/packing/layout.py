@@ -177,8 +177,7 @@ class PackedLayout:
 
 
 def adaln_values(layout: PackedLayout, stream: int, emb: torch.Tensor, chunks: int) -> list[RowValues]:
-    """AdaLN-Zero's per-row (shift, scale, gate, ...) chunks of `emb` [rows, chunks * dim] as `stream`'s tokens
-    see them, each scale (every third chunk from the second) as 1 + scale, ready for `modulate`."""
+    """AdaLN-Zero's per-row (shift, 1 + scale, gate, ...) chunks of `emb` as `stream`'s tokens see them."""
     return layout.row_values(stream, adaln_rows(emb, chunks), chunks)
 
 
@@ -200,8 +199,8 @@ def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence
     """Self-attention inside each row over its streams' tokens, in stream order; no token sees another row's.
 
     `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's [tokens, heads * head_dim]
-    (into `out[k]` when given). "recover_scatter" attends each part as one batch through `attention`, or through
-    `attention[part]` where it is one function per part (a part's own attention, such as a KV cache's).
+    (into `out[k]` when given). "recover_scatter" attends each part as one batch through `attention` (or a list:
+    `attention[part]`).
     """
     per_part = not callable(attention)
     if per_part and method != "recover_scatter":
