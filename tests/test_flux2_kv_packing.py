@@ -71,7 +71,8 @@ def _sizes(forward, mode) -> set:
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_packed_kv_calls_return_what_the_model_returns(config):
+@pytest.mark.parametrize("method", ["auto", "flex"])  # NOTE: KV parts attend per part whichever is asked for
+def test_packed_kv_calls_return_what_the_model_returns(config, method):
     pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline, **CONFIGS[config])
     model = pipe.transformer
     runs = [_calls(pipe, _request(prompt, size, refs, 2, seed))
@@ -79,9 +80,10 @@ def test_packed_kv_calls_return_what_the_model_returns(config):
                                              ("a dog on a hill", (48, 32), [(64, 96), (80, 64)], 1),
                                              ("a cow", (32, 48), [(64, 64)], 2),
                                              ("no reference", (32, 32), [], 3))]
+    runs[1][0] = dict(runs[1][0], return_dict=True)  # an output record, the others tuples
     with torch.no_grad():
         first = [model(**calls[0]) for calls in runs]
-        packed = packing.pack_calls(model, [calls[0] for calls in runs], "auto", [None] * len(runs))
+        packed = packing.pack_calls(model, [calls[0] for calls in runs], method, [None] * len(runs))
         for own, got in zip(first, packed):
             assert type(got) is type(own) and len(got) == len(own)
             assert max_diff(got[0], own[0]) <= 1e-5
@@ -95,7 +97,7 @@ def test_packed_kv_calls_return_what_the_model_returns(config):
                   "encoder_hidden_states", "timestep") else value for name, value in runs[0][1].items()}
         joined["kv_cache"] = KV_CACHE.join([(first[0][1], 1), (first[2][1], 1)])
         cached = [dict(runs[1][1], kv_cache=first[1][1]), joined, runs[3][1]]
-        packed = packing.pack_calls(model, cached, "auto", [None] * len(cached))
+        packed = packing.pack_calls(model, cached, method, [None] * len(cached))
         for call, got in zip(cached, packed):
             assert max_diff(got[0], model(**call)[0]) <= 1e-5
         # the cache matters: without it the joined call's output differs
@@ -110,10 +112,11 @@ def test_pack_key_takes_the_kv_calls_the_pipeline_makes_and_refuses_the_others()
         cache = pipe.transformer(**calls[0])[1]
     cached = dict(calls[1], kv_cache=cache)
     key, tokens = packing.pack_key(calls[0])
-    # both pack with plain calls; a cached row attends to its cached reference tokens as well
-    assert packing.pack_key(cached) == (key, tokens) and packing.pack_key(calls[0])[0] == packing.pack_key(
+    # both pack with plain calls; tokens per row: the image (reference tokens included) and text tokens run
+    assert packing.pack_key(calls[0])[0] == packing.pack_key(
         {k: v for k, v in calls[1].items() if k not in ("kv_cache", "kv_cache_mode")})[0]
     assert tokens == calls[0]["hidden_states"].shape[1] + calls[0]["encoder_hidden_states"].shape[1]
+    assert packing.pack_key(cached) == (key, tokens - cache.num_ref_tokens)
     for refused in (dict(calls[0], kv_cache=cache), dict(calls[1], kv_cache=None),
                     dict(calls[1], kv_cache_mode="other", kv_cache=cache),
                     dict(calls[0], num_ref_tokens=calls[0]["hidden_states"].shape[1] + 1)):

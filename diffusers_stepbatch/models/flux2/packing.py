@@ -79,8 +79,7 @@ def pack_key(arguments: dict) -> tuple | None:
     hidden, text = arguments["hidden_states"], arguments.get("encoder_hidden_states")
     if text is None or any(not isinstance(arguments.get(name), torch.Tensor) for name in ("img_ids", "txt_ids")):
         return None
-    role = kv_role(arguments)
-    if role is None:
+    if kv_role(arguments) is None:
         return None
     # NOTE: timestep and guidance are joined per row: one value per row, as the FLUX.2 pipelines pass them
     for name in ("timestep", "guidance"):
@@ -91,8 +90,7 @@ def pack_key(arguments: dict) -> tuple | None:
     attention_kwargs = arguments.get("joint_attention_kwargs") or {}
     key = (arguments.get("guidance") is None, attention_kwargs.get("scale"), hidden.dtype, text.dtype,
            str(hidden.device), arguments.get("return_dict", True))
-    # NOTE: a cached call's rows also attend to their cached reference tokens
-    return key, hidden.shape[1] + text.shape[1] + (role[1] if role[0] == "cached" else 0)
+    return key, hidden.shape[1] + text.shape[1]
 
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
@@ -102,9 +100,11 @@ def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacac
     outputs = flux2_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
     returned = []
     for call, part, out in zip(calls, parts, outputs):
-        extra = {"kv_cache": part.kv.cache} if part.kv.mode == "extract" else {}
-        returned.append((out, *extra.values()) if not call.get("return_dict", True)
-                        else Flux2Transformer2DModelOutput(sample=out, **extra))
+        filled = part.kv.cache if part.kv.mode == "extract" else None  # NOTE: None without reference tokens
+        if call.get("return_dict", True):
+            returned.append(Flux2Transformer2DModelOutput(sample=out, kv_cache=filled))
+        else:
+            returned.append((out, filled) if part.kv.mode == "extract" else (out,))
     return returned
 
 
