@@ -2,8 +2,9 @@
 
 The generic program intercepts `Flux2Transformer2DModel` calls; calls of other image token counts (an edit row's
 reference images included) and text lengths run as one packed call (`models/flux2/packing.py`), and each request
-still equals its plain solo run. A custom attention processor keeps sizes apart, klein KV runs alone, and
-per-request LoRA mixes adapters in one forward.
+still equals its plain solo run. A custom attention processor keeps sizes apart, klein KV calls of one size share
+forwards by rows (their packed forwards: test_flux2_kv_packing.py), and per-request LoRA mixes adapters in one
+forward.
 """
 
 
@@ -173,9 +174,10 @@ def test_klein_kv_requests_share_forwards_through_their_caches_and_stay_exact(co
         dict(prompt="a b", image=reference_image(80, 64, 5), height=48, width=32, num_inference_steps=2, seed=4,
              **COMMON),
         dict(prompt="no reference", height=32, width=32, num_inference_steps=2, seed=5, **COMMON)]
-    runs = plain_and_wrapped(pipe, requests, max_batch_size=16)
+    runs = plain_and_wrapped(pipe, requests, max_batch_size=16, mixed_resolution=False)
     assert max(max_diff(got.images, want.images) for got, want in zip(runs.wrapped, runs.plain)) <= TOLERANCE
-    # the three requests with one 64x64 reference share calls that fill or read their caches
+    # without packed forwards, the three requests with one 64x64 reference share calls that fill or read their
+    # caches (their rows' caches joined)
     assert max(runs.wrapped_rows) >= 2, runs.wrapped_rows
 
 
@@ -256,7 +258,7 @@ def test_pack_key_lets_sizes_and_references_pack_and_refuses_what_the_packed_for
     assert pack_key(arguments(edit))[0] == key and tokens == 16 + 8
     assert pack_key(arguments(edit))[1] == 12 + 9 + 8 + 12
     assert pack_key(dict(arguments(small), guidance=torch.ones(1)))[0] != key  # guidance rows never join klein's
-    for refused in (dict(kv_cache_mode="extract", num_ref_tokens=9), dict(joint_attention_kwargs={"mask": 1}),
+    for refused in (dict(kv_cache_mode="cached"), dict(joint_attention_kwargs={"mask": 1}),
                     dict(timestep=torch.tensor(0.5))):
         assert pack_key({**arguments(small), **refused}) is None, refused
 

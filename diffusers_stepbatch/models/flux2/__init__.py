@@ -4,8 +4,8 @@ Rows: latents (an edit row's reference-image tokens appended), text, timestep an
 forward reads its RoPE positions from the first row only, so a plain forward merges only calls with equal positions
 (image grid, reference images, text length); `packing.py` packs rows of other sizes, reference images and text
 lengths into one call, each with its own positions; `teacache.py` is the per-row TeaCache forward. The klein KV
-variant's reference-image KV cache (`kv_cache.py`) is a row state: extract calls of equal reference token counts
-merge and each request gets its rows of the returned cache; cached calls read their rows' caches stacked.
+variant's reference-image KV cache (`kv_cache.py`) is a row state: each request gets its rows of a returned
+cache, cached calls read their rows' caches stacked; `kv_packing.py` packs such calls of other sizes.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ differences that keep each row's result its own: tokens of all rows are packed w
 `single_stream_modulation` layers of its own timestep and guidance) reaches only its own tokens, and attention runs
 inside each row with the row's own 4-axis RoPE positions. An edit row's reference-image tokens are part of its image
 tokens (the pipelines append them to the latents, with their own time-axis offsets in `img_ids`), so they pack as
-that row's tokens and come back in its output, as the model returns them. TeaCache decisions stay per request and
-CFG branch (`packing/joint.teacache_blocks`): a request may alternate between packed and ordinary calls.
+that row's tokens and come back in its output, as the model returns them. klein KV's calls that fill or read a
+reference KV cache pack too (`kv_packing.py`). TeaCache decisions stay per request and CFG branch
+(`packing/joint.teacache_blocks`): a request may alternate between packed and ordinary calls.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from diffusers.models.transformers.transformer_flux2 import (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor,
+from diffusers.models.transformers.transformer_flux2 import (Flux2AttnProcessor, Flux2KVAttnProcessor,
+                                                            Flux2KVParallelSelfAttnProcessor,
+                                                            Flux2ParallelSelfAttnProcessor,
                                                             Flux2Transformer2DModelOutput)
 from diffusers.utils import apply_lora_scale
 
@@ -27,7 +30,7 @@ from ..packing.joint import (IMAGE, TEXT, attention_fn, double_block, joint_stre
 from ..packing.attention import resolve
 from ..packing.layout import adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
-
+from .kv_packing import KV_ARGUMENTS, PartKV, kv_role, packed_kv, part_kv
 
 
 @dataclass
@@ -41,11 +44,14 @@ class Flux2Part:
     txt_ids: torch.Tensor  # [text tokens, 4]
     img_ids: torch.Tensor  # [image tokens, 4]
     teacache: Sequence[TeaCacheState | None] | None = None  # per row
+    kv: PartKV | None = None  # klein KV: the part fills or reads a reference KV cache
 
 
 def flux2_packing_unsupported(transformer) -> str | None:
     """Why `flux2_packed_forward` can't stand in for this transformer's forward, or None when it can."""
-    return unsupported_reason(transformer, (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor))
+    # NOTE: klein KV's processors run a call without KV arguments as the plain ones do
+    return unsupported_reason(transformer, (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor, Flux2KVAttnProcessor,
+                                            Flux2KVParallelSelfAttnProcessor))
 
 
 def flux2_packed_forward(transformer, parts: Sequence[Flux2Part], joint_attention_kwargs: dict | None = None,
@@ -60,18 +66,20 @@ def flux2_packed_forward(transformer, parts: Sequence[Flux2Part], joint_attentio
                     packed_attention=packed_attention)
 
 
-# the forward's arguments that the packed and TeaCache forwards reproduce; a call with any other argument set (the
-# klein KV cache's kv_cache, kv_cache_mode, num_ref_tokens, ref_fixed_timestep) runs as is
+# the forward's arguments that the packed and TeaCache forwards reproduce besides klein KV's (`KV_ARGUMENTS`); a call
+# with any other argument set runs as is
 REPRODUCED_ARGUMENTS = frozenset({"hidden_states", "encoder_hidden_states", "timestep", "guidance", "txt_ids",
                                   "img_ids", "joint_attention_kwargs", "return_dict"})
 
 
 def pack_key(arguments: dict) -> tuple | None:
     """(what must match for calls of `Flux2Transformer2DModel.forward` to pack, tokens per row), or None."""
-    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "joint_attention_kwargs"):
+    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS | KV_ARGUMENTS, "joint_attention_kwargs"):
         return None
     hidden, text = arguments["hidden_states"], arguments.get("encoder_hidden_states")
     if text is None or any(not isinstance(arguments.get(name), torch.Tensor) for name in ("img_ids", "txt_ids")):
+        return None
+    if kv_role(arguments) is None:
         return None
     # NOTE: timestep and guidance are joined per row: one value per row, as the FLUX.2 pipelines pass them
     for name in ("timestep", "guidance"):
@@ -86,11 +94,18 @@ def pack_key(arguments: dict) -> tuple | None:
 
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
-    """One packed forward for calls of different sizes; each call's output as the model would return it."""
-    outputs = flux2_packed_forward(transformer, _parts(calls, teacache), calls[0].get("joint_attention_kwargs"),
-                                   packed_attention)
-    return [(out,) if not c.get("return_dict", True) else Flux2Transformer2DModelOutput(sample=out)
-            for c, out in zip(calls, outputs)]
+    """One packed forward for calls of different sizes; each call's output as the model would return it (an
+    extract call's with the KV cache it filled)."""
+    parts = _parts(calls, teacache, transformer)
+    outputs = flux2_packed_forward(transformer, parts, calls[0].get("joint_attention_kwargs"), packed_attention)
+    returned = []
+    for call, part, out in zip(calls, parts, outputs):
+        filled = part.kv.cache if part.kv.mode == "extract" else None  # NOTE: None without reference tokens
+        if call.get("return_dict", True):
+            returned.append(Flux2Transformer2DModelOutput(sample=out, kv_cache=filled))
+        else:
+            returned.append((out, filled) if part.kv.mode == "extract" else (out,))
+    return returned
 
 
 def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
@@ -100,14 +115,20 @@ def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor]:
     return token_streams(_parts(calls))
 
 
-def _parts(calls: Sequence[dict], teacache: Sequence | None = None) -> list[Flux2Part]:
+def _parts(calls: Sequence[dict], teacache: Sequence | None = None, transformer=None) -> list[Flux2Part]:
+    """The calls as parts; with `transformer`, with their KV roles (an extract call's new cache)."""
     def ids(tensor):
         return tensor[0] if tensor.ndim == 3 else tensor  # NOTE: the model reads a 3-D tensor's first row too
 
-    return [Flux2Part(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
-                      timestep=c["timestep"], guidance=c.get("guidance"), txt_ids=ids(c["txt_ids"]),
-                      img_ids=ids(c["img_ids"]), teacache=states)
-            for c, states in zip(calls, teacache or [None] * len(calls))]
+    parts = []
+    for c, states in zip(calls, teacache or [None] * len(calls)):
+        kv = None if transformer is None else part_kv(transformer, c)
+        if kv is not None and kv.mode == "extract":
+            states = None  # NOTE: the cache-filling call computes and leaves TeaCache's states, as `teacache.py`
+        parts.append(Flux2Part(hidden_states=c["hidden_states"], encoder_hidden_states=c["encoder_hidden_states"],
+                               timestep=c["timestep"], guidance=c.get("guidance"), txt_ids=ids(c["txt_ids"]),
+                               img_ids=ids(c["img_ids"]), teacache=states, kv=kv))
+    return parts
 
 
 def _part_rotary(transformer, part: Flux2Part):
@@ -132,6 +153,9 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
     if first.guidance is not None:
         guidance = torch.cat([p.guidance for p in parts]).to(raw.dtype) * 1000
     temb = transformer.time_guidance_embed(timestep, guidance)
+    kv = packed_kv(transformer, [p.kv or PartKV(None) for p in parts], layout.rows, timestep, guidance)
+    if kv is not None:
+        packed_attention = "recover_scatter"  # NOTE: a KV part attends as its own batch, as the model does
     mod_img = transformer.double_stream_modulation_img(temb)
     mod_txt = transformer.double_stream_modulation_txt(temb)
     mod_single = transformer.single_stream_modulation(temb)
@@ -144,58 +168,55 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
 
     states = [s for p in parts for s in (p.teacache or [None] * p.hidden_states.shape[0])]
     if all(state is None for state in states) or not len(transformer.transformer_blocks):
-        hidden = _blocks(transformer, layout, hidden, encoder, mods, part_rotary, method)
+        hidden = _blocks(transformer, layout, hidden, encoder, mods, part_rotary, method, kv)
     else:
-        hidden = _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_rotary, method)
+        hidden = _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_rotary, method, kv)
 
     norm_out = transformer.norm_out
     emb = norm_out.linear(norm_out.silu(temb).to(hidden.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
     scale1, shift = layout.row_values(IMAGE, torch.cat([1 + scale, shift], dim=1), 2)
     out = layout.modulate(IMAGE, norm_out.norm(hidden), scale1, shift)
-    return layout.unpack(IMAGE, transformer.proj_out(out))
+    outputs = layout.unpack(IMAGE, transformer.proj_out(out))
+    return outputs if kv is None else kv.outputs(outputs)
 
 
-def _blocks(transformer, layout, hidden, encoder, mods, part_rotary, method):
+def _blocks(transformer, layout, hidden, encoder, mods, part_rotary, method, kv=None):
     """The double and single blocks on packed tokens; `mods` are the shared modulation layers' outputs per row
-    (image, text, single stream). Returns the image tokens."""
+    (image, text, single stream), `kv` the parts' KV roles (None: plain calls). Returns the image tokens."""
     mod_img, mod_txt, mod_single = mods
     # NOTE: MLPs may run per part (temporaries of one part's size) unless per-row LoRA maps their inputs to
     # rows by token count, which a part's slice would not match.
     split = not lora_layers(transformer)
     if len(transformer.transformer_blocks):
         rotary = stream_rotary(layout, part_rotary)
-        image_mods = adaln_values(layout, IMAGE, mod_img, 6)
+        image_mods = adaln_values(layout, IMAGE, mod_img, 6) if kv is None else kv.image_values(layout, mod_img)
         text_mods = adaln_values(layout, TEXT, mod_txt, 6)
-        for block in transformer.transformer_blocks:
-            encoder, hidden = _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method,
-                                            split)
+        text_lengths = [text for text, _ in layout.lengths]
+        for index, block in enumerate(transformer.transformer_blocks):
+            attention = None if kv is None else kv.attention(block.attn, text_lengths, index, double=True)
+            encoder, hidden = double_block(block, layout, hidden, encoder, (block.norm1, block.norm1_context),
+                                           image_mods, text_mods, rotary, method, split, attention)
     if len(transformer.single_transformer_blocks):
-        hidden = _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method)
+        hidden = _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method, kv)
     return hidden
 
 
-def _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_rotary, method):
+def _teacache_blocks(transformer, layout, states, hidden, encoder, mods, part_rotary, method, kv=None):
     """`_blocks` with per-state TeaCache decisions on the signal as `teacache.py` computes it, op for op."""
     shift, scale = mods[0].index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
     signal = (1 + scale) * transformer.transformer_blocks[0].norm1(hidden) + shift
 
     def run(sub_layout, sub_hidden, sub_encoder, rows, parts):
         sub_mods = tuple(mod.index_select(0, rows) for mod in mods)
+        sub_kv = None if kv is None else kv.select(layout, rows.tolist())
         return _blocks(transformer, sub_layout, sub_hidden, sub_encoder, sub_mods,
-                       [part_rotary[part] for part in parts], method)
+                       [part_rotary[part] for part in parts], method, sub_kv)
 
     return teacache_blocks(layout, states, hidden, encoder, signal, run)
 
 
-def _double_block(block, layout, hidden, encoder, image_mods, text_mods, rotary, method, split):
-    """Flux2TransformerBlock with Flux2AttnProcessor on packed tokens; `*_mods` are the shared modulation
-    layers' per-row (shift, 1 + scale, gate) x 2, as each stream's tokens see them."""
-    return double_block(block, layout, hidden, encoder, (block.norm1, block.norm1_context), image_mods, text_mods,
-                        rotary, method, split)
-
-
-def _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method):
+def _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary, method, kv=None):
     """The single-stream blocks over each row's text then image tokens; returns the image tokens."""
     joint_layout = joint_stream_layout(layout)
     joint = hidden.new_empty(joint_layout.tokens(0), hidden.shape[1])
@@ -204,19 +225,23 @@ def _single_blocks(transformer, layout, hidden, encoder, mod_single, part_rotary
         joint_part[:, :text.shape[1]] = text
         joint_part[:, text.shape[1]:] = image
     rotary = joint_stream_rotary(layout, part_rotary)
-    shift, scale, gate = adaln_values(joint_layout, 0, mod_single, 3)
+    text_lengths = [text for text, _ in layout.lengths]
+    shift, scale, gate = (adaln_values(joint_layout, 0, mod_single, 3) if kv is None
+                          else kv.joint_values(joint_layout, text_lengths, mod_single))
     attn = transformer.single_transformer_blocks[0].attn
     # NOTE: one [tokens, attention + mlp dim] workspace for all blocks, written in place of the processor's
     # torch.cat([attn_output, mlp_hidden_states])
     mixed = joint.new_empty(joint.shape[0], attn.to_out.in_features)
-    for block in transformer.single_transformer_blocks:
-        joint = _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method, mixed)
+    for index, block in enumerate(transformer.single_transformer_blocks):
+        attention = None if kv is None else kv.attention(block.attn, text_lengths, index, double=False)
+        joint = _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method, mixed, attention)
     return layout.pack(IMAGE, [part[:, text_len:] for part, (text_len, _) in
                                zip(joint_layout.unpack(0, joint), layout.lengths)])
 
 
-def _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method, mixed):
-    """Flux2SingleTransformerBlock with Flux2ParallelSelfAttnProcessor on the packed joint stream."""
+def _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method, mixed, attention=None):
+    """Flux2SingleTransformerBlock with Flux2ParallelSelfAttnProcessor on the packed joint stream (`attention`:
+    one function per part; None: the processor's)."""
     norm = joint_layout.modulate(0, block.norm(joint), scale, shift)
     attn = block.attn
     projected = attn.to_qkv_mlp_proj(norm)
@@ -226,7 +251,8 @@ def _single_block(block, joint_layout, joint, shift, scale, gate, rotary, method
     query = rope(attn.norm_q(per_head(attn, query)), rotary)
     key = rope(attn.norm_k(per_head(attn, key)), rotary)
     inner = attn.inner_dim
-    attend(joint_layout, [query], [key], [per_head(attn, value)], attention_fn(attn), method, out=[mixed[:, :inner]])
+    attend(joint_layout, [query], [key], [per_head(attn, value)], attention or attention_fn(attn), method,
+           out=[mixed[:, :inner]])
     mixed[:, inner:] = attn.mlp_act_fn(mlp)
     joint = joint_layout.gated_add(0, joint, gate, attn.to_out(mixed))
     if joint.dtype == torch.float16:

@@ -25,12 +25,13 @@ from ...cache.teacache import TeaCacheState
 from ..flux.teacache import per_row_blocks
 from ..packing.support import reproduces_call
 from .kv_cache import cache_rows
+from .kv_packing import KV_ARGUMENTS
 from .packing import REPRODUCED_ARGUMENTS
 
 FLUX2_COEFFICIENTS = (1.04582360e02, -6.87605554e00, -8.61659379e-02, 5.37600252e-02)
 
 
-_CACHED_ARGUMENTS = REPRODUCED_ARGUMENTS | {"kv_cache", "kv_cache_mode", "num_ref_tokens"}
+_CACHED_ARGUMENTS = REPRODUCED_ARGUMENTS | KV_ARGUMENTS
 
 
 def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:

@@ -103,10 +103,10 @@ def per_head(attn, x):
     return x.unflatten(-1, (-1, attn.head_dim))
 
 
-def double_block(block, layout, hidden, encoder, norms, image_mods, text_mods, rotary, method, split):
+def double_block(block, layout, hidden, encoder, norms, image_mods, text_mods, rotary, method, split, attention=None):
     """A FLUX.1 / FLUX.2 double-stream block on packed tokens: `norms` are the image and text streams' first
     norms, `*_mods` each stream's per-row (shift, 1 + scale, gate) x 2 as its tokens see them; joint attention
-    stays inside each row."""
+    stays inside each row (`attention`: one function per part, as `attend` takes them; None: the processor's)."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = image_mods
     c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = text_mods
     norm_hidden = layout.modulate(IMAGE, norms[0](hidden), scale_msa, shift_msa)
@@ -121,7 +121,7 @@ def double_block(block, layout, hidden, encoder, norms, image_mods, text_mods, r
         layout,
         [rope(e_query, rotary[TEXT]), rope(query, rotary[IMAGE])],
         [rope(e_key, rotary[TEXT]), rope(key, rotary[IMAGE])],
-        [e_value, value], attention_fn(attn), method,
+        [e_value, value], attention or attention_fn(attn), method,
     )
     attn_output = attn.to_out[1](attn.to_out[0](image_out.to(query.dtype)))
     context_attn_output = attn.to_add_out(text_out.to(query.dtype))

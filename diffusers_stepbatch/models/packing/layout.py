@@ -177,12 +177,16 @@ class PackedLayout:
 
 
 def adaln_values(layout: PackedLayout, stream: int, emb: torch.Tensor, chunks: int) -> list[RowValues]:
-    """AdaLN-Zero's per-row (shift, scale, gate, ...) chunks of `emb` [rows, chunks * dim] as `stream`'s tokens
-    see them, each scale (every third chunk from the second) as 1 + scale, ready for `modulate`."""
+    """AdaLN-Zero's per-row (shift, 1 + scale, gate, ...) chunks of `emb` as `stream`'s tokens see them."""
+    return layout.row_values(stream, adaln_rows(emb, chunks), chunks)
+
+
+def adaln_rows(emb: torch.Tensor, chunks: int) -> torch.Tensor:
+    """`emb` [rows, chunks * dim] with each scale chunk (every third from the second) as 1 + scale."""
     pieces = list(emb.chunk(chunks, dim=1))
     for scale in range(1, chunks, 3):
         pieces[scale] = 1 + pieces[scale]
-    return layout.row_values(stream, torch.cat(pieces, dim=1), chunks)
+    return torch.cat(pieces, dim=1)
 
 
 # attention(query, key, value) on [rows, sequence, heads, head_dim] tensors -> [rows, sequence, heads, head_dim]
@@ -190,13 +194,17 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
-           values: Sequence[torch.Tensor], attention: AttentionFn, method: str = "recover_scatter",
-           out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+           values: Sequence[torch.Tensor], attention: AttentionFn | Sequence[AttentionFn],
+           method: str = "recover_scatter", out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Self-attention inside each row over its streams' tokens, in stream order; no token sees another row's.
 
     `queries[k]` etc. are stream k's packed [tokens, heads, head_dim]; returns stream k's [tokens, heads * head_dim]
-    (into `out[k]` when given). "recover_scatter" attends each part as one batch through `attention`.
+    (into `out[k]` when given). "recover_scatter" attends each part as one batch through `attention` (or a list:
+    `attention[part]`).
     """
+    per_part = not callable(attention)
+    if per_part and method != "recover_scatter":
+        raise ValueError(f"per-part attention functions need method='recover_scatter', got {method!r}")
     if method != "recover_scatter":
         from .attention import flat_attend
 
@@ -207,7 +215,7 @@ def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence
             target.copy_(output)
         return list(out)
     outputs = list(out) if out is not None else [q.new_empty(q.shape[0], q.shape[1] * q.shape[2]) for q in queries]
-    for part_rows, spans in zip(layout.rows, layout.spans):
+    for part, (part_rows, spans) in enumerate(zip(layout.rows, layout.spans)):
         gathered = []
         for tensors in (queries, keys, values):
             pieces = [
@@ -215,7 +223,7 @@ def attend(layout: PackedLayout, queries: Sequence[torch.Tensor], keys: Sequence
                 for tensor, span in zip(tensors, spans)
             ]
             gathered.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1))
-        out = attention(*gathered).flatten(2, 3)
+        out = (attention[part] if per_part else attention)(*gathered).flatten(2, 3)
         offset = 0
         for k, span in enumerate(spans):
             outputs[k][span.start:span.start + part_rows * span.length] = \
