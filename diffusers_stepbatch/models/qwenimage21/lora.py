@@ -1,12 +1,7 @@
-"""Qwen-Image 2.1 under per-row LoRA: which row each entry of a LoRA layer's input belongs to.
-
-With `causal_condition` the text and condition-image tokens modulate from a `t = 0` timestep row. The model's
-forward appends one for the whole call, so under per-row LoRA its delta would be one request's for every row: the
-packed and TeaCache forwards give each row its own instead (`joint_call(own_zero_rows=True)`). Their steps then
-see three arrangements of the rows: a call's rows on dim 0 (`img_in`, `txt_in`, `proj_out`), its timestep rows and
-then its t=0 rows (the timestep embedding, `modulation`, `norm_out.linear`: `embedding_layout`), and the blocks'
-one stream of every call's tokens (`token_layout`; `token_rows` for the packed call).
-"""
+"""Which row each entry of a LoRA layer input is, in the packed and TeaCache forwards under per-row LoRA, where each
+row has its own t=0 row (`joint_call(own_zero_rows=True)`; the model's one per call would carry one request's
+delta): a call's rows on dim 0 and in its timestep then t=0 rows (`embedding_layout`: the timestep embedding,
+`modulation`, `norm_out.linear`), and the blocks' one stream of every call's tokens (`token_layout`)."""
 
 from __future__ import annotations
 
@@ -47,7 +42,7 @@ def _stream(rows: Sequence[torch.Tensor], tokens: Sequence[int]) -> torch.Tensor
 
 
 def _tokens(arguments: dict) -> int:
-    """A row's tokens in the blocks (`joint_call`): only the target image's where the call reads its KV cache."""
+    # NOTE: as `joint_call`: only the target image's tokens where the call reads its KV cache
     if arguments.get("kv_cache_mode") == "cached":
         return math.prod(arguments["img_shapes"][0][-1])
     return int(torch.where(arguments["img_mask"][0], SLOT_TOKENS, 1).sum())
