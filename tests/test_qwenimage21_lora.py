@@ -143,3 +143,29 @@ def test_a_merged_call_gives_each_row_its_own_adapters(config, case):
                 assert min(max_diff(alone[2], alone[i]) for i in (0, 1, 3)) > 1e-3  # each row's adapters count
     finally:
         pipe.set_adapters(*ACTIVE)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_with_another_attention_processor_each_request_runs_with_its_own_adapters(config):
+    """The packed forward stands in only for `QwenImage21AttnProcessor`: with another, a call of one request's rows
+    runs the model's forward (its t=0 row with their adapters), and rows of other adapters run apart, saying so."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
+
+    class OwnProcessor(QwenImage21AttnProcessor):
+        pass
+
+    pipe = lora_pipe.__wrapped__(config)
+    pipe.transformer.set_attn_processor(OwnProcessor())
+    common = dict(COMMON, prompt="a red circle", height=64, width=64, num_inference_steps=3)
+    requests = [dict(common, adapters={"all": 1.0}, seed=0), dict(common, adapters={"a": 1.0, "all": 0.5}, seed=1),
+                dict(common, adapters={}, seed=2, negative_prompt="blurry", true_cfg_scale=3.0)]
+    expected = [_lora_plain_run(pipe, kwargs) for kwargs in requests]
+    with StepBatched(pipe, max_batch_size=16) as sb:
+        with engine_held(sb, dict(COMMON, prompt="a blocker", height=32, width=32, num_inference_steps=1, seed=0)):
+            futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
+        results = [future.result(300).images for future in futures]
+        splits = sb.stats()["splits"]
+    assert max(max_diff(got, want) for got, want in zip(results, expected)) <= TOLERANCE
+    assert min(max_diff(expected[2], expected[i]) for i in (0, 1)) > 1e-3
+    assert any("rows with other adapters can't share" in reason and "OwnProcessor" in reason for reason in splits), \
+        splits

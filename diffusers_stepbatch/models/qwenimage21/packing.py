@@ -15,7 +15,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 from diffusers.utils import apply_lora_scale
 
-from ...adapters.lora import lora_active, lora_layout
+from ...adapters.lora import LoraLayout, lora_active, lora_layout, lora_uniform
 from ..packing.support import unsupported_reason
 from .blocks import run_blocks
 from .joint import REPRODUCED, SLOT_TOKENS, joint_call, project_out, reproduced
@@ -43,17 +43,21 @@ def pack_key(arguments: dict) -> tuple | None:
 
 
 def lora_forward(transformer, arguments: dict) -> Any:
-    """`ModelSupport.lora_forward`: a call under per-row LoRA, through the packed forward; None without
-    `causal_condition` (the model's forward then has its rows on dim 0 throughout)."""
+    """`ModelSupport.lora_forward`: a call under per-row LoRA, through the packed forward (where it can't stand in,
+    the model's forward for one request's rows); None without `causal_condition` (the model's forward then has its
+    rows on dim 0 throughout)."""
     if not transformer.config.causal_condition:
         return None
     reason = qwenimage21_packing_unsupported(transformer)
     if reason is None and pack_key(arguments) is None:
         reason = "the call has arguments the packed forward doesn't reproduce"
-    if reason is not None:
-        raise ValueError(f"per-request LoRA on {type(transformer).__name__} runs its packed forward, which can't "
-                         f"stand in for its forward here: {reason}; set the adapters with set_adapters instead")
-    return pack_calls(transformer, [arguments], "", [None])[0]
+    if reason is None:
+        return pack_calls(transformer, [arguments], "", [None])[0]
+    if not lora_uniform(transformer):  # NOTE: the merged call then runs each request's rows alone
+        raise ValueError(f"rows with other adapters can't share a {type(transformer).__name__} call: {reason}")
+    rows = torch.arange(arguments["hidden_states"].shape[0])
+    with lora_layout(transformer, LoraLayout(rows, [torch.cat([rows, rows[:1]])])):  # its t=0 row: their adapters
+        return transformer(**arguments)
 
 
 def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
