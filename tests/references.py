@@ -166,13 +166,14 @@ def assert_polynomial_beats_a_constant(coefficients, xs: list[float], ys: list[f
     assert fitted < constant
 
 
-def assert_teacache_shared_equals_alone(pipe, requests: list[dict], teacache, blocker: dict) -> dict:
+def assert_teacache_shared_equals_alone(pipe, requests: list[dict], teacache, blocker: dict, plain=None) -> dict:
     """Under `teacache`, each request submitted with all of them (in lockstep behind `blocker`) equals it alone;
-    a request with `teacache=None` equals its plain run and every other one skipped steps. Returns the shared
-    engine's `stats()`."""
+    a request with `teacache=None` equals its plain run (`plain(kwargs)`: its images; by default the pipeline's
+    call) and every other one skipped steps. Returns the shared engine's `stats()`."""
     from diffusers_stepbatch import StepBatched
 
-    exact = [pipe(**seeded({k: v for k, v in kwargs.items() if k != "teacache"})).images for kwargs in requests]
+    plain = plain or (lambda kwargs: pipe(**seeded(kwargs)).images)
+    exact = [plain({k: v for k, v in kwargs.items() if k != "teacache"}) for kwargs in requests]
     with StepBatched(pipe, teacache=teacache) as sb:
         solo = [sb(**seeded(kwargs)).images for kwargs in requests]
     with StepBatched(pipe, teacache=teacache, max_batch_size=16) as sb:

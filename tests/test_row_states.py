@@ -32,15 +32,16 @@ def captured_calls(pipe, **kwargs) -> list[dict]:
     return calls
 
 
-def merged(model, calls: list[dict]) -> list:
-    """The calls as one call of all their rows, its output cut back per call."""
+def merged(model, calls: list[dict], run=run_call) -> list:
+    """The calls as one call of all their rows (`run(model, call, rows)`: the model's forward), its output cut back
+    per call."""
     described = [describe_call(model, (), kwargs) for kwargs in calls]
     assert all(call.signature == described[0].signature for call in described)
     rows = {}
     for i, first in enumerate(described[0].row_inputs):
         parts = [call.row_inputs[i] for call in described]
         rows[f"row{i}"] = sum(parts, []) if isinstance(first, list) else torch.cat(parts)
-    output = run_call(model, described[0], rows)
+    output = run(model, described[0], rows)
     return [cut(output, i, i + 1, len(calls), described[0].support) for i in range(len(calls))]
 
 

@@ -179,6 +179,12 @@ def lora_active(model: torch.nn.Module) -> bool:
     return model in _PLANS
 
 
+def lora_uniform(model: torch.nn.Module) -> bool:
+    """Whether every row of `model`'s running `per_row_lora` forward carries the same adapters (True outside one)."""
+    plan = _PLANS.get(model)
+    return plan is None or plan.uniform
+
+
 @contextlib.contextmanager
 def lora_layout(model: torch.nn.Module, layout: LoraLayout | None) -> Iterator[None]:
     """Inside a `per_row_lora` forward of `model`, LoRA layer inputs map to its rows by `layout` (a no-op outside

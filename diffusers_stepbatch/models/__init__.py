@@ -85,6 +85,9 @@ class ModelSupport:
             (Z-Image), per such token stream each token's row (as `Packing.token_rows`); None: rows on dim 0 only.
         teacache_forward: `forward(model, states, arguments)`: the call with one TeaCache state per row, as the
             model returns it, or None where the call has arguments it can't reproduce.
+        lora_forward: `forward(model, arguments)`: for a model whose own forward has a LoRA layer input that maps to
+            no rows (Qwen-Image 2.1's one t=0 timestep row per call), the call under per-row LoRA, as the model
+            returns it; None: the model's forward.
     """
 
     row_lists: tuple[str, ...] = ()
@@ -103,6 +106,7 @@ class ModelSupport:
     lora_rows: bool = False
     lora_token_rows: Callable[[dict[str, Any]], list[torch.Tensor]] | None = None
     teacache_forward: Callable[[torch.nn.Module, list, dict[str, Any]], Any] | None = None
+    lora_forward: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None
 
 
 DEFAULT_SUPPORT = ModelSupport()

@@ -450,5 +450,9 @@ def _run(module, call: ModelCall, inputs: dict) -> Any:
             output = call.support.teacache_forward(module, teacache, fill(call.template, inputs))
             if output is not None:
                 return output
+        if lora is not None and call.support.lora_forward is not None:
+            output = call.support.lora_forward(module, fill(call.template, inputs))
+            if output is not None:
+                return output
         return run_call(module, call, inputs)
 

@@ -18,9 +18,12 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
 from diffusers.utils import apply_lora_scale
 
+from ...adapters.lora import lora_active, lora_layout
 from ...cache.teacache import TeaCacheState, row_groups
-from .joint import REPRODUCED, joint_call, reproduced
+from .blocks import run_blocks
+from .joint import REPRODUCED, joint_call, project_out, reproduced
 from .kv_cache import cache_rows
+from .lora import embedding_layout, token_layout
 
 QWENIMAGE21_COEFFICIENTS = (2.30581477e01, -1.18756920e00, 6.04744574e-02)
 
@@ -57,11 +60,13 @@ def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
 @apply_lora_scale("attention_kwargs")
 def _forward(model, states, **arguments):
     # NOTE: the steps before and after the blocks mirror QwenImage21Transformer2DModel.forward (with its
-    # per-segment attention processors) call for call, so with every row computing the output is the model's own
-    call = joint_call(model, **arguments)
-    joint, modulation, modulation_mask, target = call.joint, call.modulation, call.modulation_mask, call.target
-    rows = joint.shape[0]
-    signal = block_signal(model.transformer_blocks[0], joint, modulation, modulation_mask)[:, target]
+    # per-segment attention processors) call for call, and the blocks run as the packed forward's, so with every
+    # row computing the output is the model's own; under per-row LoRA each row has its own t=0 row (`lora.py`)
+    rows = torch.arange(arguments["hidden_states"].shape[0])
+    with lora_layout(model, embedding_layout(model, rows)):
+        call = joint_call(model, **arguments, own_zero_rows=lora_active(model))
+    joint, target = call.joint, call.target
+    signal = (model.transformer_blocks[0].img_norm1(joint) * (1 + call.token_modulation()[0]))[:, target]
     decisions = []  # (state, start, end, compute, accumulated)
     for state, start, end in row_groups(states):
         # NOTE: a call that fills the KV cache computes: the cache is read by every later step
@@ -72,33 +77,24 @@ def _forward(model, states, **arguments):
 
     out, residual = joint, None
     if computing:
-        index = None if len(computing) == rows else torch.tensor(computing, device=joint.device)
-
-        def pick(tensor):
-            return tensor if tensor is None or index is None else tensor[index]
-
-        shared_modulation = modulation if index is None else (
-            torch.cat([modulation[index], modulation[-1:]]) if model.config.causal_condition else modulation[index])
-        cache = cache_rows(call.kv_cache, computing, rows)
-        computed = pick(joint)
-        for layer, block in enumerate(model.transformer_blocks):
-            computed = block(hidden_states=computed, modulation=shared_modulation, rotary_emb=call.rotary_emb,
-                             attention_mask=pick(call.attention_mask), target_token_mask=modulation_mask,
-                             layer_cache=None if cache is None else cache.get_layer(layer),
-                             kv_cache_mode=call.kv_cache_mode, cache_write_slice=call.write, segments=call.segments,
-                             key_valid=pick(call.key_valid))
-        if index is None:
+        index = torch.tensor(computing, device=joint.device)
+        part = call if len(computing) == len(rows) else call.rows(index, cache_rows(call.kv_cache, computing,
+                                                                                      len(rows)))
+        with lora_layout(model, token_layout(model, [part], [rows[computing]])):
+            computed = run_blocks(model, [part])[0]
+        if part is call:
             out, residual = computed, (computed - joint)[:, target]
         else:
-            out, residual = joint.clone(), joint.new_zeros(rows, int(target.sum()), joint.shape[2])
+            out, residual = joint.clone(), joint.new_zeros(len(rows), int(target.sum()), joint.shape[2])
             out[index], residual[index] = computed, (computed - joint[index])[:, target]
-    if len(computing) < rows:
+    if len(computing) < len(rows):
         out = out.clone() if out is joint else out
         for state, start, end, compute, _ in decisions:
             if not compute:  # NOTE: its text and condition tokens' outputs are not read (the pipeline slices)
                 out[start:end, target] = joint[start:end, target] + state.residual
 
-    output = model.proj_out(model.norm_out(out, call.temb, modulation_mask))
+    with lora_layout(model, embedding_layout(model, rows)):
+        output = project_out(model, out, call)
     for state, start, end, compute, accumulated in decisions:
         if state is not None:
             state.commit(signal[start:end], compute, accumulated, residual[start:end] if compute else None)
