@@ -28,7 +28,7 @@ from .references import (  # noqa: F401  (single_thread is a fixture)
     seeded,
     single_thread,
 )
-from .test_flux2_packing import ACTIVE, _lora_plain_run
+from .test_lora_requests import ACTIVE, plain_run
 from .test_row_states import captured_calls
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -160,7 +160,7 @@ def test_requests_with_their_own_adapters_share_packed_kv_forwards_and_equal_pla
                 _request("a dog", (32, 48), [(64, 96), (64, 64)], 2, 1, adapters={"b": 1.0}),
                 _request("a cow", (48, 32), [(80, 64)], 3, 2, adapters={"a": 0.7, "c": 0.3}),
                 _request("no reference", (48, 32), [], 2, 3)]  # the pipeline's own adapters
-    expected = [_lora_plain_run(pipe, kwargs) for kwargs in requests]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
 
     recorded, real = [], adapter_state.per_row_lora
 

@@ -23,6 +23,7 @@ from diffusers_stepbatch.testing import add_random_lora_adapters
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
+from .test_lora_requests import ACTIVE, plain_run
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE,
     count_forwards,
@@ -182,28 +183,9 @@ def test_klein_kv_requests_share_forwards_through_their_caches_and_stay_exact(co
 
 
 # ------------------------------------------------------------------------------------------- per-request LoRA
-ACTIVE = (["c"], [0.6])  # the pipeline's own adapters when a request passes no adapters=
 LORA_REQUESTS = [({"a": 1.0}, "a red circle", 0), ({"b": 1.0}, "a red circle", 0),
                  ({"a": 0.7, "c": 0.3}, "a blue square", 1), ({}, "a red circle", 0), (None, "a red circle", 3),
                  (["a", "b", "c"], "a blue square", 4)]
-
-
-def _lora_plain_run(pipe, kwargs):
-    """The unwrapped pipeline after `set_adapters` for this request, run alone."""
-    kwargs = dict(kwargs)
-    adapters = kwargs.pop("adapters", None)
-    adapters = dict(zip(*ACTIVE)) if adapters is None else dict.fromkeys(adapters, 1.0) if isinstance(
-        adapters, list) else adapters
-    if adapters:
-        pipe.enable_lora()
-        pipe.set_adapters(list(adapters), list(adapters.values()))
-    else:
-        pipe.disable_lora()
-    try:
-        return pipe(**seeded(kwargs)).images
-    finally:
-        pipe.enable_lora()
-        pipe.set_adapters(*ACTIVE)
 
 
 def test_requests_with_their_own_adapters_share_forwards_and_equal_plain_runs(monkeypatch):
@@ -221,7 +203,7 @@ def test_requests_with_their_own_adapters_share_forwards_and_equal_plain_runs(mo
         requests.append(kwargs)
     # another size: its own forward
     requests.append(dict(requests[2], height=48, width=32, image=[reference_image(64, 64, 1)]))
-    expected = [_lora_plain_run(pipe, kwargs) for kwargs in requests]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
 
     recorded = []
     real = adapter_state.per_row_lora

@@ -22,7 +22,7 @@ from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, add_lora_everywhere, assert_teacache_shared_equals_alone, engine_held, max_diff, seeded, single_thread,
     with_adapters,
 )
-from .test_flux2_packing import ACTIVE, _lora_plain_run
+from .test_lora_requests import ACTIVE, plain_run
 from .test_qwenimage21 import CONFIGS, condition_image
 from .test_row_states import captured_calls, merged
 
@@ -64,7 +64,7 @@ def test_requests_with_their_own_adapters_share_forwards_and_equal_plain_runs(co
 
     pipe = lora_pipe(config)
     requests = lora_requests(use_kv_cache=use_kv_cache)
-    expected = [_lora_plain_run(pipe, kwargs) for kwargs in requests]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
     recorded = []  # each per-row LoRA forward's distinct adapter sets, where it ran through
     real = adapter_state.per_row_lora
 
@@ -102,7 +102,7 @@ def test_teacache_with_per_request_adapters_in_shared_forwards_equals_it_alone(c
                      use_kv_cache=False)]
     blocker = dict(COMMON, prompt="a blocker", height=32, width=32, num_inference_steps=1)
     stats = assert_teacache_shared_equals_alone(pipe, requests, TeaCacheConfig(threshold=0.6), blocker,
-                                                plain=functools.partial(_lora_plain_run, pipe))
+                                                plain=functools.partial(plain_run, pipe))
     rows, mixed = stats["rows_histogram"]["denoise"], stats["mixed"]["calls"]
     assert max(rows) >= 3 and mixed > 0, (rows, mixed)  # forwards held rows of several requests and sizes
     assert not any("raised" in reason for reason in stats["splits"]), stats["splits"]
@@ -159,7 +159,7 @@ def test_with_another_attention_processor_each_request_runs_with_its_own_adapter
     common = dict(COMMON, prompt="a red circle", height=64, width=64, num_inference_steps=3)
     requests = [dict(common, adapters={"all": 1.0}, seed=0), dict(common, adapters={"a": 1.0, "all": 0.5}, seed=1),
                 dict(common, adapters={}, seed=2, negative_prompt="blurry", true_cfg_scale=3.0)]
-    expected = [_lora_plain_run(pipe, kwargs) for kwargs in requests]
+    expected = [plain_run(pipe, kwargs) for kwargs in requests]
     with StepBatched(pipe, max_batch_size=16) as sb:
         with engine_held(sb, dict(COMMON, prompt="a blocker", height=32, width=32, num_inference_steps=1, seed=0)):
             futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]
