@@ -182,6 +182,26 @@ def test_klein_kv_requests_share_forwards_through_their_caches_and_stay_exact(co
     assert max(runs.wrapped_rows) >= 2, runs.wrapped_rows
 
 
+@pytest.mark.parametrize("kv", [False, True])
+@pytest.mark.parametrize("side, other", [(48, 64), (64, 600)])  # too small; an aspect ratio past 8
+def test_a_reference_image_the_pipeline_refuses_raises_at_submit_with_its_message(kv, side, other):
+    """The FLUX.2 pipelines check each input image in `__call__` (`image_processor.check_image_input`), after the
+    request would have been queued; the caller runs the same check at submit, with the pipeline's own message."""
+    from diffusers import Flux2KleinKVPipeline
+
+    pipe = tiny_flux2_klein_pipeline(pipeline_class=Flux2KleinKVPipeline) if kv else flux2_pipe("klein", "narrow")
+    images = [reference_image(64, 64, 0), reference_image(side, other, 1)]
+    kwargs = dict(prompt="a cat", image=images, height=32, width=32, num_inference_steps=2, **COMMON)
+    with pytest.raises(ValueError) as plain:
+        pipe(**seeded(kwargs))
+    with StepBatched(pipe) as sb:
+        with pytest.raises(ValueError) as wrapped:
+            sb.submit(**seeded(kwargs))
+        stats = sb.stats()
+    assert (stats["waiting"], stats["running"], stats["requests"]) == (0, 0, [])  # nothing was queued
+    assert str(wrapped.value) == str(plain.value)
+
+
 # ------------------------------------------------------------------------------------------- per-request LoRA
 LORA_REQUESTS = [({"a": 1.0}, "a red circle", 0), ({"b": 1.0}, "a red circle", 0),
                  ({"a": 0.7, "c": 0.3}, "a blue square", 1), ({}, "a red circle", 0), (None, "a red circle", 3),

@@ -265,7 +265,7 @@ def test_families_without_an_early_exit_program_are_refused():
     with pytest.raises(ValueError, match=r"PiD decoding is implemented for \['FluxPipeline', "
                                          r"'StableDiffusion3Pipeline', 'StableDiffusionXLPipeline', "
                                          r"'QwenImagePipeline', 'Flux2Pipeline', 'Flux2KleinPipeline', "
-                                         r"'ZImagePipeline'\], not StableDiffusionPipeline"):
+                                         r"'Flux2KleinKVPipeline', 'ZImagePipeline'\], not StableDiffusionPipeline"):
         StepBatched(pipe, decoder=PiDDecoding(tiny_pid("sdxl-euler"), "pipeline"))
 
 

@@ -16,13 +16,20 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline, FlowMatchHeunDiscreteScheduler, ZImageImg2ImgPipeline
+from diffusers import (
+    Flux2KleinKVPipeline,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    FlowMatchHeunDiscreteScheduler,
+    ZImageImg2ImgPipeline,
+)
 
 from diffusers_stepbatch import PiDDecoder, PiDDecoding, SchedulerConfig, StepBatched
 from diffusers_stepbatch.decoders.pid import decode
 from diffusers_stepbatch.programs.pid_families import pid_family
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
 
+from .flux2_cases import reference_image
 from .pid_helpers import perturb_
 from .references import in_lockstep, max_diff, single_thread  # noqa: F401  (fixture)
 
@@ -40,9 +47,9 @@ _V1PT5 = dict(lq_conv_padding_mode="replicate", lq_gate_type="sigma_aware_per_to
 
 
 @functools.cache
-def _klein(seed: int = 0):
+def _klein(seed: int = 0, pipeline_class=Flux2KleinPipeline):
     """Tiny klein whose VAE batch-norm statistics are not 0 / 1, so handing PiD de-normalised latents would differ."""
-    pipe = tiny_flux2_klein_pipeline(seed=seed)
+    pipe = tiny_flux2_klein_pipeline(seed=seed, pipeline_class=pipeline_class)
     channels = pipe.vae.bn.running_mean.numel()
     pipe.vae.bn.running_mean.copy_(torch.linspace(-0.5, 0.7, channels))
     pipe.vae.bn.running_var.copy_(torch.linspace(0.3, 2.5, channels))
@@ -72,6 +79,9 @@ FAMILIES = {
     # v1.5-style: PiD unpatchifies the 2x2 patches itself (lq_latent_unpatchify_factor=2)
     "klein-v1pt5": (lambda: _klein(1), dict(lq_latent_channels=4, latent_spatial_down_factor=2,
                                             lq_latent_unpatchify_factor=2, txt_embed_dim=24, **_V1PT5), 24),
+    # klein KV: its reference images' keys and values cached after the first step
+    "klein-kv-v1": (lambda: _klein(2, Flux2KleinKVPipeline), dict(lq_latent_channels=4, latent_spatial_down_factor=2,
+                                                                  txt_embed_dim=16), "pipeline"),
     "flux2-dev": (_flux2_dev, dict(lq_latent_channels=4, latent_spatial_down_factor=2, lq_latent_unpatchify_factor=2,
                                    txt_embed_dim=16), "pipeline"),
     "zimage-v1": (_zimage, dict(lq_latent_channels=16, latent_spatial_down_factor=2, txt_embed_dim=24), 24),
@@ -106,7 +116,10 @@ def call(name: str, prompt="a red circle", seed=0, steps=4, height=64, width=96,
         extra, prompt = dict(prompt_embeds=_FakeCaptionEncoder(16, 8).encode([prompt])), None
     defaults = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=4.0,
                     output_type="pt", seed=seed, **extra)
-    return {**defaults, **kwargs}
+    merged = {**defaults, **kwargs}
+    if name.startswith("klein-kv"):  # NOTE: klein KV is distilled: its pipeline takes no guidance
+        merged.pop("guidance_scale")
+    return merged
 
 
 def _seeded(kwargs: dict) -> dict:
@@ -173,6 +186,24 @@ def test_concurrent_early_exits_equal_the_hand_made_reference_and_share_pid_call
     for kwargs, images in zip(calls, got):
         assert images.shape == (1, 3, kwargs["height"], kwargs["width"])
         assert max_diff(images, reference(name, pipe, decoding, kwargs, exit_step=2)) <= TOLERANCE
+    assert max_diff(got[0], got[1]) > 1e-2  # the requests really differ
+
+
+@pytest.mark.parametrize("exit_step", [1, 2])
+def test_klein_kv_requests_with_reference_images_exit_early(exit_step):
+    """klein KV requests with 0-2 reference images of other sizes (their first step fills the KV cache, the later
+    ones read it) exit after K steps: each equals the plain pipeline's x_t decoded by PiD alone."""
+    name = "klein-kv-v1"
+    pipe, decoding = FAMILIES[name][0](), decoding_for(name)
+    calls = [call(name, "a red circle", seed=1, steps=3, image=reference_image(64, 64, 0)),
+             call(name, "a cat", seed=2, steps=4, image=[reference_image(64, 96, 1), reference_image(80, 64, 2)]),
+             call(name, "a dog", seed=3, steps=3, height=96, width=64)]
+    scheduler = SchedulerConfig(cost_aware=False, max_batch_size=16)
+    with StepBatched(pipe, decoder=decoding, pid_exit_step=exit_step, scheduler=scheduler) as sb:
+        got = in_lockstep(sb, calls)
+    for kwargs, images in zip(calls, got):
+        assert images.shape == (1, 3, kwargs["height"], kwargs["width"])
+        assert max_diff(images, reference(name, pipe, decoding, kwargs, exit_step=exit_step)) <= TOLERANCE
     assert max_diff(got[0], got[1]) > 1e-2  # the requests really differ
 
 
@@ -285,11 +316,11 @@ def test_construction_refuses_what_the_exit_cannot_read():
         StepBatched(heun, decoder=decoding_for("zimage-v1"))
     img2img = tiny_z_image_pipeline(pipeline_class=ZImageImg2ImgPipeline)
     with pytest.raises(ValueError, match=r"PiD decoding is implemented for \[.*'Flux2Pipeline', 'Flux2KleinPipeline', "
-                                         r"'ZImagePipeline'\], not ZImageImg2ImgPipeline"):
+                                         r"'Flux2KleinKVPipeline', 'ZImagePipeline'\], not ZImageImg2ImgPipeline"):
         StepBatched(img2img, decoder=decoding_for("zimage-v1"))
 
 
-@pytest.mark.parametrize("pipeline_class", [Flux2Pipeline, Flux2KleinPipeline])
+@pytest.mark.parametrize("pipeline_class", [Flux2Pipeline, Flux2KleinPipeline, Flux2KleinKVPipeline])
 def test_flux2_hand_over_is_the_batch_normalised_patchified_grid(pipeline_class):
     """FLUX.2's x_t as PiD reads it: the packed tokens on their grid, still batch-normalised. De-normalised and
     unpatchified as the pipeline's tail does, it is the VAE's latent; PiD's unpatchify factor 2 undoes the same

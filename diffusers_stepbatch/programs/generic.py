@@ -31,7 +31,13 @@ from ..engine.split_reasons import named_key
 from ..module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
 from .options import PlanContext
 from .pid_generic import plan_generic_pid_exit
-from .pipeline_checks import arguments_set_before_check, check_logs_muted, renamed_check_arguments, run_check_inputs
+from .pipeline_checks import (
+    arguments_set_before_check,
+    check_logs_muted,
+    checks_input_images,
+    renamed_check_arguments,
+    run_check_inputs,
+)
 from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ..models import support_for
@@ -166,13 +172,23 @@ def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
 
 
 def _check_call(pipe, args: dict[str, Any]) -> None:
-    """The shared checks, and the pipeline's own `check_inputs` where its arguments are plain call arguments."""
+    """The shared checks, the pipeline's own `check_inputs` where its arguments are plain call arguments, and its
+    image processor's check of each input image where its `__call__` runs one."""
     if isinstance(args.get("callback_on_step_end"), (PipelineCallback, MultiPipelineCallbacks)):
         args = {**args, "callback_on_step_end_tensor_inputs": args["callback_on_step_end"].tensor_inputs}
     _num_steps(args)
     per_prompt = check_num_images_per_prompt(args.get("num_images_per_prompt"))
     if isinstance(args.get("prompt"), (str, list)):
         check_generator(args.get("generator"), len(as_list(args["prompt"])) * per_prompt)
+    _check_inputs(pipe, args)
+    if args.get("image") is not None and checks_input_images(unhooked_class(pipe)):
+        # NOTE: after `check_inputs`, as `__call__` runs them; it checks each input image only once queued
+        for image in args["image"] if isinstance(args["image"], list) else [args["image"]]:
+            pipe.image_processor.check_image_input(image)
+
+
+def _check_inputs(pipe, args: dict[str, Any]) -> None:
+    """The pipeline's own `check_inputs` where its arguments are plain call arguments."""
     check = getattr(pipe, "check_inputs", None)
     if check is None or args.get("use_resolution_binning"):  # binning changes height and width before the check
         return

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from diffusers import (
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinKVPipeline,
     Flux2KleinPipeline,
     Flux2Pipeline,
     FluxPipeline,
@@ -172,7 +173,7 @@ register_pid_family(QwenImagePipeline, PiDFamily(
 ))  # fmt: skip
 
 # NOTE: served by the generic program: the pipeline's own loop, stopped after K steps (programs/pid_generic.py)
-for _flux2 in (Flux2Pipeline, Flux2KleinPipeline):
+for _flux2 in (Flux2Pipeline, Flux2KleinPipeline, Flux2KleinKVPipeline):
     register_pid_family(_flux2, PiDFamily(
         "flux2", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.latent_channels * 4,
         _transformer_text_dim, _flux2_grid, _flow_euler_check,

@@ -1,4 +1,4 @@
-"""PiD early exit for pipelines the generic program serves (FLUX.2, FLUX.2 klein, Z-Image).
+"""PiD early exit for pipelines the generic program serves (FLUX.2, FLUX.2 klein and klein KV, Z-Image).
 
 The pipeline's own `__call__` runs at 1/sr_scale of the requested size with `output_type="latent"`; a step
 callback, chained after the caller's own, keeps the latents (and positive prompt embeddings) after step K and sets

@@ -101,6 +101,16 @@ def _renamed_check_arguments(cls: type) -> dict[str, str]:
             if isinstance(value, ast.Name) and value.id != name and value.id in call_names}
 
 
+def checks_input_images(cls: type) -> bool:
+    """Whether `cls.__call__` runs its image processor's `check_image_input` on its input images (FLUX.2's
+    pipelines: sides of at least 64 px, aspect ratio, area), read from its source."""
+    with _PARSING:
+        source = _call_source(cls)
+    return source is not None and any(
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check_image_input"
+        for node in ast.walk(source[0]))
+
+
 def arguments_set_before_check(cls: type) -> tuple[dict[str, type], frozenset[str]]:
     """What `cls.__call__` does to its own parameters before its `self.check_inputs(...)` call, read from its source:
     (parameters it wraps in a list where they are a single `T`, as `if isinstance(image, PIL.Image.Image): image =
