@@ -151,6 +151,20 @@ def row_groups(states: Sequence[TeaCacheState | None]) -> list[tuple[TeaCacheSta
     return groups
 
 
+def packed_decisions(states: Sequence[TeaCacheState | None], group: Callable[[TeaCacheState | None, int, int], tuple]
+                     ) -> tuple[list[tuple], list[int]]:
+    """Each row group's decision on packed tokens, as `settle_packed_decisions` takes them, and the computing rows.
+
+    `group(state, start, end)` gives a group's (rows, image tokens, signal); a group without a state computes (its
+    tokens and signal unused)."""
+    decisions = []  # (state, rows, tokens, signal, compute, accumulated)
+    for state, start, end in row_groups(states):
+        rows, tokens, signal = group(state, start, end)
+        compute, accumulated = (True, 0.0) if state is None else state.decide(signal)
+        decisions.append((state, rows, tokens, signal, compute, accumulated))
+    return decisions, [row for _, rows, _, _, compute, _ in decisions if compute for row in rows]
+
+
 def settle_packed_decisions(decisions: Sequence[tuple], hidden: torch.Tensor,
                             computed: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """The blocks' output on packed tokens under per-state decisions, and each state's commit.

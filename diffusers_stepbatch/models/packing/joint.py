@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
-from ...cache.teacache import row_groups, settle_packed_decisions
+from ...cache.teacache import packed_decisions, settle_packed_decisions
 from .layout import PackedLayout, attend
 
 TEXT, IMAGE = 0, 1
@@ -144,17 +144,14 @@ def teacache_blocks(layout: PackedLayout, states, hidden: torch.Tensor, encoder:
     first block's modulated image tokens): rows that skip add their cached residual. `run(sub_layout, hidden,
     encoder, rows, parts)` runs the blocks on the computing rows (`rows`: their indices; `parts`: the layout parts
     they keep, in `select_rows`' order)."""
-    decisions = []  # (state, rows, token slice, own signal, compute, accumulated)
-    for state, start, end in row_groups(states):
+    def group(state, start, end):
         if state is None:  # NOTE: such rows compute; a run of them may span parts (sizes), so no token range
-            decisions.append((None, range(start, end), None, None, True, 0.0))
-            continue
+            return range(start, end), None, None
         part, inner = layout.part_of_row(start)
         tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
-        own = signal[tokens].unflatten(0, (end - start, -1))
-        compute, accumulated = state.decide(own)
-        decisions.append((state, range(start, end), tokens, own, compute, accumulated))
-    compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
+        return range(start, end), tokens, signal[tokens].unflatten(0, (end - start, -1))
+
+    decisions, compute_rows = packed_decisions(states, group)
 
     computed = None
     if compute_rows:

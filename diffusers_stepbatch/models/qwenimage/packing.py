@@ -29,7 +29,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
-from ...cache.teacache import TeaCacheState, row_groups, settle_packed_decisions
+from ...cache.teacache import TeaCacheState, packed_decisions, settle_packed_decisions
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -256,16 +256,16 @@ def _teacache_blocks(transformer, layout, states, order, hidden, encoder, temb, 
     shift, scale = _in_order(block.img_mod(temb), packed).index_select(0, layout.token_rows[IMAGE]).chunk(6, dim=1)[:2]
     signal = block.img_norm1(hidden) * (1 + scale) + shift
     position = {row: p for p, row in enumerate(order)}
-    decisions = []  # (state, rows, their image tokens, own signal, compute, accumulated), as settle_packed_decisions
-    for state, start, end in row_groups(states):
+
+    def group(state, start, end):
         rows = [position[row] for row in range(start, end)]  # NOTE: a state's rows may sit in several parts
         if state is None:
-            decisions.append((None, rows, None, None, True, 0.0))
-            continue
+            return rows, None, None
         tokens = torch.cat([_image_tokens(layout, p) for p in rows]).to(hidden.device)
-        own = signal.index_select(0, tokens).unflatten(0, (len(rows), -1))
-        decisions.append((state, rows, tokens, own, *state.decide(own)))
-    computing = sorted(p for _, rows, _, _, compute, _ in decisions if compute for p in rows)
+        return rows, tokens, signal.index_select(0, tokens).unflatten(0, (len(rows), -1))
+
+    decisions, computing = packed_decisions(states, group)
+    computing.sort()
 
     if len(computing) == len(order):
         computed = (None, hidden, _blocks(transformer, layout, hidden, encoder, temb, packed, rotary, method, split))

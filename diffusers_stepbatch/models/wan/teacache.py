@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from ...cache.teacache import TeaCacheState, row_groups, settle_packed_decisions
+from ...cache.teacache import TeaCacheState, packed_decisions, settle_packed_decisions
 from .packing import PackedInputs, WanPart, pack_key, packed_blocks, wan_packed_forward, wan_packing_unsupported
 
 WAN_MODEL_COEFFICIENTS = {
@@ -42,14 +42,12 @@ def teacache_blocks(transformer, inputs: PackedInputs, hidden: torch.Tensor,
                     states: Sequence[TeaCacheState | None]) -> torch.Tensor:
     """`packed_blocks` with per-state decisions (`states` per packed row): rows that skip add their residual."""
     video = inputs.video
-    decisions = []  # (state, rows, video token slice, signal, compute, accumulated)
-    for state, start, end in row_groups(states):
+    def group(state, start, end):
         part, inner = video.part_of_row(start)
         tokens = video.row_tokens(0, part, inner, inner + end - start)
-        signal = inputs.proj[tokens] if inputs.per_token else inputs.proj[start:end]
-        compute, accumulated = (True, 0.0) if state is None else state.decide(signal)
-        decisions.append((state, range(start, end), tokens, signal, compute, accumulated))
-    compute_rows = [r for _, rows, _, _, compute, _ in decisions if compute for r in rows]
+        return range(start, end), tokens, inputs.proj[tokens] if inputs.per_token else inputs.proj[start:end]
+
+    decisions, compute_rows = packed_decisions(states, group)
 
     computed = None
     if len(compute_rows) == video.num_rows:
