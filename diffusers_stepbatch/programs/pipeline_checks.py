@@ -103,9 +103,14 @@ def _renamed_check_arguments(cls: type) -> dict[str, str]:
 
 def checks_input_images(cls: type) -> bool:
     """Whether `cls.__call__` runs its image processor's `check_image_input` on its input images (FLUX.2's
-    pipelines: sides of at least 64 px, aspect ratio, area), read from its source."""
+    pipelines: sides of at least 64 px, aspect ratio, area), read from its source once per class."""
     with _PARSING:
-        source = _call_source(cls)
+        return _checks_input_images(cls)
+
+
+@functools.cache
+def _checks_input_images(cls: type) -> bool:
+    source = _call_source(cls)
     return source is not None and any(
         isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check_image_input"
         for node in ast.walk(source[0]))
