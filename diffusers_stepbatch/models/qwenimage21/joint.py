@@ -71,6 +71,14 @@ class JointCall:
             kv_cache=kv_cache, zero_rows=len(zero))
 
 
+def joint_tokens(arguments: dict) -> int:
+    """Tokens per row of the call's sequence as `joint_call` lays it out: only the target image's where the call
+    reads its KV cache."""
+    if arguments.get("kv_cache_mode") == "cached":
+        return math.prod(arguments["img_shapes"][0][-1])
+    return int(torch.where(arguments["img_mask"][0], SLOT_TOKENS, 1).sum())
+
+
 def _pick(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
     return None if tensor is None else tensor[index]
 

@@ -5,13 +5,12 @@ delta): a call's rows on dim 0 and in its timestep then t=0 rows (`embedding_lay
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from ...adapters.lora import LoraLayout, lora_active
-from .joint import SLOT_TOKENS, JointCall
+from .joint import JointCall, joint_tokens
 
 
 def call_rows(calls: Sequence[dict]) -> list[torch.Tensor]:
@@ -22,7 +21,7 @@ def call_rows(calls: Sequence[dict]) -> list[torch.Tensor]:
 
 def token_rows(model, calls: Sequence[dict]) -> list[torch.Tensor]:
     """`Packing.token_rows`: each token's row in the blocks' stream of the packed call (`token_layout`)."""
-    return [_stream(call_rows(calls), [_tokens(call) for call in calls])]
+    return [_stream(call_rows(calls), [joint_tokens(call) for call in calls])]
 
 
 def embedding_layout(model, rows: torch.Tensor) -> LoraLayout | None:
@@ -40,9 +39,3 @@ def token_layout(model, calls: Sequence[JointCall], rows: Sequence[torch.Tensor]
 def _stream(rows: Sequence[torch.Tensor], tokens: Sequence[int]) -> torch.Tensor:
     return torch.cat([ids.repeat_interleave(count) for ids, count in zip(rows, tokens)])
 
-
-def _tokens(arguments: dict) -> int:
-    # NOTE: as `joint_call`: only the target image's tokens where the call reads its KV cache
-    if arguments.get("kv_cache_mode") == "cached":
-        return math.prod(arguments["img_shapes"][0][-1])
-    return int(torch.where(arguments["img_mask"][0], SLOT_TOKENS, 1).sum())

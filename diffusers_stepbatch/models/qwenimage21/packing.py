@@ -18,7 +18,7 @@ from diffusers.utils import apply_lora_scale
 from ...adapters.lora import LoraLayout, lora_active, lora_layout, lora_uniform
 from ..packing.support import unsupported_reason
 from .blocks import run_blocks
-from .joint import REPRODUCED, SLOT_TOKENS, joint_call, project_out, reproduced
+from .joint import REPRODUCED, joint_call, joint_tokens, project_out, reproduced
 from .lora import call_rows, embedding_layout, token_layout
 from .teacache import teacache_call
 
@@ -36,10 +36,8 @@ def pack_key(arguments: dict) -> tuple | None:
     if not (isinstance(mask, torch.Tensor) and isinstance(timestep, torch.Tensor) and timestep.ndim == 1
             and timestep.shape[0] == hidden.shape[0]):
         return None
-    tokens = hidden.shape[1] if arguments.get("kv_cache_mode") == "cached" else \
-        int(torch.where(mask[0], SLOT_TOKENS, 1).sum())
     scale = (arguments.get("attention_kwargs") or {}).get("scale")
-    return (scale, hidden.dtype, str(hidden.device), arguments.get("return_dict", True)), tokens
+    return (scale, hidden.dtype, str(hidden.device), arguments.get("return_dict", True)), joint_tokens(arguments)
 
 
 def lora_forward(transformer, arguments: dict) -> Any:
