@@ -10,8 +10,6 @@ so a request may alternate between packed and ordinary calls.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +24,7 @@ from ..packing.attention import resolve
 from ..packing.joint import (IMAGE, TEXT, attention_fn, double_block, joint_stream_layout, joint_stream_rotary,
                              parts_layout, per_head, rope, stream_rotary, teacache_blocks, token_streams)
 from ..packing.layout import adaln_values, attend
+from ..packing.rotary_memo import remembered
 from ..packing.support import reproduces_call, unsupported_reason
 
 
@@ -139,34 +138,10 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
 
 def _part_rotary(transformer, parts):
     """Per part, the model's (cos, sin) of its text then image positions (one row's worth)."""
-    return [_rotary(transformer.pos_embed, part.txt_ids, part.img_ids) for part in parts]
-
-
-# id(img_ids) -> (img_ids, pos_embed, txt_ids as weak references, versions, (cos, sin)). NOTE: a part's ids are
-# its first request's, the same tensors at each of its steps, so their rotary embedding is computed once per
-# request instead of once per step. (Keyed by id: tensors compare by value, so they can't key a WeakKeyDictionary.)
-_ROTARY: dict[int, tuple] = {}
-_ROTARY_LOCK = threading.Lock()
-
-
-def _rotary(pos_embed, txt_ids: torch.Tensor, img_ids: torch.Tensor):
-    versions = (txt_ids._version, img_ids._version)
-    with _ROTARY_LOCK:
-        cached = _ROTARY.get(id(img_ids))
-    if (cached is not None and cached[0]() is img_ids and cached[1]() is pos_embed and cached[2]() is txt_ids
-            and cached[3] == versions):
-        return cached[4]
-    rotary = pos_embed(torch.cat((txt_ids, img_ids), dim=0))
-    with _ROTARY_LOCK:
-        if cached is None or cached[0]() is not img_ids:  # NOTE: forget the entry when the ids are collected
-            weakref.finalize(img_ids, _forget_rotary, id(img_ids))
-        _ROTARY[id(img_ids)] = (weakref.ref(img_ids), weakref.ref(pos_embed), weakref.ref(txt_ids), versions, rotary)
-    return rotary
-
-
-def _forget_rotary(key: int) -> None:
-    with _ROTARY_LOCK:
-        _ROTARY.pop(key, None)
+    pos_embed = transformer.pos_embed
+    return [remembered(pos_embed, (part.txt_ids, part.img_ids),
+                       lambda part=part: pos_embed(torch.cat((part.txt_ids, part.img_ids), dim=0)))
+            for part in parts]
 
 
 def _modulation(layout, stream, norm, temb, chunks):

@@ -29,6 +29,7 @@ from ..packing.joint import (IMAGE, TEXT, attention_fn, double_block, joint_stre
                              parts_layout, per_head, rope, stream_rotary, teacache_blocks, token_streams)
 from ..packing.attention import resolve
 from ..packing.layout import adaln_values, attend
+from ..packing.rotary_memo import remembered
 from ..packing.support import reproduces_call, unsupported_reason
 from .kv_packing import KV_ARGUMENTS, PartKV, kv_role, packed_kv, part_kv
 
@@ -133,13 +134,19 @@ def _parts(calls: Sequence[dict], teacache: Sequence | None = None, transformer=
 
 def _part_rotary(transformer, part: Flux2Part):
     """The model's (cos, sin) of one part's text then image positions, computed as the model does: each id tensor
-    through `pos_embed` on its own, then joined. NOTE: not cached: edit pipelines pass fresh ids at each step."""
+    through `pos_embed` on its own, then joined (once per positions: `rotary_memo.py`)."""
     if part.img_ids.shape[0] != part.hidden_states.shape[1] or part.txt_ids.shape[0] != \
             part.encoder_hidden_states.shape[1]:
         raise ValueError(f"img_ids / txt_ids hold {part.img_ids.shape[0]} / {part.txt_ids.shape[0]} positions, but "
                          f"the row has {part.hidden_states.shape[1]} image and {part.encoder_hidden_states.shape[1]} "
                          "text tokens")
-    image, text = transformer.pos_embed(part.img_ids), transformer.pos_embed(part.txt_ids)
+    return remembered(transformer.pos_embed, (part.txt_ids, part.img_ids),
+                      lambda: joint_rotary(transformer, part.txt_ids, part.img_ids))
+
+
+def joint_rotary(transformer, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the text then image positions, as `Flux2Transformer2DModel.forward` makes them."""
+    image, text = transformer.pos_embed(img_ids), transformer.pos_embed(txt_ids)
     return torch.cat([text[0], image[0]], dim=0), torch.cat([text[1], image[1]], dim=0)
 
 
