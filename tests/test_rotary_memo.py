@@ -10,7 +10,8 @@ import torch
 from diffusers import Flux2Transformer2DModel
 
 from diffusers_stepbatch.models.flux2.packing import flux2_packed_forward
-from diffusers_stepbatch.models.packing.rotary_memo import remembered
+from diffusers_stepbatch.models.packing import rotary_memo
+from diffusers_stepbatch.models.packing.rotary_memo import held_bytes, remembered
 
 from .references import max_diff, single_thread  # noqa: F401  (a fixture)
 from .test_flux2_packing import _token_shapes
@@ -64,6 +65,38 @@ def test_off_the_cpu_only_the_same_unchanged_tensors_answer_from_the_memo():
     equal = torch.zeros(8, 4, device="meta")  # its content can't be read without the device: not the same key
     remembered(embed, (equal,), lambda: compute(equal))
     assert embed.calls == 3
+
+
+@pytest.mark.parametrize("entries", [2, 5])
+def test_the_memo_keeps_its_byte_budget_and_drops_the_least_recently_used(monkeypatch, entries):
+    embed = _Embed()
+    entry_bytes = 2 * 10 * 4 * 4  # cos and sin of 10 x 4 float32 ids
+    monkeypatch.setattr(rotary_memo, "MAX_BYTES", entries * entry_bytes)
+    rotary_memo._drop(*list(rotary_memo._memo))
+    for offset in range(entries + 1):  # one more than fits: the first goes
+        remembered(embed, (_ids(10, 4, torch.float32, offset),), lambda o=offset: embed(_ids(10, 4, torch.float32, o)))
+    assert held_bytes() == entries * entry_bytes and embed.calls == entries + 1
+    last = _ids(10, 4, torch.float32, entries)
+    remembered(embed, (last,), lambda: embed(last))
+    assert embed.calls == entries + 1  # the newest is kept
+    first = _ids(10, 4, torch.float32, 0)
+    remembered(embed, (first,), lambda: embed(first))
+    assert embed.calls == entries + 2  # the oldest was dropped
+
+
+def test_an_embedding_is_not_kept_after_its_ids_tensors_are_collected():
+    import gc
+
+    embed = _Embed()
+    rotary_memo._drop(*list(rotary_memo._memo))
+    ids = torch.zeros(64, 4, device="meta")
+    remembered(embed, (ids,), lambda: (torch.zeros(64, 8), torch.zeros(64, 8)))
+    assert held_bytes() == 2 * 64 * 8 * 4
+    del ids
+    gc.collect()
+    other = torch.zeros(1, 4, device="meta")
+    remembered(embed, (other,), lambda: ())
+    assert held_bytes() == 0
 
 
 @pytest.mark.parametrize("heads, head_dim, axes_dims", [(2, 16, (4, 4, 4, 4)), (4, 8, (2, 2, 2, 2))])

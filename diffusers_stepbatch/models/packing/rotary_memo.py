@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-# NOTE: a few requests' worth: an entry holds [tokens, head dim] tensors, and requests rarely share positions
-_ENTRIES = 64
-_memo: OrderedDict[tuple, tuple[list[weakref.ref], Any]] = OrderedDict()
+# NOTE: an entry holds [tokens, head dim] tensors; a budget, not a count, bounds what the memo keeps alive
+MAX_BYTES = 64 * 2**20
+_memo: OrderedDict[tuple, tuple[list[weakref.ref], Any, int]] = OrderedDict()
+_held = 0  # bytes of the tensors in `_memo`
+_dead: list[tuple] = []  # keys whose ids tensors were collected (appended by weakref callbacks, dropped under lock)
 _lock = threading.Lock()
 
 
@@ -36,12 +38,44 @@ def remembered(embed: torch.nn.Module, ids: Sequence[torch.Tensor], compute: Cal
             _memo.move_to_end(key)
             return entry[1]
     value = compute()
+    size = sum(t.numel() * t.element_size() for t in _tensors(value))
     with _lock:
-        _memo[key] = ([weakref.ref(obj) for obj in alive], value)
-        _memo.move_to_end(key)
-        while len(_memo) > _ENTRIES:
-            _memo.popitem(last=False)
+        _drop(*_dead)
+        _dead.clear()
+        _drop(key)
+        if size <= MAX_BYTES:
+            refs = [weakref.ref(obj, lambda _, key=key: _dead.append(key)) for obj in alive]
+            _store(key, (refs, value, size))
     return value
+
+
+def held_bytes() -> int:
+    """Bytes of the embeddings the memo keeps (entries of collected ids tensors count until the next lookup)."""
+    return _held
+
+
+def _store(key: tuple, entry: tuple) -> None:
+    global _held
+    _memo[key] = entry
+    _held += entry[2]
+    while _held > MAX_BYTES:
+        _held -= _memo.popitem(last=False)[1][2]
+
+
+def _drop(*keys: tuple) -> None:
+    global _held
+    for key in keys:
+        entry = _memo.pop(key, None)
+        if entry is not None:
+            _held -= entry[2]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _key(embed: torch.nn.Module, ids: Sequence[torch.Tensor]) -> tuple[tuple, list]:
