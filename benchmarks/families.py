@@ -8,6 +8,8 @@ Per family, 8 requests over 4 sizes (square and not), different prompts and seed
 - sequentially (one plain pipeline call after another),
 - StepBatched with `mixed_resolution=False` (forwards shared only by requests of one size),
 - StepBatched packed (`mixed_resolution=True`: sizes share forwards where the model layer packs them).
+The last row, `flux1-reference`, is no new family: `FluxPipeline` on Kontext's tiny components, served by FLUX.1's
+dedicated step program, as a reference for what a dedicated program reaches on this config.
 Every side runs its model calls off the main thread at the same intra-op thread count; rounds are interleaved.
 Printed: images/s per side, StepBatched / sequential and packed / per-size. JSON: `benchmarks/results/families.json`.
 """
@@ -59,6 +61,17 @@ def _flux_kontext():
     return pipe, dict(guidance_scale=3.5, max_sequence_length=32, _auto_resize=False, image=_reference)
 
 
+def _flux1_reference():
+    from diffusers import FluxPipeline
+
+    from diffusers_stepbatch.testing import tiny_flux_pipeline
+
+    # NOTE: Kontext's components and requests without the reference image, through FLUX.1's dedicated program (its
+    # own loop, fused update, no per-request pipeline code): what a dedicated program reaches on this config
+    pipe = FluxPipeline(**tiny_flux_pipeline(guidance_embeds=True, vae_blocks=3).components)
+    return pipe, dict(guidance_scale=3.5, max_sequence_length=32)
+
+
 def _qwenimage_img2img():
     from diffusers import QwenImageImg2ImgPipeline
 
@@ -77,7 +90,7 @@ def _qwenimage21():
 
 
 FAMILIES = {"z-image": _z_image, "flux2-klein": _flux2_klein, "flux-kontext": _flux_kontext,
-            "qwenimage-img2img": _qwenimage_img2img, "qwenimage21": _qwenimage21}
+            "qwenimage-img2img": _qwenimage_img2img, "qwenimage21": _qwenimage21, "flux1-reference": _flux1_reference}
 
 
 def _reference(height: int, width: int, seed: int) -> torch.Tensor:
