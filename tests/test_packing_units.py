@@ -1,5 +1,7 @@
 """The packed layout (no token sees another row's) and the packed-or-per-size decision, with made-up costs."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,29 +227,36 @@ def test_row_values_reach_only_their_rows_tokens(broadcast, monkeypatch):
 
 def test_flux_rotary_is_computed_once_per_ids_and_again_after_an_in_place_change():
     from diffusers_stepbatch.models.flux import packing as packed_flux
+    from diffusers_stepbatch.models.packing import rotary_memo
     from diffusers_stepbatch.testing import tiny_flux_transformer
 
-    pos_embed = tiny_flux_transformer().pos_embed
+    transformer = tiny_flux_transformer()
+    pos_embed = transformer.pos_embed
     calls = []
     hook = pos_embed.register_forward_hook(lambda module, args, out: calls.append(1))
+
+    def rotary(txt_ids, img_ids):
+        return packed_flux._part_rotary(transformer, [SimpleNamespace(txt_ids=txt_ids, img_ids=img_ids)])[0]
+
     txt_ids, img_ids = torch.zeros(3, 3), torch.arange(12.0).reshape(4, 3)
-    first = packed_flux._rotary(pos_embed, txt_ids, img_ids)
-    again = packed_flux._rotary(pos_embed, txt_ids, img_ids)
+    first = rotary(txt_ids, img_ids)
+    again = rotary(txt_ids, img_ids)
     assert again is first and len(calls) == 1
     expected = pos_embed(torch.cat((txt_ids, img_ids)))
     assert all(torch.equal(a, b) for a, b in zip(first, expected))
     img_ids[0, 1] = 7.0  # in place: the cached embedding is stale
-    changed = packed_flux._rotary(pos_embed, txt_ids, img_ids)
+    changed = rotary(txt_ids, img_ids)
     assert all(torch.equal(a, b) for a, b in zip(changed, pos_embed(torch.cat((txt_ids, img_ids)))))
     assert not torch.equal(changed[0], first[0])
     other_txt = torch.zeros(3, 3)  # same values, another request's tensor: computed for it
-    packed_flux._rotary(pos_embed, other_txt, img_ids)
+    rotary(other_txt, img_ids)
     count = len(calls)
-    key = id(img_ids)
-    del img_ids, changed
+    held = rotary_memo.held_bytes()
+    del img_ids, changed, other_txt, first, again
     import gc
 
     gc.collect()
+    rotary(txt_ids, torch.ones(1, 3))  # a lookup drops the entries of collected ids
     assert count == 5  # two cached calls, two direct ones, one for the other text ids
-    assert key not in packed_flux._ROTARY  # forgotten with its ids
+    assert rotary_memo.held_bytes() < held  # forgotten with its ids
     hook.remove()

@@ -134,7 +134,7 @@ def _parts(calls: Sequence[dict], teacache: Sequence | None = None, transformer=
 
 def _part_rotary(transformer, part: Flux2Part):
     """The model's (cos, sin) of one part's text then image positions, computed as the model does: each id tensor
-    through `pos_embed` on its own, then joined (once per positions: `rotary_memo.py`)."""
+    through `pos_embed` on its own, then joined (once per ids tensors: `rotary_memo.py`)."""
     if part.img_ids.shape[0] != part.hidden_states.shape[1] or part.txt_ids.shape[0] != \
             part.encoder_hidden_states.shape[1]:
         raise ValueError(f"img_ids / txt_ids hold {part.img_ids.shape[0]} / {part.txt_ids.shape[0]} positions, but "

@@ -1,10 +1,11 @@
-"""Rotary embeddings remembered by their position ids, so that a request's positions are embedded once, not at
-every step.
+"""Rotary embeddings remembered by their position ids tensors, so that a request's positions are embedded once,
+not at every step.
 
-A request passes the same positions at each of its steps, but not always the same tensors: the FLUX.2 pipelines
-build an edit's ids anew at every step, and a part's ids are a slice of the call's. On the CPU the key is therefore
-the ids' content (exact bytes, not a hash of them); on an accelerator, where reading the content would wait for the
-device, it is the ids tensors themselves while they live unchanged.
+A request passes the same ids tensors at each of its steps (the pipelines make them before the loop), though a
+packed forward sees views of them (FLUX.2's ids are [batch, tokens, 4], of which the model reads row 0). The key is
+the tensor a view comes from (while it lives and is unchanged), with the view's offset, shape and strides. Not its
+content: reading that would wait for the device at every step. Ids made anew at each step (FLUX.2's edit pipelines
+join the image and reference ids in the loop) are embedded anew, as the model's own forward does.
 
 >>> cos, sin = remembered(transformer.pos_embed, (txt_ids, img_ids), lambda: embed(txt_ids, img_ids))
 """
@@ -31,6 +32,8 @@ def remembered(embed: torch.nn.Module, ids: Sequence[torch.Tensor], compute: Cal
     """`compute()` (the rotary embedding of `ids` by `embed`), or its result for the same `embed` and ids before.
 
     The result is shared: callers must not change it in place."""
+    if any(tensor.is_inference() for tensor in ids):
+        return compute()  # NOTE: inference tensors keep no version counter, so a change in place would go unseen
     key, alive = _key(embed, ids)
     with _lock:
         entry = _memo.get(key)
@@ -79,14 +82,10 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _key(embed: torch.nn.Module, ids: Sequence[torch.Tensor]) -> tuple[tuple, list]:
-    """(the memo key, the objects that must still be the ones the key's ids name)."""
-    if all(tensor.device.type == "cpu" for tensor in ids):
-        content = tuple((tensor.dtype, tuple(tensor.shape), _bytes(tensor))
-                        for tensor in ids)
-        return (id(embed), content), [embed]
-    # NOTE: `_version` moves on an in-place change, so a changed tensor never answers with its old embedding
-    return (id(embed), tuple((id(tensor), tensor._version) for tensor in ids)), [embed, *ids]
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+    """(the memo key, the objects that must still be the ones the key names)."""
+    roots = [tensor if tensor._base is None else tensor._base for tensor in ids]
+    # NOTE: a view shares its base's version counter, so an in-place change to either never answers with the old
+    # embedding
+    views = tuple((id(root), tensor._version, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+                  for root, tensor in zip(roots, ids))
+    return (id(embed), views), [embed, *roots]
