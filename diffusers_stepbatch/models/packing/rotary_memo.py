@@ -1,11 +1,6 @@
-"""Rotary embeddings remembered by their position ids tensors, so that a request's positions are embedded once,
-not at every step.
-
-A request passes the same ids tensors at each of its steps (the pipelines make them before the loop), though a
-packed forward sees views of them (FLUX.2's ids are [batch, tokens, 4], of which the model reads row 0). The key is
-the tensor a view comes from (while it lives and is unchanged), with the view's offset, shape and strides. Not its
-content: reading that would wait for the device at every step. Ids made anew at each step (FLUX.2's edit pipelines
-join the image and reference ids in the loop) are embedded anew, as the model's own forward does.
+"""Rotary embeddings remembered by their position ids tensors: a request's positions are embedded once, not at
+every step. The key is the tensor a view comes from (FLUX.2 passes [batch, tokens, 4] ids; the model reads row 0),
+with the view's geometry and version; never the ids' content, whose reading would wait for the device.
 
 >>> cos, sin = remembered(transformer.pos_embed, (txt_ids, img_ids), lambda: embed(txt_ids, img_ids))
 """
@@ -84,8 +79,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _key(embed: torch.nn.Module, ids: Sequence[torch.Tensor]) -> tuple[tuple, list]:
     """(the memo key, the objects that must still be the ones the key names)."""
     roots = [tensor if tensor._base is None else tensor._base for tensor in ids]
-    # NOTE: a view shares its base's version counter, so an in-place change to either never answers with the old
-    # embedding
+    # NOTE: a view shares its base's version counter: a change in place to either is seen
     views = tuple((id(root), tensor._version, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
                   for root, tensor in zip(roots, ids))
     return (id(embed), views), [embed, *roots]
