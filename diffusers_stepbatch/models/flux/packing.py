@@ -138,10 +138,13 @@ def _forward(transformer, parts, joint_attention_kwargs=None, packed_attention="
 
 def _part_rotary(transformer, parts):
     """Per part, the model's (cos, sin) of its text then image positions (one row's worth)."""
-    pos_embed = transformer.pos_embed
-    return [remembered(pos_embed, (part.txt_ids, part.img_ids),
-                       lambda part=part: pos_embed(torch.cat((part.txt_ids, part.img_ids), dim=0)))
-            for part in parts]
+    return [text_image_rotary(transformer, part.txt_ids, part.img_ids) for part in parts]
+
+
+def text_image_rotary(transformer, txt_ids: torch.Tensor, img_ids: torch.Tensor):
+    """The model's (cos, sin) of the text then image positions, once per ids tensors (`rotary_memo.py`)."""
+    return remembered(transformer.pos_embed, (txt_ids, img_ids),
+                      lambda: transformer.pos_embed(torch.cat((txt_ids, img_ids), dim=0)))
 
 
 def _modulation(layout, stream, norm, temb, chunks):

@@ -17,9 +17,8 @@ from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import row_subset
 from ...cache.teacache import TeaCacheState, relative_l1, row_groups
-from ..packing.rotary_memo import remembered
 from ..packing.support import reproduces_call
-from .packing import REPRODUCED_ARGUMENTS
+from .packing import REPRODUCED_ARGUMENTS, text_image_rotary
 
 FLUX_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
 
@@ -76,8 +75,7 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, pooled_p
     else:
         temb = transformer.time_text_embed(timestep, pooled_projections)
     encoder = transformer.context_embedder(encoder_hidden_states)
-    rotary = remembered(transformer.pos_embed, (txt_ids, img_ids),
-                        lambda: transformer.pos_embed(torch.cat((txt_ids, img_ids), dim=0)))
+    rotary = text_image_rotary(transformer, txt_ids, img_ids)
     signal = transformer.transformer_blocks[0].norm1(hidden, emb=temb)[0]
 
     out, commit = per_row_blocks(transformer, states, hidden, signal, functools.partial(

@@ -134,20 +134,23 @@ def _parts(calls: Sequence[dict], teacache: Sequence | None = None, transformer=
 
 def _part_rotary(transformer, part: Flux2Part):
     """The model's (cos, sin) of one part's text then image positions, computed as the model does: each id tensor
-    through `pos_embed` on its own, then joined (once per ids tensors: `rotary_memo.py`)."""
+    through `pos_embed` on its own, then joined."""
     if part.img_ids.shape[0] != part.hidden_states.shape[1] or part.txt_ids.shape[0] != \
             part.encoder_hidden_states.shape[1]:
         raise ValueError(f"img_ids / txt_ids hold {part.img_ids.shape[0]} / {part.txt_ids.shape[0]} positions, but "
                          f"the row has {part.hidden_states.shape[1]} image and {part.encoder_hidden_states.shape[1]} "
                          "text tokens")
-    return remembered(transformer.pos_embed, (part.txt_ids, part.img_ids),
-                      lambda: joint_rotary(transformer, part.txt_ids, part.img_ids))
+    return text_image_rotary(transformer, part.txt_ids, part.img_ids)
 
 
-def joint_rotary(transformer, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of the text then image positions, as `Flux2Transformer2DModel.forward` makes them."""
-    image, text = transformer.pos_embed(img_ids), transformer.pos_embed(txt_ids)
-    return torch.cat([text[0], image[0]], dim=0), torch.cat([text[1], image[1]], dim=0)
+def text_image_rotary(transformer, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the text then image positions, as `Flux2Transformer2DModel.forward` makes them, once per ids
+    tensors (`rotary_memo.py`)."""
+    def embed():
+        image, text = transformer.pos_embed(img_ids), transformer.pos_embed(txt_ids)
+        return torch.cat([text[0], image[0]], dim=0), torch.cat([text[1], image[1]], dim=0)
+
+    return remembered(transformer.pos_embed, (txt_ids, img_ids), embed)
 
 
 @apply_lora_scale("joint_attention_kwargs")

@@ -23,11 +23,10 @@ from diffusers.utils import apply_lora_scale
 
 from ...cache.teacache import TeaCacheState
 from ..flux.teacache import per_row_blocks
-from ..packing.rotary_memo import remembered
 from ..packing.support import reproduces_call
 from .kv_cache import cache_rows
 from .kv_packing import KV_ARGUMENTS
-from .packing import REPRODUCED_ARGUMENTS, joint_rotary
+from .packing import REPRODUCED_ARGUMENTS, text_image_rotary
 
 FLUX2_COEFFICIENTS = (1.04582360e02, -6.87605554e00, -8.61659379e-02, 5.37600252e-02)
 
@@ -102,7 +101,7 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep
             transformer.single_stream_modulation(temb))
     hidden = transformer.x_embedder(hidden_states)
     encoder = transformer.context_embedder(encoder_hidden_states)
-    rotary = remembered(transformer.pos_embed, (txt_ids, img_ids), lambda: joint_rotary(transformer, txt_ids, img_ids))
+    rotary = text_image_rotary(transformer, txt_ids, img_ids)
     signal = flux2_signal(transformer.transformer_blocks[0], hidden, mods[0])
 
     out, commit = per_row_blocks(transformer, states, hidden, signal, functools.partial(
