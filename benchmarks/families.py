@@ -51,25 +51,28 @@ def _flux2_klein():
                                                          max_sequence_length=32)
 
 
-def _flux_kontext():
-    from diffusers import FluxKontextPipeline
-
+def _flux1_components() -> dict:
     from diffusers_stepbatch.testing import tiny_flux_pipeline
 
     # NOTE: a VAE that quarters the sides, as klein's: with two blocks a 48x48 edit is 288 image tokens
-    pipe = FluxKontextPipeline(**tiny_flux_pipeline(guidance_embeds=True, vae_blocks=3).components)
-    return pipe, dict(guidance_scale=3.5, max_sequence_length=32, _auto_resize=False, image=_reference)
+    return tiny_flux_pipeline(guidance_embeds=True, vae_blocks=3).components
+
+
+_FLUX1_CALL = dict(guidance_scale=3.5, max_sequence_length=32)
+
+
+def _flux_kontext():
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_flux1_components()), dict(_FLUX1_CALL, _auto_resize=False, image=_reference)
 
 
 def _flux1_reference():
     from diffusers import FluxPipeline
 
-    from diffusers_stepbatch.testing import tiny_flux_pipeline
-
     # NOTE: Kontext's components and requests without the reference image, through FLUX.1's dedicated program (its
     # own loop, fused update, no per-request pipeline code): what a dedicated program reaches on this config
-    pipe = FluxPipeline(**tiny_flux_pipeline(guidance_embeds=True, vae_blocks=3).components)
-    return pipe, dict(guidance_scale=3.5, max_sequence_length=32)
+    return FluxPipeline(**_flux1_components()), dict(_FLUX1_CALL)
 
 
 def _qwenimage_img2img():
