@@ -161,6 +161,28 @@ def test_unproven_models_that_mix_rows_are_caught_and_run_alone(caplog, steps, m
     assert any("differed from separate calls" in reason for reason in stats["splits"])
 
 
+def test_what_merged_calls_showed_goes_with_the_model_not_its_address():
+    """A model freed takes its record along: one made later at its address is checked afresh, not trusted or
+    refused by what another model showed."""
+    import gc
+
+    from diffusers import DDIMScheduler
+
+    from diffusers_stepbatch.programs import intercept
+
+    pipe = ToyLoopPipeline(_BatchMixing(), DDIMScheduler(timestep_spacing="trailing"))
+    requests = [dict(batch_size=2, num_inference_steps=2, seed=i) for i in range(3)]
+    with StepBatched(pipe) as sb:
+        submit_all(sb, requests)
+    record = intercept._row_records.get(pipe.unet)
+    assert record is not None and record.not_rowwise and record.methods_not_rowwise == {"forward"}
+    gc.collect()  # NOTE: earlier tests' models, so that only this one goes below
+    held = len(intercept._row_records)
+    del pipe, sb, record
+    gc.collect()
+    assert len(intercept._row_records) == held - 1
+
+
 def test_per_request_lora_on_a_model_without_row_mapped_layers_is_refused_in_the_caller():
     from diffusers_stepbatch.testing import tiny_pixart_or_sana_pipeline
 

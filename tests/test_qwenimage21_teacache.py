@@ -48,7 +48,7 @@ def test_teacache_in_shared_forwards_equals_teacache_alone(use_kv_cache, checked
     if checked:  # as a model without proven row rules: its first merge is checked against separate calls
         support = models.support_for(pipe.transformer)
         monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, trusted=False))
-        monkeypatch.setattr(intercept, "_verified", set())
+        monkeypatch.setitem(intercept._row_records, pipe.transformer, intercept.RowRecord())
     common = dict(COMMON, use_kv_cache=use_kv_cache)
     requests = [dict(common, prompt="a cat one", height=64, width=64, num_inference_steps=12, seed=0),
                 dict(common, prompt="a dog two", height=64, width=64, num_inference_steps=14, seed=1),

@@ -12,6 +12,8 @@ import contextlib
 import functools
 import logging
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,9 +45,30 @@ LORA = "_lora"  # each row's LoRA state (None: no per-row LoRA)
 TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaCache forward)
 ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
 _logged: set[tuple[str, str]] = set()
-_not_rowwise: dict[Any, str] = {}  # (model, method, call structure) -> why its merged calls failed: run alone
-_models_not_rowwise: set[tuple[int, str]] = set()  # (model, method) with an entry there: look its calls up
-_verified: set[Any] = set()  # (model, method, call structure): merged outputs matched separate calls
+
+
+class RowRecord:
+    """What one model's merged calls have shown, per (method, call structure)."""
+
+    __slots__ = ("not_rowwise", "methods_not_rowwise", "verified")
+
+    def __init__(self):
+        self.not_rowwise: dict[tuple, str] = {}  # why its merged calls failed: such calls run alone
+        self.methods_not_rowwise: set[str] = set()  # methods with an entry there: look their calls up
+        self.verified: set[tuple] = set()  # merged outputs matched separate calls
+
+
+# NOTE: held by the model itself, not its address: a model made where a freed one was starts with no record
+_row_records: weakref.WeakKeyDictionary[torch.nn.Module, RowRecord] = weakref.WeakKeyDictionary()
+_row_records_lock = threading.Lock()
+
+
+def row_record(module: torch.nn.Module) -> RowRecord:
+    with _row_records_lock:
+        record = _row_records.get(module)
+        if record is None:
+            record = _row_records[module] = RowRecord()
+        return record
 
 
 class Holder:
@@ -372,8 +395,8 @@ def _merged_call(module, call: ModelCall, **inputs):
 
 
 def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: int) -> list:
-    seen = (id(module), call.method, call.structure)
-    checked = not call.support.trusted and seen not in _verified
+    seen = (call.method, call.structure)
+    checked = not call.support.trusted and seen not in row_record(module).verified
     before = saved(inputs[TEACACHE] or ()) if checked else None
     try:
         with solo_kernels(module, [end - begin for begin, end in bounds]):
@@ -415,20 +438,22 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts, before: Calla
                           len(bounds))
         return alone
     after()  # NOTE: the merged outputs stand, and the states as the merged call left them
-    _verified.add(seen)
+    row_record(module).verified.add(seen)
     return parts
 
 
 def _not_rowwise_reason(module, method: str, call: ModelCall) -> str | None:
-    if (id(module), method) not in _models_not_rowwise:  # NOTE: skips building the call's structure
+    record = row_record(module)
+    if method not in record.methods_not_rowwise:  # NOTE: skips building the call's structure
         return None
-    return _not_rowwise.get((id(module), method, call.structure))
+    return record.not_rowwise.get((method, call.structure))
 
 
 def _mark_not_rowwise(module, seen: tuple, reason: str, calls: int) -> None:
     """Calls of this structure run alone from now on; the `calls` of the running merged call ran apart."""
-    _not_rowwise[seen] = reason
-    _models_not_rowwise.add(seen[:2])
+    record = row_record(module)
+    record.not_rowwise[seen] = reason
+    record.methods_not_rowwise.add(seen[0])
     log_once(type(module).__name__, reason)
     split_inside(f"generic program: {reason}", calls - 1)
 
