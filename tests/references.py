@@ -156,9 +156,22 @@ def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[d
     assert max(sizes) <= max_batch_size
 
 
+def held_out_changes(pipe, prompt: str, signal=None, runs: int = 4, **call) -> tuple[list[float], list[float]]:
+    """`change_pairs` of `runs` seeded runs on `prompt`, pooled: pairs a polynomial was not fitted on, the same
+    whatever ran before (no draw from the global generator), and not left to one run's noise."""
+    from diffusers_stepbatch.models.flux.teacache import change_pairs
+
+    xs, ys = [], []
+    for seed in range(runs):
+        changes = change_pairs(pipe, prompt, signal, generator=torch.Generator().manual_seed(seed), **call)
+        xs.extend(changes[0])
+        ys.extend(changes[1])
+    return xs, ys
+
+
 def assert_polynomial_beats_a_constant(coefficients, xs: list[float], ys: list[float]) -> None:
     """A TeaCache rescale polynomial predicts the output changes `ys` from the signal changes `xs` (pairs it was
-    not fitted on, `change_pairs`) better than their mean does."""
+    not fitted on, `held_out_changes`) better than their mean does."""
     import numpy as np
 
     fitted = sum(abs(np.polyval(coefficients, x) - y) for x, y in zip(xs, ys))

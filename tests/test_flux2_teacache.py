@@ -15,14 +15,14 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models import support_for
-from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
+from diffusers_stepbatch.models.flux.teacache import fit_coefficients
 from diffusers_stepbatch.models.flux2.teacache import FLUX2_COEFFICIENTS, signal_hook, teacache_call
 from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, BlockTokenPasses, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, engine_held,
-    max_diff, seeded, single_thread,
+    held_out_changes, max_diff, seeded, single_thread,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -110,7 +110,7 @@ def test_fitted_coefficients_explain_the_output_change():
     call = dict(height=32, width=32, num_inference_steps=12, guidance_scale=1.0, output_type="latent",
                 text_encoder_out_layers=(1,), max_sequence_length=32)
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
-    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", signal_hook, **call))
+    assert_polynomial_beats_a_constant(coefficients, *held_out_changes(pipe, "a yellow cross", signal_hook, **call))
 
 
 def block_passes(transformer) -> BlockTokenPasses:

@@ -10,12 +10,12 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 
 from diffusers_stepbatch import models
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
+from diffusers_stepbatch.models.flux.teacache import fit_coefficients
 from diffusers_stepbatch.models.qwenimage21.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.programs import intercept
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, max_diff, single_thread,
+    assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, held_out_changes, max_diff, single_thread,
 )
 from .test_qwenimage21 import condition_image, pipe_for
 from .test_row_states import captured_calls
@@ -67,4 +67,4 @@ def test_fitted_coefficients_explain_the_output_change():
     pipe = pipe_for("tiny")
     call = dict(height=64, width=64, num_inference_steps=12, output_resolution=64, output_type="latent")
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
-    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", signal_hook, **call))
+    assert_polynomial_beats_a_constant(coefficients, *held_out_changes(pipe, "a yellow cross", signal_hook, **call))

@@ -15,14 +15,14 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models import support_for
-from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
+from diffusers_stepbatch.models.flux.teacache import fit_coefficients
 from diffusers_stepbatch.models.qwenimage.packing import pack_calls
 from diffusers_stepbatch.models.qwenimage.teacache import QWENIMAGE_COEFFICIENTS, signal_hook, teacache_call
 from diffusers_stepbatch.testing_image_models import tiny_qwenimage_edit_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, BlockTokenPasses, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, max_diff,
-    seeded, single_thread,
+    TOLERANCE, BlockTokenPasses, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone,
+    held_out_changes, max_diff, seeded, single_thread,
 )
 from .test_qwenimage_edit_e2e import CONFIGS, IMAGES, edit_pipe
 from .test_row_states import captured_calls
@@ -146,7 +146,7 @@ def test_fitted_coefficients_explain_the_output_change():
     call = dict(image=IMAGES[1], height=32, width=64, num_inference_steps=16, true_cfg_scale=1.0,
                 output_type="latent")
     coefficients = fit_coefficients(pipe, ["make it red", "a dog on grass"], degree=2, signal=signal_hook, **call)
-    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "add a yellow hat", signal_hook, **call))
+    assert_polynomial_beats_a_constant(coefficients, *held_out_changes(pipe, "add a yellow hat", signal_hook, **call))
 
 
 def test_a_zero_cond_t_transformer_runs_as_the_model_does():

@@ -13,7 +13,8 @@ from diffusers_stepbatch.models.flux.teacache import FLUX_COEFFICIENTS, flux_tea
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 
 from .references import (
-    TOLERANCE, assert_polynomial_beats_a_constant, engine_held, flux_pipe, in_lockstep, max_diff, seeded,
+    TOLERANCE, assert_polynomial_beats_a_constant, engine_held, flux_pipe, held_out_changes, in_lockstep, max_diff,
+    seeded,
 )
 
 SIZES = {"dev-tiny": (32, 32), "schnell-tiny": (32, 48), "dev-wide": (24, 40)}
@@ -236,7 +237,7 @@ def test_config_validation(bad, match):
 
 
 def test_fitted_coefficients_explain_the_output_change():
-    from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
+    from diffusers_stepbatch.models.flux.teacache import fit_coefficients
 
     pipe = flux_pipe("dev-tiny")
     call = dict(height=32, width=32, num_inference_steps=12, max_sequence_length=16, output_type="latent",
@@ -244,7 +245,7 @@ def test_fitted_coefficients_explain_the_output_change():
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, **call)
     assert len(coefficients) == 3 and all(map(math.isfinite, coefficients))
     # On a prompt it was not fitted on, the polynomial predicts the output change better than a constant.
-    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", **call))
+    assert_polynomial_beats_a_constant(coefficients, *held_out_changes(pipe, "a yellow cross", **call))
     with pytest.raises(ValueError, match="cannot fit a degree-4"):
         fit_coefficients(pipe, ["x"], **dict(call, num_inference_steps=2))
 

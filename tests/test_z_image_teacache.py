@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import change_pairs, fit_coefficients
+from diffusers_stepbatch.models.flux.teacache import fit_coefficients
 from diffusers_stepbatch.models.z_image.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, max_diff, single_thread,
+    assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, held_out_changes, max_diff, single_thread,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -60,4 +60,4 @@ def test_fitted_coefficients_explain_the_output_change():
     call = dict(height=32, width=32, num_inference_steps=12, guidance_scale=3.0, negative_prompt="bad",
                 output_type="latent", max_sequence_length=16)
     coefficients = fit_coefficients(pipe, ["a red circle", "a blue square"], degree=2, signal=signal_hook, **call)
-    assert_polynomial_beats_a_constant(coefficients, *change_pairs(pipe, "a yellow cross", signal_hook, **call))
+    assert_polynomial_beats_a_constant(coefficients, *held_out_changes(pipe, "a yellow cross", signal_hook, **call))
