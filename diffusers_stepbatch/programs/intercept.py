@@ -443,8 +443,8 @@ def _checked(module, call: ModelCall, seen, inputs, bounds, parts, before: Calla
 
 
 def _not_rowwise_reason(module, method: str, call: ModelCall) -> str | None:
-    record = row_record(module)
-    if method not in record.methods_not_rowwise:  # NOTE: skips building the call's structure
+    record = _row_records.get(module)  # NOTE: read without the lock: a model with no record has no refusal
+    if record is None or method not in record.methods_not_rowwise:  # NOTE: skips building the call's structure
         return None
     return record.not_rowwise.get((method, call.structure))
 
