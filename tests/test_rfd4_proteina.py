@@ -14,7 +14,7 @@ from diffusers import RFD4ProteinaAutoencoder, RFD4ProteinaPipeline, RFD4Protein
 
 from diffusers_stepbatch import StepBatched
 
-from .references import TOLERANCE, count_forwards, max_diff, single_thread  # noqa: F401  (fixture)
+from .references import TOLERANCE, count_forwards, engine_held, max_diff, single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -97,6 +97,7 @@ def molecule(config: str) -> dict:
 
 # (seeds: one generator per design, partial_t_bb_ca, partial_t_local_latents)
 REQUESTS = [((0,), 0.3, 0.4), ((1,), 0.5, 0.2), ((2, 12), 0.3, 0.4), ((3,), 0.2, 0.6)]
+BLOCKER = ((7,), 0.3, 0.4)  # holds the engine while the requests are submitted
 
 
 def request(config: str, seeds: tuple[int, ...], partial_t_bb_ca: float, partial_t_local_latents: float) -> dict:
@@ -128,7 +129,8 @@ def test_partial_diffusion_requests_encode_together_and_equal_their_plain_runs(c
     sizes, hook = count_forwards(pipe.transformer)
     try:
         with StepBatched(pipe) as sb:
-            futures = [sb.submit(**request(config, *spec)) for spec in REQUESTS]
+            with engine_held(sb, request(config, *BLOCKER)):  # NOTE: all start together however slow the machine
+                futures = [sb.submit(**request(config, *spec)) for spec in REQUESTS]
             results = [future.result(timeout=300) for future in futures]
             stats = sb.stats()
     finally:
@@ -136,7 +138,8 @@ def test_partial_diffusion_requests_encode_together_and_equal_their_plain_runs(c
         hook.remove()
     for got, want in zip(results, expected):
         assert_outputs_equal(got, want)
-    # NOTE: one merged encode of every request's rows, and no separate check calls: the autoencoder is trusted
-    assert encodes == [sum(len(seeds) for seeds, _, _ in REQUESTS)], encodes
+    # NOTE: the blocker's encode, then one merged encode of every request's rows, and no separate check calls: the
+    # autoencoder is trusted
+    assert encodes == [len(BLOCKER[0]), sum(len(seeds) for seeds, _, _ in REQUESTS)], encodes
     assert not any(reason.startswith("vae_encode") for reason in stats["splits"]), stats["splits"]
     assert max(sizes) > 2, sizes  # the denoiser ran calls holding several requests' rows
