@@ -7,7 +7,9 @@ import pytest
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 
-from .references import TOLERANCE, count_forwards, max_diff, seeded, submit_all, single_thread  # noqa: F401
+from .references import (  # noqa: F401  (single_thread is a fixture)
+    TOLERANCE, count_forwards, engine_held, max_diff, seeded, single_thread, submit_all,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -37,13 +39,16 @@ def test_decodes_of_requests_that_finish_together_share_one_call(tiling, frames,
         pipe.vae.decode = counting_decode
         try:
             with StepBatched(pipe, max_batch_size=8) as sb:
-                results = submit_all(sb, requests)
+                with engine_held(sb, dict(_video(9, frames, height, width), num_inference_steps=1)):
+                    futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]  # NOTE: all start together
+                results = [future.result(timeout=300) for future in futures]
         finally:
             del pipe.vae.decode
     finally:
         pipe.vae.disable_tiling()
     assert max(max_diff(got.frames, want) for got, want in zip(results, expected)) <= TOLERANCE
-    assert decodes == [3], decodes  # one merged decode, no separate check calls: the Wan VAE is trusted
+    # NOTE: the one-step blocker's decode, then one merged decode, no separate check calls: the Wan VAE is trusted
+    assert decodes == [1, 3], decodes
 
 
 @pytest.mark.parametrize("tiling", [False, True])
@@ -71,8 +76,14 @@ def test_qwenimage_vae_encodes_and_decodes_of_requests_together_are_one_call_eac
                 or _call(x, *args, **kwargs))
     try:
         with StepBatched(pipe, max_batch_size=8) as sb:
-            results = submit_all(sb, requests)
+            # NOTE: the blocker's prompt is its own: a request whose prompt it shared would find its embeddings
+            # cached and reach the VAE a call ahead of the others
+            with engine_held(sb, dict(requests[0], prompt="a blocker", seed=9, strength=1.0, num_inference_steps=1)):
+                futures = [sb.submit(**seeded(kwargs)) for kwargs in requests]  # NOTE: all start together
+            results = [future.result(timeout=300) for future in futures]
     finally:
         del pipe.vae.encode, pipe.vae.decode
     assert max(max_diff(got.images, want) for got, want in zip(results, expected)) <= TOLERANCE
-    assert calls == {"encode": [3], "decode": [3]}, calls  # no separate check calls: the Qwen-Image VAE is trusted
+    # NOTE: the one-step blocker's encode and decode, then one merged call each, no separate check calls: the
+    # Qwen-Image VAE is trusted
+    assert calls == {"encode": [1, 3], "decode": [1, 3]}, calls
