@@ -7,6 +7,7 @@ other replica keeps serving.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import socket
@@ -82,6 +83,12 @@ def test_example_config_and_build_app_options():
         build_app({"model": "toy", "max_batch_size": 0})  # checked in the driver, before any replica starts
 
 
+def _answer(result: httpx.Response | Exception) -> str:
+    if isinstance(result, Exception):
+        return f"{type(result).__name__}: {result}"
+    return f"{result.status_code} from {result.headers.get(REPLICA_HEADER)}"
+
+
 def _status(url: str) -> int:
     try:
         return httpx.get(url, timeout=5).status_code
@@ -118,8 +125,9 @@ def test_requests_spread_over_both_replicas_and_a_killed_replica_fails_only_its_
         results = [future.result(timeout=180) for future in load]
     ok = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
     failed = [r for r in results if r not in ok]
+    answers = collections.Counter(map(_answer, results))  # NOTE: what the requests got, for the messages
     assert len(ok) + len(failed) == 24  # every request got an answer
-    assert any(r.headers[REPLICA_HEADER] != victim for r in ok)  # the other replica kept serving
+    assert any(r.headers[REPLICA_HEADER] != victim for r in ok), (victim, answers)  # the other replica kept serving
     assert failed, "the killed replica had requests in flight; they must fail, not vanish"
     for r in failed:  # a clear OpenAI error object from the proxy (ray_proxy), which clients retry
         assert isinstance(r, httpx.Response) and r.status_code == 502, r
