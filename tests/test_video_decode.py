@@ -8,7 +8,7 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
-    TOLERANCE, count_forwards, engine_held, max_diff, seeded, single_thread, submit_all,
+    TOLERANCE, count_forwards, engine_held, max_diff, seeded, single_thread,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
