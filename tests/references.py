@@ -157,16 +157,11 @@ def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[d
 
 
 def held_out_changes(pipe, prompt: str, signal=None, runs: int = 4, **call) -> tuple[list[float], list[float]]:
-    """`change_pairs` of `runs` seeded runs on `prompt`, pooled: pairs a polynomial was not fitted on, the same
-    whatever ran before (no draw from the global generator), and not left to one run's noise."""
-    from diffusers_stepbatch.models.flux.teacache import change_pairs
+    """The change pairs of `runs` seeded runs (seeds 0, 1, ...) on `prompt`, pooled: pairs a polynomial was not
+    fitted on, the same whatever ran before (no draw from the global generator), and not left to one run's noise."""
+    from diffusers_stepbatch.models.flux.teacache import sampled_change_pairs
 
-    xs, ys = [], []
-    for seed in range(runs):
-        changes = change_pairs(pipe, prompt, signal, generator=torch.Generator().manual_seed(seed), **call)
-        xs.extend(changes[0])
-        ys.extend(changes[1])
-    return xs, ys
+    return sampled_change_pairs(pipe, [prompt] * runs, 0, signal, **call)
 
 
 def assert_polynomial_beats_a_constant(coefficients, xs: list[float], ys: list[float]) -> None:

@@ -157,15 +157,23 @@ def fit_coefficients(
     """
     import numpy as np
 
+    xs, ys = sampled_change_pairs(pipe, prompts, seed, signal, **call_kwargs)
+    if len(xs) <= degree:
+        raise ValueError(f"{len(xs)} step pairs cannot fit a degree-{degree} polynomial; use more prompts or steps")
+    return tuple(float(c) for c in np.polyfit(xs, ys, degree))
+
+
+def sampled_change_pairs(pipe: Any, prompts: Sequence[str], seed: int = 0, signal: Callable | None = None,
+                         **call_kwargs: Any) -> tuple[list[float], list[float]]:
+    """`change_pairs` of one run per prompt, pooled; prompt i sampled with seed `seed + i` unless `call_kwargs`
+    holds a generator."""
     xs, ys = [], []
     for index, prompt in enumerate(prompts):
         generator = call_kwargs.get("generator") or torch.Generator().manual_seed(seed + index)
         changes = change_pairs(pipe, prompt, signal, **{**call_kwargs, "generator": generator})
         xs.extend(changes[0])
         ys.extend(changes[1])
-    if len(xs) <= degree:
-        raise ValueError(f"{len(xs)} step pairs cannot fit a degree-{degree} polynomial; use more prompts or steps")
-    return tuple(float(c) for c in np.polyfit(xs, ys, degree))
+    return xs, ys
 
 
 def change_pairs(pipe: Any, prompt: str, signal: Callable | None = None,
