@@ -7,7 +7,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.programs.branch_pairs import BranchPairs, same
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import DEFAULT_SUPPORT, support_for
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, ToyLoopPipeline, count_forwards, max_diff, seeded, single_thread, submit_all,

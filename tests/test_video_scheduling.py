@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import TOLERANCE, max_diff, seeded, single_thread  # noqa: F401
 

@@ -7,7 +7,7 @@ rows of several sizes to the longest, so a request's signal and residual are kep
 covers its request's rows; when the rows change (`cfg_truncation` ends CFG) that step computes.
 
 The rescale polynomial was fitted with `models/flux/teacache.py`'s `fit_coefficients` (signal `z_image_signal`)
-on the tiny test model (`testing_image_models.tiny_z_image_pipeline()`, prompts "a red circle", "a blue square",
+on the tiny test model (`testing.image_models.tiny_z_image_pipeline()`, prompts "a red circle", "a blue square",
 "a green cross", 32x32, 16 steps, guidance 3, negative prompt "bad", degree 4): no Z-Image weights were at hand, so
 fit the real model's polynomial the same way before relying on the default.
 """
