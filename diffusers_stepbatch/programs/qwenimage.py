@@ -53,13 +53,13 @@ from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
+from ..models.calls import freeze
 from .validation import (
     as_list,
     check_call_size,
     check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
-    freeze,
 )
 
 

@@ -47,12 +47,12 @@ from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
+from ..models.calls import freeze
 from .validation import (
     check_call_size,
     check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
-    freeze,
 )
 
 # names of the denoise key's fields shared with packed calls, for stats()["splits"]

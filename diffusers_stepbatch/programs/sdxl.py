@@ -40,11 +40,11 @@ from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .options import PlanContext
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
+from ..models.calls import freeze
 from .validation import (
     as_list,
     check_call_size,
     check_latents,
-    freeze,
 )
 
 
