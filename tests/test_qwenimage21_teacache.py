@@ -10,7 +10,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 
 from diffusers_stepbatch import models
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.qwenimage21.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.programs import intercept
 

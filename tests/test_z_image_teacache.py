@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.z_image.teacache import signal_hook, teacache_call
 from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
 

@@ -53,6 +53,7 @@ from .options import PlanContext, ProgramOptions
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
+from ..models import support_for
 from ..models.calls import freeze
 from .validation import (
     as_list,
@@ -123,7 +124,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) ->
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(options.packed_attention, pipe.transformer)
     branches = 2 if do_true_cfg else 1
-    teacache = options.teacache.states(pipe.transformer, steps, branches) if options.teacache is not None else None
+    teacache = None if options.teacache is None else options.teacache.states(
+        pipe.transformer, support_for(pipe.transformer).teacache_coefficients, steps, branches)
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
         raise ValueError(
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "

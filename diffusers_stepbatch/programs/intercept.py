@@ -247,7 +247,7 @@ class RequestTeaCache:
             self.step, self.calls = step, 0
         branch, self.calls = self.calls, self.calls + 1
         if branch not in self.states:
-            made = self.config.states(self.model, self.num_steps(), 1)
+            made = self.config.states(self.model, support_for(self.model).teacache_coefficients, self.num_steps(), 1)
             self.states[branch] = made[0] if made else None
         state = self.states[branch]
         if state is not None:

@@ -53,6 +53,7 @@ from .options import PlanContext
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
+from ..models import support_for
 from ..models.calls import freeze
 from .validation import (
     as_list,
@@ -121,8 +122,8 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     adapters = request_adapters(pipe.transformer, context.adapters,
                                 lora_scale=(args["attention_kwargs"] or {}).get("scale"))
     options = context.options
-    teacache = options.teacache.states(pipe.transformer, steps, 2 if do_true_cfg else 1) \
-        if options.teacache is not None else None
+    teacache = None if options.teacache is None else options.teacache.states(
+        pipe.transformer, support_for(pipe.transformer).teacache_coefficients, steps, 2 if do_true_cfg else 1)
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
         raise ValueError(
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
