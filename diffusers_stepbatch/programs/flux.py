@@ -26,7 +26,7 @@ from ..adapters.ip_adapter import (
     per_row_ip_scales,
     plan_flux_ip_adapter,
 )
-from ..adapters.lora import lora_layers, streams_ambiguous
+from ..adapters.lora import lora_layers
 from ..adapters.state import (
     AdapterState,
     lora_rows,
@@ -56,6 +56,7 @@ from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from ..models import support_for
 from ..models.calls import freeze
+from ..models.packed_calls import run_packed
 from .validation import (
     as_list,
     check_call_size,
@@ -427,26 +428,16 @@ def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shape
         )
         for (txt_ids, img_ids), inputs in shapes
     ]
-    with kept_on_failure(state for part in parts for state in part.teacache or ()):
-        return _run_packed(transformer, joint_attention_kwargs, packed_attention, shapes, parts)
-
-
-def _run_packed(transformer, joint_attention_kwargs, packed_attention, shapes, parts: list[FluxPart]) -> list:
-    forward = functools.partial(flux_packed_forward, transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
-                                packed_attention=packed_attention)
-    if not lora_layers(transformer):
-        return forward()
-    # Per-row LoRA over the packed streams (text, image, and the single blocks' joint text + image tokens).
-    streams = flux_token_streams(parts)
-    lora = [row for _, inputs in shapes for row in inputs["lora"]]
-    teacache = any(state is not None for part in parts for state in part.teacache or ())
-    if teacache or streams_ambiguous(len(lora), streams):
-        # NOTE: TeaCache's packed sub-calls (fewer rows) and streams of coinciding lengths can't be mapped to
-        # rows by shape: these shapes run one ordinary forward each, adapters still per row.
-        return [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
-                for (txt_ids, img_ids), inputs in shapes]
-    with lora_rows(transformer, lora, token_rows=streams):
-        return forward()
+    # NOTE: per-row LoRA maps the packed streams (text, image, the single blocks' joint tokens) to rows
+    return run_packed(
+        transformer,
+        packed=functools.partial(flux_packed_forward, transformer, parts,
+                                 joint_attention_kwargs=joint_attention_kwargs, packed_attention=packed_attention),
+        per_shape=lambda: [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
+                           for (txt_ids, img_ids), inputs in shapes],
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
+        token_rows=lambda: flux_token_streams(parts),
+        teacache=[state for part in parts for state in part.teacache or ()])
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,

@@ -33,6 +33,7 @@ from ..engine.split_reasons import named_key, split_inside
 from ..models import Packing, support_for
 from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
 from ..models.calls import run_call, slice_rows
+from ..models.packed_calls import run_packed
 from ..models.packing.support import packing_refused
 from ..models.row_kernels import solo_kernels
 from ..module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
@@ -330,28 +331,25 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
     """One packed call for several shapes' batches; each holder gets its rows of its call's output."""
     holders = [inputs.pop(HOLDERS) for _, inputs in shapes]
     calls = [fill(call.template, _model_inputs(inputs)) for call, inputs in shapes]
-    lora = [row for _, inputs in shapes for row in inputs[LORA] or ()]
-    streams = packing.token_rows(module, calls) if lora else None
-    if lora and (_has_states(inputs[TEACACHE] for _, inputs in shapes) or streams_ambiguous(len(lora), streams)):
-        # NOTE: TeaCache's packed sub-calls (fewer rows) and token streams of coinciding lengths can't be mapped
-        # to rows by shape: each shape runs its own call, adapters still per row
+    teacache = [inputs[TEACACHE] for _, inputs in shapes]
+
+    def packed() -> list:
+        with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
+            return packing.run(module, calls, packed_attention, teacache)
+
+    def per_shape() -> list:
         outputs = []
         for (call, inputs), shape_holders in zip(shapes, holders):
             with solo_kernels(module, _rows_per_request(shape_holders)):
                 outputs.append(_run(module, call, inputs))
-    else:
-        teacache = [inputs[TEACACHE] for _, inputs in shapes]
-        with kept_on_failure(state for states in teacache for state in states or ()), \
-                lora_rows(module, lora, token_rows=streams) if lora else contextlib.nullcontext():
-            with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
-                outputs = packing.run(module, calls, packed_attention, teacache)
+        return outputs
+
+    outputs = run_packed(module, packed, per_shape, lora=[row for _, inputs in shapes for row in inputs[LORA] or ()]
+                         or None, token_rows=lambda: packing.token_rows(module, calls),
+                         teacache=[state for states in teacache for state in states or ()])
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
-
-
-def _has_states(teacache_lists) -> bool:
-    return any(state is not None for states in teacache_lists for state in states or ())
 
 
 def _rows_per_request(holders: list[Holder]) -> list[int]:

@@ -24,7 +24,7 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from ..adapters.lora import lora_layers, streams_ambiguous
+from ..adapters.lora import lora_layers
 from ..adapters.state import (
     AdapterState,
     lora_rows,
@@ -55,6 +55,7 @@ from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from ..models import support_for
 from ..models.calls import freeze
+from ..models.packed_calls import run_packed
 from .validation import (
     as_list,
     check_call_size,
@@ -330,24 +331,14 @@ def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
                       text_mask=inputs["text_mask"], img_shapes=[grid], teacache=inputs["teacache"])
         for grid, inputs in shapes
     ]
-    with kept_on_failure(state for part in parts for state in part.teacache):
-        return _run_packed(transformer, attention_kwargs, packed_attention, shapes, parts)
-
-
-def _run_packed(transformer, attention_kwargs, packed_attention, shapes, parts: list[QwenImagePart]) -> list:
-    if not lora_layers(transformer):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
-                                        packed_attention=packed_attention)
-    # Per-row LoRA over the packed text and image streams (packed_token_rows).
-    lora = [row for _, inputs in shapes for row in inputs["lora"]]
-    streams = packed_token_rows(parts)
-    if any(state is not None for part in parts for state in part.teacache) or streams_ambiguous(len(lora), streams):
-        # NOTE: TeaCache's packed sub-calls (fewer rows) and streams of coinciding lengths can't be mapped to rows
-        # by shape: one ordinary forward per grid, adapters still per row
-        return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
-    with lora_rows(transformer, lora, token_rows=streams):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
-                                        packed_attention=packed_attention)
+    return run_packed(
+        transformer,
+        packed=functools.partial(qwenimage_packed_forward, transformer, parts, attention_kwargs=attention_kwargs,
+                                 packed_attention=packed_attention),
+        per_shape=lambda: [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes],
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
+        token_rows=lambda: packed_token_rows(parts),
+        teacache=[state for part in parts for state in part.teacache])
 
 
 def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora, teacache):
