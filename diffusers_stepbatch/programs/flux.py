@@ -51,7 +51,7 @@ from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .cfg import transformer_activation_bytes
 from .options import PlanContext, ProgramOptions
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .pid_exit import PiDExit, pid_exit_decode, plan_main_size
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from ..models import support_for
@@ -87,11 +87,7 @@ class FluxCall:
 @register_program(FluxPipeline, features=("teacache", "adapters"))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
     check_latent_patches(height, width, pipe)
     run_check_inputs(
         pipe, args["prompt"], args["prompt_2"], height, width,

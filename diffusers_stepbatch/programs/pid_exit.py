@@ -77,6 +77,17 @@ class PiDExit:
     prompt_cache: PromptCache | None = None
 
 
+def plan_main_size(pipe: Any, args: dict[str, Any], context: PlanContext
+                   ) -> tuple[dict[str, Any], PiDExit | None, int, int]:
+    """The dedicated programs' opening: (args, PiD early exit or None, height, width) of the main model's call,
+    which with PiD runs at 1/sr_scale of the requested size; sizes default to the pipeline's sample size."""
+    pid = plan_pid_exit(pipe, args, context)
+    if pid is not None:
+        args = {**args, "height": pid.main_height, "width": pid.main_width}
+    default = pipe.default_sample_size * pipe.vae_scale_factor
+    return args, pid, args["height"] or default, args["width"] or default
+
+
 def plan_pid_exit(pipe: Any, args: dict[str, Any], context: PlanContext) -> PiDExit | None:
     """Validate a call for PiD early exit (in the caller's thread); None when the engine decodes with the VAE."""
     options = context.pid

@@ -50,7 +50,7 @@ from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .options import PlanContext
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .pid_exit import PiDExit, pid_exit_decode, plan_main_size
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from ..models import support_for
@@ -91,11 +91,7 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
     check_latent_patches(height, width, pipe)
     run_check_inputs(
         pipe, args["prompt"], height, width, negative_prompt=args["negative_prompt"],

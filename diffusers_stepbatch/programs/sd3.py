@@ -44,7 +44,7 @@ from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .options import PlanContext
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .pid_exit import PiDExit, pid_exit_decode, plan_main_size
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
 from ..models.calls import freeze
@@ -81,11 +81,7 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any], context: Plan
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
     run_check_inputs(
         pipe, args["prompt"], args["prompt_2"], args["prompt_3"], height, width,
         negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],

@@ -36,7 +36,7 @@ from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from .pid_exit import PiDExit, pid_exit_decode, plan_main_size
 from .options import PlanContext
 from .pipeline_checks import run_check_inputs
 from .registry import PlannedRequest, register_program, request_pipeline
@@ -83,14 +83,10 @@ def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, in
 @register_program(StableDiffusionXLPipeline, features=("adapters",))
 def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a StableDiffusionXLPipeline call in the caller's thread and return its step program."""
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        if args["denoising_end"] is not None:
-            raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
-                             "decoder use pid_exit_step to choose where the main model stops")
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
+    if pid is not None and args["denoising_end"] is not None:
+        raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
+                         "decoder use pid_exit_step to choose where the main model stops")
     run_check_inputs(
         pipe, args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
         args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
