@@ -145,7 +145,7 @@ def test_unproven_models_that_mix_rows_are_caught_and_run_alone(caplog, steps, m
     """Also with one step: the merged call that is caught says why in `splits`, not only the later ones."""
     from diffusers import DDIMScheduler
 
-    from diffusers_stepbatch.programs import intercept
+    from diffusers_stepbatch.programs.generic import intercept
 
     monkeypatch.setattr(intercept, "_logged", set())  # NOTE: each reason is logged once per process
 
@@ -168,7 +168,7 @@ def test_what_merged_calls_showed_goes_with_the_model_not_its_address():
 
     from diffusers import DDIMScheduler
 
-    from diffusers_stepbatch.programs import intercept
+    from diffusers_stepbatch.programs.generic import intercept
 
     pipe = ToyLoopPipeline(_BatchMixing(), DDIMScheduler(timestep_spacing="trailing"))
     requests = [dict(batch_size=2, num_inference_steps=2, seed=i) for i in range(3)]

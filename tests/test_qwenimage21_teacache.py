@@ -12,7 +12,7 @@ from diffusers_stepbatch import models
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.qwenimage21.teacache import signal_hook, teacache_call
-from diffusers_stepbatch.programs import intercept
+from diffusers_stepbatch.programs.generic import intercept
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, held_out_changes, max_diff, single_thread,

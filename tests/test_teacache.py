@@ -273,7 +273,7 @@ def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program
     from diffusers import FluxKontextPipeline
 
     from diffusers_stepbatch import models
-    from diffusers_stepbatch.programs import flux as flux_program
+    from diffusers_stepbatch.programs.dedicated import flux as flux_program
     from diffusers_stepbatch.testing import tiny_flux_pipeline
 
     pipe = tiny_flux_pipeline(guidance_embeds=True)

@@ -113,7 +113,7 @@ class ModelSupport:
 
 DEFAULT_SUPPORT = ModelSupport()
 _SUPPORT: dict[type, ModelSupport] = {}
-_REGISTERED_BY: dict[type, str] = {}  # class -> the model module (its name in this package) that registered it
+_REGISTERED_BY: dict[type, str] = {}  # class -> the module that registered it
 # NOTE: the modules of this package that are shared machinery, not one denoiser class's rules
 SHARED_MODULES = frozenset({"calls", "packed_calls", "packing", "row_kernels"})
 
@@ -123,7 +123,9 @@ def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], 
 
     def decorate(factory: Callable[[], ModelSupport]) -> Callable[[], ModelSupport]:
         _SUPPORT[model_class] = factory()
-        _REGISTERED_BY[model_class] = factory.__module__.removeprefix(f"{__name__}.").split(".")[0]
+        module = factory.__module__  # NOTE: a model module by its name here; a registration elsewhere by its own
+        _REGISTERED_BY[model_class] = module[len(__name__) + 1:].split(".")[0] if module.startswith(f"{__name__}.") \
+            else module
         return factory
 
     return decorate

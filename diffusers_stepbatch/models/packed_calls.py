@@ -1,9 +1,5 @@
 """Running one packed denoiser call of several shapes, with per-row LoRA and TeaCache: the runner the generic
-program and the dedicated programs share.
-
->>> outputs = run_packed(model, packed=lambda: forward(parts), per_shape=lambda: [forward([p]) for p in parts],
-...                      lora=rows, token_rows=lambda: streams(parts), teacache=states)
-"""
+program and the dedicated programs share."""
 
 from __future__ import annotations
 
@@ -25,7 +21,9 @@ def run_packed(model: torch.nn.Module, packed: Callable[[], list], per_shape: Ca
     same order) where per-row LoRA can't map the packed call's tokens to rows.
 
     `lora`: each row's adapters in packed order (None: no per-row LoRA); `token_rows()`: each packed token
-    stream's row per token. TeaCache `teacache` states are put back when the call fails (its retry decides anew).
+    stream's row per token. `teacache` states are put back when the call fails (its retry decides anew).
+
+    >>> run_packed(model, packed, per_shape, lora=rows, token_rows=lambda: streams(parts), teacache=states)
     """
     states = [state for state in teacache if state is not None]
     with kept_on_failure(states):

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from ..cache.prompt import PromptCache, cached_encode
-from ..decoders.pid.work import pid_decode_item, pid_text_item, pid_text_namespace
-from ..decoders.registry import PiDDecoding
-from ..engine.batch import WorkItem
-from .options import PiDExitOptions, PlanContext  # noqa: F401  (PiDExitOptions: its old place)
-from .pid_families import PiDFamily, pid_family, pid_pipelines
-from .validation import as_list, check_num_images_per_prompt, check_num_inference_steps
+from ...cache.prompt import PromptCache, cached_encode
+from ...decoders.pid.work import pid_decode_item, pid_text_item, pid_text_namespace
+from ...decoders.registry import PiDDecoding
+from ...engine.batch import WorkItem
+from ..options import PlanContext
+from .families import PiDFamily, pid_family, pid_pipelines
+from ..checks.values import as_list, check_num_images_per_prompt, check_num_inference_steps
 
 
 def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:

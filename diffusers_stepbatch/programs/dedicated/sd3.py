@@ -23,32 +23,32 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
 
-from ..adapters.ip_adapter import IPAdapterState, bind_scale_setter, ip_key_fields, per_row_ip_scales
-from ..adapters.lora import lora_layers, streams_ambiguous
-from ..adapters.sd3_ip_adapter import plan_sd3_ip_adapter, sd3_ip_image_embeds
-from ..adapters.state import (
+from ...adapters.ip_adapter import IPAdapterState, bind_scale_setter, ip_key_fields, per_row_ip_scales
+from ...adapters.lora import lora_layers, streams_ambiguous
+from ...adapters.sd3_ip_adapter import plan_sd3_ip_adapter, sd3_ip_image_embeds
+from ...adapters.state import (
     AdapterState,
     lora_rows,
     request_adapters,
     text_lora_scale,
     without_lora_scale,
 )
-from ..decoders.vae import vae_decode_item
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key
-from ..module_scan import execution_device
-from ..models.packing.attention import check_can_run as check_packed_attention_runs
-from ..models.packing.layout import PackedLayout
-from ..models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
-from ..models.packing.support import extra_attention_kwargs, packing_refused
-from .callbacks import run_step_callback
-from .fused_update import FusedEuler
-from .options import PlanContext
-from .pid_exit import PiDExit, pid_exit_decode, plan_main_size
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
-from ..models.calls import freeze
-from .validation import (
+from ...decoders.vae import vae_decode_item
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key
+from ...module_scan import execution_device
+from ...models.packing.attention import check_can_run as check_packed_attention_runs
+from ...models.packing.layout import PackedLayout
+from ...models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
+from ...models.packing.support import extra_attention_kwargs, packing_refused
+from ..callbacks import run_step_callback
+from ..fused_update import FusedEuler
+from ..options import PlanContext
+from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
+from ...models.calls import freeze
+from ..checks.values import (
     check_call_size,
     check_given_embeds_not_repeated,
     check_latents,
@@ -70,7 +70,7 @@ class SD3Call:
     num_prompts: int
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
-    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    pid: PiDExit | None = None  # PiD early exit (programs/pid/exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/sd3_ip_adapter.py); None: none loaded
     packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
@@ -257,7 +257,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
             progress_bar.update()
 
     # 4. Decode (batched with other requests' decodes of the same size).
-    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+    if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
         image = yield from pid_exit_decode(view, call.pid, args, latents, embeds[0])
         return StableDiffusion3PipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":

@@ -24,39 +24,39 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from ..adapters.lora import lora_layers
-from ..adapters.state import (
+from ...adapters.lora import lora_layers
+from ...adapters.state import (
     AdapterState,
     lora_rows,
     request_adapters,
     text_encoder_state,
     without_lora_scale,
 )
-from ..cache.teacache import TeaCacheState, kept_on_failure
-from ..decoders.vae import vae_decode_item
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key
-from ..module_scan import execution_device
-from ..models.packing.attention import check_can_run as check_packed_attention_runs
-from ..models.qwenimage.packing import (
+from ...cache.teacache import TeaCacheState, kept_on_failure
+from ...decoders.vae import vae_decode_item
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key
+from ...module_scan import execution_device
+from ...models.packing.attention import check_can_run as check_packed_attention_runs
+from ...models.qwenimage.packing import (
     QwenImagePart,
     packed_token_rows,
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
-from ..models.qwenimage.teacache import teacache_call
-from ..models.packing.support import extra_attention_kwargs, packing_refused
-from .cache_hooks import hooked_denoiser
-from .callbacks import run_step_callback
-from .fused_update import FusedEuler
-from .options import PlanContext
-from .pid_exit import PiDExit, pid_exit_decode, plan_main_size
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
-from ..models import support_for
-from ..models.calls import freeze
-from ..models.packed_calls import run_packed
-from .validation import (
+from ...models.qwenimage.teacache import teacache_call
+from ...models.packing.support import extra_attention_kwargs, packing_refused
+from ..cache_hooks import hooked_denoiser
+from ..callbacks import run_step_callback
+from ..fused_update import FusedEuler
+from ..options import PlanContext
+from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
+from ...models import support_for
+from ...models.calls import freeze
+from ...models.packed_calls import run_packed
+from ..checks.values import (
     as_list,
     check_call_size,
     check_latent_patches,
@@ -80,7 +80,7 @@ class QwenImageCall:
     num_inference_steps: int
     num_images: int  # prompts x num_images_per_prompt
     do_true_cfg: bool
-    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    pid: PiDExit | None = None  # PiD early exit (programs/pid/exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
     teacache: list[TeaCacheState] | None = None  # one per CFG branch; None: every step runs the blocks
@@ -264,7 +264,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
         hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
-    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+    if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
         image = yield from pid_exit_decode(view, call.pid, args, latents, branches[0][0])
         return QwenImagePipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":

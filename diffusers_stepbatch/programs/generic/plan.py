@@ -24,26 +24,26 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
-from ..cache.prompt import PromptCache
-from ..engine.batch import WorkItem
-from ..engine.ownership import current_owner, run_for
-from ..engine.split_reasons import named_key
-from ..module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
-from .options import PlanContext
-from .pid_generic import plan_generic_pid_exit
-from .pipeline_checks import (
+from ...cache.prompt import PromptCache
+from ...engine.batch import WorkItem
+from ...engine.ownership import current_owner, run_for
+from ...engine.split_reasons import named_key
+from ...module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
+from ..options import PlanContext
+from ..pid.generic import plan_generic_pid_exit
+from ..checks.pipeline import (
     arguments_set_before_check,
     check_logs_muted,
     checks_input_images,
     renamed_check_arguments,
     run_check_inputs,
 )
-from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
-from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
-from ..models import support_for
+from ..registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
+from ...adapters.state import NOT_GIVEN, AdapterState, request_adapters
+from ...models import support_for
 from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once, packed_attention_for
-from .request_state import active_view
-from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
+from ..request_state import active_view
+from ..checks.values import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_enco
 @register_program(DiffusionPipeline, features=("adapters", "teacache"))
 def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
-    pid = plan_generic_pid_exit(pipe, args, context)  # PiD early exit (pid_generic.py); None: VAE decode
+    pid = plan_generic_pid_exit(pipe, args, context)  # PiD early exit (pid/generic.py); None: VAE decode
     if pid is not None:
         args = pid.call_args  # at 1/sr_scale, stopped after step K, latent output
     _check_call(pipe, args)

@@ -23,20 +23,20 @@ from diffusers.hooks import HookRegistry, group_offloading
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import torch_utils
 
-from ..adapters.lora import streams_ambiguous
-from ..adapters.state import AdapterState, lora_rows, without_lora_scale
-from ..cache import encoder_calls
-from ..cache.prompt import PromptCache
-from ..cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure, saved
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key, split_inside
-from ..models import Packing, support_for
-from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
-from ..models.calls import run_call, slice_rows
-from ..models.packed_calls import run_packed
-from ..models.packing.support import packing_refused
-from ..models.row_kernels import solo_kernels
-from ..module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
+from ...adapters.lora import streams_ambiguous
+from ...adapters.state import AdapterState, lora_rows, without_lora_scale
+from ...cache import encoder_calls
+from ...cache.prompt import PromptCache
+from ...cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure, saved
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key, split_inside
+from ...models import Packing, support_for
+from ...models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
+from ...models.calls import run_call, slice_rows
+from ...models.packed_calls import run_packed
+from ...models.packing.support import packing_refused
+from ...models.row_kernels import solo_kernels
+from ...module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
 from .branch_pairs import BranchPairs
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import FluxPipelineOutput, calculate_shift, retrieve_timesteps
 
-from ..adapters.ip_adapter import (
+from ...adapters.ip_adapter import (
     IPAdapterState,
     bind_scale_setter,
     flux_ip_image_embeds,
@@ -26,38 +26,38 @@ from ..adapters.ip_adapter import (
     per_row_ip_scales,
     plan_flux_ip_adapter,
 )
-from ..adapters.lora import lora_layers
-from ..adapters.state import (
+from ...adapters.lora import lora_layers
+from ...adapters.state import (
     AdapterState,
     lora_rows,
     request_adapters,
     text_lora_scale,
     without_lora_scale,
 )
-from ..buffers import stack_rows
-from ..cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
-from ..cache.teacache import TeaCacheState, kept_on_failure
-from ..models.flux.teacache import flux_teacache_forward
-from ..decoders.vae import vae_decode_item
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key
-from ..module_scan import execution_device
-from ..models.packing.attention import check_can_run as check_packed_attention_runs
-from ..models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
-from ..models.row_kernels import solo_kernels
-from ..models.packing.support import extra_attention_kwargs, packing_refused
-from .cache_hooks import hooked_denoiser
-from .callbacks import run_step_callback
-from .fused_update import FusedEuler
-from .cfg import transformer_activation_bytes
-from .options import PlanContext, ProgramOptions
-from .pid_exit import PiDExit, pid_exit_decode, plan_main_size
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
-from ..models import support_for
-from ..models.calls import freeze
-from ..models.packed_calls import run_packed
-from .validation import (
+from ...buffers import stack_rows
+from ...cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
+from ...cache.teacache import TeaCacheState, kept_on_failure
+from ...models.flux.teacache import flux_teacache_forward
+from ...decoders.vae import vae_decode_item
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key
+from ...module_scan import execution_device
+from ...models.packing.attention import check_can_run as check_packed_attention_runs
+from ...models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
+from ...models.row_kernels import solo_kernels
+from ...models.packing.support import extra_attention_kwargs, packing_refused
+from ..cache_hooks import hooked_denoiser
+from ..callbacks import run_step_callback
+from ..fused_update import FusedEuler
+from ..cfg import transformer_activation_bytes
+from ..options import PlanContext, ProgramOptions
+from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
+from ...models import support_for
+from ...models.calls import freeze
+from ...models.packed_calls import run_packed
+from ..checks.values import (
     as_list,
     check_call_size,
     check_given_embeds_not_repeated,
@@ -79,7 +79,7 @@ class FluxCall:
     do_true_cfg: bool
     options: ProgramOptions
     teacache: list[TeaCacheState] | None  # one per CFG branch; None: every step runs the blocks
-    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    pid: PiDExit | None = None  # PiD early exit (programs/pid/exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
@@ -314,7 +314,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
         hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
-    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+    if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
         image = yield from pid_exit_decode(view, call.pid, args, latents, embeds[0], options.prompt_cache)
         return FluxPipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 
 
 @dataclass(frozen=True)
