@@ -115,7 +115,7 @@ DEFAULT_SUPPORT = ModelSupport()
 _SUPPORT: dict[type, ModelSupport] = {}
 _REGISTERED_BY: dict[type, str] = {}  # class -> the module that registered it
 # NOTE: the modules of this package that are shared machinery, not one denoiser class's rules
-SHARED_MODULES = frozenset({"calls", "packed_calls", "packing", "row_kernels"})
+SHARED_MODULES = frozenset({"calls", "merge_checks", "packed_calls", "packing", "row_kernels"})
 
 
 def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], Callable[[], ModelSupport]]:
