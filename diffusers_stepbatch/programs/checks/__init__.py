@@ -1,5 +1,6 @@
-"""Input checks before a request enters a batch: `check_call_inputs` (any pipeline: `call.py`), the pipeline's own
-`check_inputs` (`pipeline.py`) and the value checks the programs share (`values.py`)."""
+"""Input checks before a request enters a batch: `check_call_inputs` (any pipeline, at submit: `call.py`), the
+generic program's checks of a call (`generic_call.py`), the pipeline's own `check_inputs` (`pipeline.py`) and the
+value checks the programs share (`values.py`)."""
 
 from .call import check_call_inputs
 
