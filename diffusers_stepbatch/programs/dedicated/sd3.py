@@ -48,6 +48,7 @@ from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..checks.pipeline import run_check_inputs
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models.calls import freeze
+from ...models.row_kernels import row_kernels_of
 from ..checks.values import (
     check_call_size,
     check_given_embeds_not_repeated,
@@ -231,7 +232,8 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 "lora": [call.adapters] * len(skips),
                 **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
             }
-            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack)
+            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack,
+                                    row_kernels=row_kernels_of(pipe.transformer))
             noise_pred, noise_uncond, scale = output, None, None
             if do_cfg:
                 noise_uncond, noise_pred = output[:images], output[images:2 * images]
@@ -308,7 +310,9 @@ def _encode(pipe, call: SD3Call, per_prompt: int, device, lora_scale):
                   enumerate(("prompt", "prompt_2", "prompt_3"))}
         run = functools.partial(_encode_text, pipe, device, args["max_sequence_length"], clip_skip, lora_scale)
         key = ("sd3.encode", args["max_sequence_length"], clip_skip, lora_scale, text_adapters, str(device))
-        out_embeds, out_pooled = yield WorkItem("encode", key, inputs, run, rows=len(inputs["prompt"]))
+        out_embeds, out_pooled = yield WorkItem("encode", key, inputs, run, rows=len(inputs["prompt"]),
+                                                row_kernels=row_kernels_of(pipe.text_encoder, pipe.text_encoder_2,
+                                                                           pipe.text_encoder_3))
         start = 0
         for branch in group:
             end = start + len(branch.texts[0])
