@@ -36,14 +36,14 @@ SIZES = [(32, 32), (32, 64), (64, 32), (48, 48)]
 
 
 def _z_image():
-    from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+    from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
 
     # NOTE: the tests' 2-block VAE of 32/64 channels decodes at half resolution: a third of a request here
     return tiny_z_image_pipeline(vae_blocks=3), dict(guidance_scale=0.0, max_sequence_length=32)
 
 
 def _flux2_klein():
-    from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
+    from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline
 
     # NOTE: a VAE that quarters the sides, as the other families' tiny VAEs do: with one block (the tests' default)
     # a 48x48 image is 576 tokens, and the forwards, not the per-request overhead, decide the time
@@ -86,7 +86,7 @@ def _qwenimage_img2img():
 
 
 def _qwenimage21():
-    from diffusers_stepbatch.testing_image_models import tiny_qwenimage21_pipeline
+    from diffusers_stepbatch.testing.image_models import tiny_qwenimage21_pipeline
 
     # NOTE: its sizes are multiples of 32 (a VAE of scale 16 and 2x2 patches): twice the other families' sides
     return tiny_qwenimage21_pipeline(), dict(output_resolution=64, _scale=2)

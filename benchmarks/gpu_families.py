@@ -58,8 +58,8 @@ def _gpu_text_encoder(encoder: torch.nn.Module) -> torch.nn.Module:
 def _z_image(real: bool, args) -> Any:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
-    from diffusers_stepbatch.testing_image_models import qwen3_text_encoder, tiny_chat_tokenizer
-    from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+    from diffusers_stepbatch.testing.image_models import qwen3_text_encoder, tiny_chat_tokenizer
+    from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
 
     if not real:
         return tiny_z_image_pipeline(vae_blocks=3)
@@ -87,8 +87,8 @@ def _klein(real: bool, args) -> Any:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from diffusers import Flux2Transformer2DModel
 
-    from diffusers_stepbatch.testing_image_models import qwen3_text_encoder, tiny_chat_tokenizer
-    from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
+    from diffusers_stepbatch.testing.image_models import qwen3_text_encoder, tiny_chat_tokenizer
+    from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline
 
     if not real:
         return tiny_flux2_klein_pipeline(vae_blocks=3)
@@ -113,7 +113,7 @@ def _klein_request(pipe, i: int, real: bool) -> dict:
 def _qwen_edit(real: bool, args) -> Any:
     from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline, QwenImageTransformer2DModel
 
-    from diffusers_stepbatch.testing_image_models import tiny_qwenimage_edit_pipeline
+    from diffusers_stepbatch.testing.image_models import tiny_qwenimage_edit_pipeline
 
     tiny = tiny_qwenimage_edit_pipeline(text_hidden=3584 if real else 32)
     if not real:
@@ -140,7 +140,7 @@ def _wan(real: bool, args) -> Any:
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
     from diffusers_stepbatch.testing import tiny_t5_encoder, tiny_t5_tokenizer
-    from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+    from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
     if not real:
         return tiny_wan_pipeline()

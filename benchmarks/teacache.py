@@ -30,7 +30,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
 from diffusers_stepbatch.cache import TeaCacheConfig  # noqa: E402
-from diffusers_stepbatch.models.flux.teacache import FLUX_COEFFICIENTS, fit_coefficients  # noqa: E402
+from diffusers_stepbatch.cache.teacache_fit import fit_coefficients  # noqa: E402
+from diffusers_stepbatch.models.flux.teacache import FLUX_COEFFICIENTS  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "teacache.json"
 CALIBRATION_PROMPTS = [  # for fit_coefficients; never among the evaluated prompts

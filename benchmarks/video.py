@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import command_line, in_worker_thread, percentile, run_clients, write_report  # noqa: E402
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched  # noqa: E402
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline  # noqa: E402
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline  # noqa: E402
 
 SHAPES = [(9, 32, 32), (5, 32, 48), (13, 48, 32)]  # (frames, height, width)
 

@@ -26,11 +26,11 @@ from .engine.scheduler import SchedulerConfig
 from .module_scan import scan_scope
 from .models.packing.attention import check_packed_attention
 from .programs import program_for, registered_pipelines
-from .programs.call_checks import check_call_inputs
+from .programs.checks import check_call_inputs
 from .programs.cfg import CFGPolicy
 from .programs.generic import plan_generic
-from .programs.options import PlanContext, ProgramOptions
-from .programs.pid_exit import PiDExitOptions, check_pid_pipeline
+from .programs.options import PiDExitOptions, PlanContext, ProgramOptions
+from .programs.pid.exit import check_pid_pipeline
 from .programs.registry import check_feature, unhooked_class
 from .programs.request_state import active_view_of, is_call_state
 from .signature import ENGINE_DEFAULT, signed, wrapper_signature

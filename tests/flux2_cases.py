@@ -5,7 +5,7 @@ import functools
 import numpy as np
 from PIL import Image
 
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 
 # configs: attention heads, head dim, RoPE axes (4 axes: time, height, width, text position), VAE blocks (3: a
 # latent of a quarter of the image's sides)

@@ -159,7 +159,7 @@ def assert_batched_equals_solo(pipe, denoiser: torch.nn.Module, requests: list[d
 def held_out_changes(pipe, prompt: str, signal=None, runs: int = 4, **call) -> tuple[list[float], list[float]]:
     """The change pairs of `runs` seeded runs (seeds 0, 1, ...) on `prompt`, pooled: pairs a polynomial was not
     fitted on, the same whatever ran before (no draw from the global generator), and not left to one run's noise."""
-    from diffusers_stepbatch.models.flux.teacache import sampled_change_pairs
+    from diffusers_stepbatch.cache.teacache_fit import sampled_change_pairs
 
     return sampled_change_pairs(pipe, [prompt] * runs, 0, signal, **call)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffusers_stepbatch.testing import tiny_t5_encoder, tiny_t5_tokenizer
-from diffusers_stepbatch.testing_video_models import tiny_wan_vae
+from diffusers_stepbatch.toy.video import tiny_wan_vae
 
 from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""A request's two denoiser calls of a step run as one engine call (`programs/branch_pairs.py`): the second
+"""A request's two denoiser calls of a step run as one engine call (`programs/generic/branch_pairs.py`): the second
 call is predicted from the step before, computed with the first, and answered only if it matches."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.programs.branch_pairs import BranchPairs, same
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.programs.generic.branch_pairs import BranchPairs, same
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import TOLERANCE, count_forwards, engine_held, max_diff, seeded
 

@@ -17,7 +17,7 @@ from diffusers import (AutoencoderKLFlux2, BriaFibo2Pipeline, BriaFibo2Transform
 from PIL import Image
 
 from diffusers_stepbatch import StepBatched
-from diffusers_stepbatch.testing_image_models import tiny_chat_tokenizer
+from diffusers_stepbatch.testing.image_models import tiny_chat_tokenizer
 
 from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 

@@ -174,7 +174,7 @@ def test_multi_controlnet_img2img_checks_its_control_image_in_the_caller(xl):
 def test_check_arguments_are_read_from_the_pipelines_own_call(name, renamed):
     import diffusers
 
-    from diffusers_stepbatch.programs.pipeline_checks import renamed_check_arguments
+    from diffusers_stepbatch.programs.checks.pipeline import renamed_check_arguments
 
     assert renamed_check_arguments(getattr(diffusers, name)) == renamed
 
@@ -187,7 +187,7 @@ def test_concurrent_first_calls_parse_one_at_a_time(monkeypatch):
 
     import diffusers
 
-    from diffusers_stepbatch.programs import pipeline_checks
+    from diffusers_stepbatch.programs.checks import pipeline as pipeline_checks
 
     inside, most, lock = [0], [0], threading.Lock()
     parse = ast.parse
@@ -244,7 +244,7 @@ class _HookedRenamingPipeline(_RenamingPipeline):  # as hook mode swaps the clas
 
 @pytest.mark.parametrize("cls", [_RenamingPipeline, _HookedRenamingPipeline])
 def test_a_check_error_names_the_call_argument_the_check_reads(cls):
-    from diffusers_stepbatch.programs.pipeline_checks import run_check_inputs
+    from diffusers_stepbatch.programs.checks.pipeline import run_check_inputs
 
     with pytest.raises(InvalidArgument) as caught:
         run_check_inputs(cls(), "a cat", 1.5)

@@ -13,7 +13,7 @@ import torch
 from diffusers import DiffusionPipeline, FluxImg2ImgPipeline
 
 from diffusers_stepbatch import StepBatched, disable_step_batching, enable_step_batching
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .dropin_helpers import FAMILIES, call_kwargs, pipe_for, run
 from .references import TOLERANCE, max_diff, seeded, single_thread  # noqa: F401  (fixture)

@@ -228,7 +228,7 @@ def test_meta_device_latents_of_the_right_shape():
 ])
 def test_image_arguments_accept_what_diffusers_takes_and_name_what_it_does_not(value, valid):
     from diffusers_stepbatch.errors import InvalidArgumentType
-    from diffusers_stepbatch.programs.call_checks import check_image_input
+    from diffusers_stepbatch.programs.checks.call import check_image_input
 
     if valid:
         check_image_input("image", value)

@@ -17,7 +17,7 @@ from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.models.flux2 import packing
 from diffusers_stepbatch.models.flux2.kv_cache import KV_CACHE
 from diffusers_stepbatch.testing import add_random_lora_adapters
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import COMMON, CONFIGS, reference_image
 from .references import (  # noqa: F401  (single_thread is a fixture)

@@ -20,7 +20,7 @@ from diffusers_stepbatch.models import support_for
 from diffusers_stepbatch.models.flux2.packing import Flux2Part, flux2_packed_forward
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing import add_random_lora_adapters
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
 from .test_lora_requests import ACTIVE, plain_run

@@ -15,9 +15,9 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models import support_for
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.flux2.teacache import FLUX2_COEFFICIENTS, signal_hook, teacache_call
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline
 
 from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
 from .references import (  # noqa: F401  (single_thread is a fixture)

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from diffusers_stepbatch import PromptCache, StepBatched
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import TOLERANCE, max_diff, seeded, single_thread  # noqa: F401
 

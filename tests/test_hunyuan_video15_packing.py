@@ -18,7 +18,7 @@ from diffusers_stepbatch.models import support_for
 from diffusers_stepbatch.models.calls import describe_call
 from diffusers_stepbatch.models.hunyuan_video15.packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key
 from diffusers_stepbatch.programs import generic, program_for
-from diffusers_stepbatch.testing_hunyuan_video_models import (
+from diffusers_stepbatch.testing.hunyuan_video_models import (
     HunyuanVideo15Size,
     tiny_hunyuan_video15_pipeline,
     tiny_hunyuan_video15_transformer,

@@ -16,7 +16,7 @@ from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_ti2va
 from PIL import Image
 
 from diffusers_stepbatch.testing import tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_qwen2_tokenizer
-from diffusers_stepbatch.testing_image_models import tiny_qwen2_vl_processor
+from diffusers_stepbatch.testing.image_models import tiny_qwen2_vl_processor
 
 from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 

@@ -16,7 +16,7 @@ from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, LongCatIm
 from PIL import Image
 
 from diffusers_stepbatch.testing import tiny_qwenimage_pipeline
-from diffusers_stepbatch.testing_image_models import tiny_qwen2_vl_processor
+from diffusers_stepbatch.testing.image_models import tiny_qwen2_vl_processor
 
 from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 

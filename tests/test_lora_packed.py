@@ -14,7 +14,7 @@ from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.adapters import state as adapter_state
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing import FluxSize, add_random_lora_adapters, tiny_flux_pipeline
-from diffusers_stepbatch.testing_image_models import (
+from diffusers_stepbatch.testing.image_models import (
     tiny_flux2_klein_pipeline,
     tiny_qwenimage_edit_pipeline,
     tiny_z_image_pipeline,

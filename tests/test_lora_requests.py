@@ -17,10 +17,10 @@ from diffusers_stepbatch.testing import (
     tiny_sd_pipeline,
     tiny_sdxl_pipeline,
 )
-from diffusers_stepbatch.testing_hunyuan_video_models import HunyuanVideo15Size, tiny_hunyuan_video15_pipeline
-from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
-from diffusers_stepbatch.testing_ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.testing.hunyuan_video_models import HunyuanVideo15Size, tiny_hunyuan_video15_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import TOLERANCE, engine_held, max_diff, seeded, submit_all
 

@@ -15,7 +15,7 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import support_for
 from diffusers_stepbatch.models.ltx2.packing import ltx2_packing_unsupported, pack_calls, pack_key
 from diffusers_stepbatch.programs import generic, program_for
-from diffusers_stepbatch.testing_ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
 
 from .references import (  # noqa: F401
     ROW_ADAPTERS,

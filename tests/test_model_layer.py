@@ -15,7 +15,7 @@ from PIL import Image
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import DEFAULT_SUPPORT, support_for
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, ToyLoopPipeline, count_forwards, max_diff, seeded, single_thread, submit_all,
@@ -145,9 +145,9 @@ def test_unproven_models_that_mix_rows_are_caught_and_run_alone(caplog, steps, m
     """Also with one step: the merged call that is caught says why in `splits`, not only the later ones."""
     from diffusers import DDIMScheduler
 
-    from diffusers_stepbatch.programs import intercept
+    from diffusers_stepbatch.models import merge_checks
 
-    monkeypatch.setattr(intercept, "_logged", set())  # NOTE: each reason is logged once per process
+    monkeypatch.setattr(merge_checks, "_logged", set())  # NOTE: each reason is logged once per process
 
     pipe = ToyLoopPipeline(_BatchMixing(), DDIMScheduler(timestep_spacing="trailing"))  # one step: t=999, not 0
     assert support_for(pipe.unet) is DEFAULT_SUPPORT
@@ -168,19 +168,19 @@ def test_what_merged_calls_showed_goes_with_the_model_not_its_address():
 
     from diffusers import DDIMScheduler
 
-    from diffusers_stepbatch.programs import intercept
+    from diffusers_stepbatch.models import merge_checks
 
     pipe = ToyLoopPipeline(_BatchMixing(), DDIMScheduler(timestep_spacing="trailing"))
     requests = [dict(batch_size=2, num_inference_steps=2, seed=i) for i in range(3)]
     with StepBatched(pipe) as sb:
         submit_all(sb, requests)
-    record = intercept._row_records.get(pipe.unet)
+    record = merge_checks._row_records.get(pipe.unet)
     assert record is not None and record.not_rowwise and record.methods_not_rowwise == {"forward"}
     gc.collect()  # NOTE: earlier tests' models, so that only this one goes below
-    held = len(intercept._row_records)
+    held = len(merge_checks._row_records)
     del pipe, sb, record
     gc.collect()
-    assert len(intercept._row_records) == held - 1
+    assert len(merge_checks._row_records) == held - 1
 
 
 def test_per_request_lora_on_a_model_without_row_mapped_layers_is_refused_in_the_caller():

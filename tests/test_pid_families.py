@@ -19,7 +19,7 @@ from diffusers import DDIMScheduler, EulerDiscreteScheduler
 from diffusers_stepbatch import PiDDecoder, PiDDecoding, SchedulerConfig, StepBatched
 from diffusers_stepbatch.decoders.pid import decode
 from diffusers_stepbatch.decoders.registry import resolve_decoder
-from diffusers_stepbatch.programs.pid_families import pid_family
+from diffusers_stepbatch.programs.pid.families import pid_family
 from diffusers_stepbatch.testing import tiny_qwenimage_pipeline
 
 from .pid_helpers import perturb_, single_thread

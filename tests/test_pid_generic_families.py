@@ -26,8 +26,8 @@ from diffusers import (
 
 from diffusers_stepbatch import PiDDecoder, PiDDecoding, SchedulerConfig, StepBatched
 from diffusers_stepbatch.decoders.pid import decode
-from diffusers_stepbatch.programs.pid_families import pid_family
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
+from diffusers_stepbatch.programs.pid.families import pid_family
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
 
 from .flux2_cases import reference_image
 from .pid_helpers import perturb_

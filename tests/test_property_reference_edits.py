@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.testing_image_models import (
+from diffusers_stepbatch.testing.image_models import (
     tiny_flux2_klein_pipeline, tiny_qwenimage21_pipeline, tiny_z_image_pipeline,
 )
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from diffusers_stepbatch import StepBatched
-from diffusers_stepbatch.testing_image_models import tiny_qwenimage21_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_qwenimage21_pipeline
 
 from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 

@@ -16,7 +16,7 @@ from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.models.calls import fill
 from diffusers_stepbatch.models.qwenimage21.packing import lora_forward
 from diffusers_stepbatch.testing import add_random_lora_adapters
-from diffusers_stepbatch.testing_image_models import tiny_qwenimage21_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_qwenimage21_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, add_lora_everywhere, assert_teacache_shared_equals_alone, engine_held, max_diff, seeded, single_thread,

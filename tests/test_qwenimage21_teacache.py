@@ -10,9 +10,9 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 
 from diffusers_stepbatch import models
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.qwenimage21.teacache import signal_hook, teacache_call
-from diffusers_stepbatch.programs import intercept
+from diffusers_stepbatch.models import merge_checks
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, held_out_changes, max_diff, single_thread,
@@ -48,7 +48,7 @@ def test_teacache_in_shared_forwards_equals_teacache_alone(use_kv_cache, checked
     if checked:  # as a model without proven row rules: its first merge is checked against separate calls
         support = models.support_for(pipe.transformer)
         monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, trusted=False))
-        monkeypatch.setitem(intercept._row_records, pipe.transformer, intercept.RowRecord())
+        monkeypatch.setitem(merge_checks._row_records, pipe.transformer, merge_checks.RowRecord())
     common = dict(COMMON, use_kv_cache=use_kv_cache)
     requests = [dict(common, prompt="a cat one", height=64, width=64, num_inference_steps=12, seed=0),
                 dict(common, prompt="a dog two", height=64, width=64, num_inference_steps=14, seed=1),

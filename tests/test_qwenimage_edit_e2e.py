@@ -18,7 +18,7 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImag
 from PIL import Image
 
 from diffusers_stepbatch import StepBatched
-from diffusers_stepbatch.testing_image_models import tiny_qwenimage_edit_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_qwenimage_edit_pipeline
 
 from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401  (fixture)
 

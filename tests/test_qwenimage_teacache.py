@@ -15,10 +15,10 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models import support_for
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.qwenimage.packing import pack_calls
 from diffusers_stepbatch.models.qwenimage.teacache import QWENIMAGE_COEFFICIENTS, signal_hook, teacache_call
-from diffusers_stepbatch.testing_image_models import tiny_qwenimage_edit_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_qwenimage_edit_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, BlockTokenPasses, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone,

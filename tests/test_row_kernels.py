@@ -267,7 +267,7 @@ def test_a_merged_convolution_of_one_row_requests_rounds_apart_without_the_solo_
 
 @pytest.mark.parametrize("heads, head_dim", [(2, 12), (3, 8)])
 def test_wan_requests_sharing_forwards_and_decodes_equal_their_plain_runs_bit_for_bit(heads, head_dim):
-    from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+    from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline(heads=heads, head_dim=head_dim, layers=2)
     pipe.set_progress_bar_config(disable=True)

@@ -14,7 +14,7 @@ from PIL import Image
 
 import diffusers_stepbatch.programs  # noqa: F401  (before models.calls, which the programs import)
 from diffusers_stepbatch.models.calls import cut, describe_call, run_call
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_qwenimage21_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_qwenimage21_pipeline
 
 from .references import TOLERANCE, max_diff, single_thread  # noqa: F401  (fixture)
 

@@ -18,7 +18,7 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.sana_wm import SanaWMLTX2Refiner
 from PIL import Image
 
-from diffusers_stepbatch.testing_ltx_models import tiny_gemma3_encoder, tiny_gemma_tokenizer
+from diffusers_stepbatch.testing.ltx_models import tiny_gemma3_encoder, tiny_gemma_tokenizer
 
 from .references import TOLERANCE, max_diff, plain_and_wrapped, single_thread  # noqa: F401  (fixture)
 

@@ -44,7 +44,7 @@ def noise_image(width: int, height: int, seed: int) -> Image.Image:
 # ------------------------------------------------------------------------------ several reference images
 @pytest.fixture(scope="module")
 def klein():
-    from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline
+    from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline
 
     pipe = tiny_flux2_klein_pipeline()
     with Served(pipe, "tiny-klein", call_defaults={"text_encoder_out_layers": (1,)}) as served:

@@ -25,7 +25,7 @@ from PIL import Image
 
 from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
 from diffusers_stepbatch.serve.video_encoding import read_mp4, to_uint8, write_mp4
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import engine_held
 from .serve_helpers import ServerThread, wait_for

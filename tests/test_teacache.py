@@ -237,7 +237,7 @@ def test_config_validation(bad, match):
 
 
 def test_fitted_coefficients_explain_the_output_change():
-    from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+    from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 
     pipe = flux_pipe("dev-tiny")
     call = dict(height=32, width=32, num_inference_steps=12, max_sequence_length=16, output_type="latent",
@@ -273,7 +273,7 @@ def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program
     from diffusers import FluxKontextPipeline
 
     from diffusers_stepbatch import models
-    from diffusers_stepbatch.programs import flux as flux_program
+    from diffusers_stepbatch.programs.dedicated import flux as flux_program
     from diffusers_stepbatch.testing import tiny_flux_pipeline
 
     pipe = tiny_flux_pipeline(guidance_embeds=True)

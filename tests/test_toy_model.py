@@ -103,7 +103,8 @@ def test_weights_are_small_safetensors_in_diffusers_layout():
 def test_pipeline_components(pipe):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    from diffusers_stepbatch.programs import flux, program_for
+    from diffusers_stepbatch.programs import program_for
+    from diffusers_stepbatch.programs.dedicated import flux
     from diffusers_stepbatch.toy.pipeline import ToyFluxPipeline
 
     assert type(pipe) is ToyFluxPipeline and isinstance(pipe, FluxPipeline)

@@ -5,7 +5,7 @@ Qwen-Image's VAE (built on Wan's) for its encodes and decodes."""
 import pytest
 
 from diffusers_stepbatch import StepBatched
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, count_forwards, engine_held, max_diff, seeded, single_thread,

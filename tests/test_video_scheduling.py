@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import TOLERANCE, max_diff, seeded, single_thread  # noqa: F401
 
@@ -59,7 +59,7 @@ def test_a_short_request_joins_a_running_long_one_at_the_next_step(wan, frames):
     assert at_short_first_step[0] - submitted_at <= 5, (submitted_at, at_short_first_step)
     assert long_done_when_short_ended < 40, "the short request waited for the long one to finish"
     # WanPipeline calls its transformer per CFG branch; a request's two calls of a step run as one engine call
-    # (programs/branch_pairs.py), and the two requests share it
+    # (programs/generic/branch_pairs.py), and the two requests share it
     assert max(rows) == 4, rows
     assert max_diff(long_frames, expected[0]) <= TOLERANCE
     assert max_diff(short_frames, expected[1]) <= TOLERANCE

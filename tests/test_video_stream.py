@@ -4,7 +4,7 @@ then the output, equal to the plain pipeline's. Tiny Wan 2.1."""
 import pytest
 
 from diffusers_stepbatch import StepBatched
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 from diffusers_stepbatch.video_preview import StreamVideoPreview
 
 from .references import TOLERANCE, max_diff, seeded, single_thread  # noqa: F401

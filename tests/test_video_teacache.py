@@ -13,12 +13,12 @@ import torch
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
 from diffusers_stepbatch.cache.teacache import TeaCacheState
-from diffusers_stepbatch.testing_hunyuan_video_models import (
+from diffusers_stepbatch.testing.hunyuan_video_models import (
     HunyuanVideo15Size,
     tiny_hunyuan_video15_pipeline,
     tiny_hunyuan_video15_transformer,
 )
-from diffusers_stepbatch.testing_ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
 
 from .references import TOLERANCE, max_diff, seeded, single_thread, submit_all  # noqa: F401
 

@@ -7,8 +7,8 @@ from transformers import DynamicCache
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models.calls import NotRowWise, cut, max_difference
-from diffusers_stepbatch.testing_hunyuan_video_models import tiny_hunyuan_video15_pipeline
-from diffusers_stepbatch.testing_ltx_models import LTX2_PLAIN, tiny_ltx2_pipeline
+from diffusers_stepbatch.testing.hunyuan_video_models import tiny_hunyuan_video15_pipeline
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, tiny_ltx2_pipeline
 
 from .references import TOLERANCE, max_diff, seeded, submit_all, single_thread  # noqa: F401
 

@@ -15,7 +15,7 @@ from PIL import Image
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models.wan.packing import WanPart, wan_packed_forward
 from diffusers_stepbatch.programs import generic, program_for
-from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline, tiny_wan_transformer
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline, tiny_wan_transformer
 
 from .references import (  # noqa: F401
     ROW_ADAPTERS,

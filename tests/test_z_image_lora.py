@@ -91,7 +91,7 @@ def test_requests_whose_token_streams_coincide_in_length_equal_plain_runs(monkey
     carry the same adapters, so that doesn't matter; two such requests merged run apart, adapters per row."""
     from diffusers_stepbatch import StepBatched
     from diffusers_stepbatch.adapters import state as adapter_state
-    from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+    from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
 
     from .references import seeded
     from .test_lora_requests import ACTIVE, plain_run

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.flux.teacache import fit_coefficients
+from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.z_image.teacache import signal_hook, teacache_call
-from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
 
 from .references import (  # noqa: F401  (single_thread is a fixture)
     assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, held_out_changes, max_diff, single_thread,

@@ -32,7 +32,7 @@ class TeaCacheConfig:
 
     Args:
         threshold: accumulated rescaled change below which a step reuses the cached residual (0 never skips).
-        coefficients: rescale polynomial, highest power first; None takes the model's (its `ModelSupport`).
+        coefficients: rescale polynomial, highest power first; None takes the model's.
         min_steps: requests with fewer denoising steps run without TeaCache (and a warning, once per config).
     """
 
@@ -51,7 +51,8 @@ class TeaCacheConfig:
         if isinstance(self.min_steps, bool) or not isinstance(self.min_steps, int) or self.min_steps < 3:
             raise ValueError(f"min_steps={self.min_steps!r} must be an int >= 3 (first and last steps always run)")
 
-    def states(self, model: Any, num_steps: int, branches: int) -> list[TeaCacheState] | None:
+    def states(self, model: Any, model_coefficients: tuple[float, ...] | None, num_steps: int,
+               branches: int) -> list[TeaCacheState] | None:
         """Fresh per-branch states for one request, or None when TeaCache must not run for it."""
         if num_steps < self.min_steps:
             if not self._warned:
@@ -62,9 +63,7 @@ class TeaCacheConfig:
                     UserWarning, stacklevel=4,
                 )
             return None
-        from ..models import support_for
-
-        coefficients = self.coefficients or support_for(model).teacache_coefficients
+        coefficients = self.coefficients or model_coefficients
         if coefficients is None:
             raise ValueError(f"TeaCache has no rescale coefficients for {type(model).__name__}; pass coefficients=")
         return [TeaCacheState(float(self.threshold), coefficients, num_steps) for _ in range(branches)]
@@ -138,54 +137,3 @@ def _polyval(coefficients: Sequence[float], x: float) -> float:
     for c in coefficients:
         value = value * x + c
     return value
-
-
-def row_groups(states: Sequence[TeaCacheState | None]) -> list[tuple[TeaCacheState | None, int, int]]:
-    """Consecutive rows sharing one state object, as (state, start, end); a program's rows are contiguous."""
-    groups: list[tuple[TeaCacheState | None, int, int]] = []
-    for row, state in enumerate(states):
-        if groups and groups[-1][0] is state:
-            groups[-1] = (state, groups[-1][1], row + 1)
-        else:
-            groups.append((state, row, row + 1))
-    return groups
-
-
-def packed_decisions(states: Sequence[TeaCacheState | None], group: Callable[[TeaCacheState | None, int, int], tuple]
-                     ) -> tuple[list[tuple], list[int]]:
-    """Each row group's decision on packed tokens, as `settle_packed_decisions` takes them, and the computing rows.
-
-    `group(state, start, end)` gives a group's (rows, image tokens, signal); a group without a state computes (its
-    tokens and signal unused)."""
-    decisions = []  # (state, rows, tokens, signal, compute, accumulated)
-    for state, start, end in row_groups(states):
-        rows, tokens, signal = group(state, start, end)
-        compute, accumulated = (True, 0.0) if state is None else state.decide(signal)
-        decisions.append((state, rows, tokens, signal, compute, accumulated))
-    return decisions, [row for _, rows, _, _, compute, _ in decisions if compute for row in rows]
-
-
-def settle_packed_decisions(decisions: Sequence[tuple], hidden: torch.Tensor,
-                            computed: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """The blocks' output on packed tokens under per-state decisions, and each state's commit.
-
-    `decisions`: per row group (state, rows, token slice, signal, compute, accumulated); `computed`: the computing
-    rows' (token index, their input tokens, their output tokens), the index None when every row computed, or None
-    when none did. Skipping rows add their cached residual; states change only here, after the blocks ran."""
-    index, sub_hidden, sub_out = computed if computed is not None else (None, None, None)
-    if sub_out is None:
-        out, residual = torch.empty_like(hidden), None
-    elif index is None:
-        out, residual = sub_out, sub_out - sub_hidden
-    else:
-        out, residual = torch.empty_like(hidden), torch.empty_like(hidden)
-        out[index] = sub_out
-        residual[index] = sub_out - sub_hidden
-    for state, rows, tokens, _, compute, _ in decisions:
-        if not compute:
-            out[tokens] = hidden[tokens] + state.residual.flatten(0, 1)
-    for state, rows, tokens, signal, compute, accumulated in decisions:
-        if state is not None:
-            own = residual[tokens].unflatten(0, (len(rows), -1)).clone() if compute else None
-            state.commit(signal.clone(), compute, accumulated, own)
-    return out

@@ -10,6 +10,8 @@ module gets `DEFAULT_SUPPORT`, whose first merge of each call structure is check
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +113,9 @@ class ModelSupport:
 
 DEFAULT_SUPPORT = ModelSupport()
 _SUPPORT: dict[type, ModelSupport] = {}
+_REGISTERED_BY: dict[type, str] = {}  # class -> the module that registered it
+# NOTE: the modules of this package that are shared machinery, not one denoiser class's rules
+SHARED_MODULES = frozenset({"calls", "merge_checks", "packed_calls", "packing", "row_kernels"})
 
 
 def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], Callable[[], ModelSupport]]:
@@ -118,6 +123,9 @@ def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], 
 
     def decorate(factory: Callable[[], ModelSupport]) -> Callable[[], ModelSupport]:
         _SUPPORT[model_class] = factory()
+        module = factory.__module__  # NOTE: a model module by its name here; a registration elsewhere by its own
+        _REGISTERED_BY[model_class] = module[len(__name__) + 1:].split(".")[0] if module.startswith(f"{__name__}.") \
+            else module
         return factory
 
     return decorate
@@ -133,22 +141,25 @@ def support_for(model: torch.nn.Module) -> ModelSupport:
     return DEFAULT_SUPPORT
 
 
-def registered_models() -> list[type]:
+def registered_models() -> dict[type, str]:
+    """Every registered class, with the model module that registered it."""
     _load_modules()
-    return list(_SUPPORT)
+    return dict(_REGISTERED_BY)
+
+
+def model_modules() -> list[str]:
+    """The model modules: every module and folder of this package but the shared ones."""
+    return sorted(module.name for module in pkgutil.iter_modules(__path__) if module.name not in SHARED_MODULES)
 
 
 _loaded = False
 
 
 def _load_modules() -> None:
-    # NOTE: lazily, once: each module imports its diffusers model class
+    # NOTE: lazily, once: each module imports its diffusers model class (and registers it)
     global _loaded
     if _loaded:
         return
     _loaded = True
-    from . import (  # noqa: F401  (each registers its classes)
-        anyflow, autoencoders, bria, chroma, cogvideox, ernie_image, flux, flux2, hidream, hunyuan_video15, ideogram4,
-        kandinsky6, longcat_image, ltx2, prior_transformer, qwen2_5_vl, qwenimage, qwenimage21, rfd4_proteina, sd3,
-        unet, unet_motion, wan, z_image,
-    )
+    for name in model_modules():
+        importlib.import_module(f"{__name__}.{name}")

@@ -20,7 +20,6 @@ from diffusers.utils import BaseOutput
 from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
-from ..programs.validation import freeze
 from . import DEFAULT_SUPPORT, ModelSupport, RowState, support_for
 
 logger = logging.getLogger(__name__)
@@ -220,6 +219,25 @@ class Exact:
         mine, theirs = self.tensor, other.tensor
         return mine is theirs or (mine.shape == theirs.shape and mine.dtype == theirs.dtype
                                   and mine.device == theirs.device and torch.equal(mine, theirs))
+
+
+def freeze(value: Any) -> Any:
+    """A hashable stand-in for call options, for compatibility keys.
+
+    Dicts become sorted tuples; values that are not hashable (tensors, modules) are keyed by identity, so
+    only requests that pass the very same object share a batch.
+    """
+    if isinstance(value, dict):
+        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    if isinstance(value, torch.Tensor):
+        return ("id", id(value))
+    return value
 
 
 def _describe(value: Any, rows: int | None, row_inputs: list, blocks: bool = False) -> tuple[Any, Any]:

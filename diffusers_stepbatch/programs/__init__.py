@@ -1,11 +1,13 @@
-"""Step programs, one module per pipeline family; importing this package registers them all."""
+"""The pipeline flow: step programs that read like a pipeline's `__call__` and yield work items.
 
-from . import flux  # noqa: F401  (registers FluxPipeline)
+`dedicated/` holds one program per pipeline family, `generic/` the program for every other pipeline (its own
+`__call__` per request, model calls intercepted), `checks/` the input checks, `pid/` PiD early exit; beside them
+the shared parts: the registry, planning options, request views, CFG, callbacks, the fused update, cache hooks.
+Importing this package registers every program.
+"""
+
+from . import dedicated  # noqa: F401  (registers the family programs)
 from . import generic  # noqa: F401  (registers the fallback for every other DiffusionPipeline)
-from . import qwenimage  # noqa: F401  (registers QwenImagePipeline)
-from . import sd  # noqa: F401  (registers StableDiffusionPipeline)
-from . import sd3  # noqa: F401  (registers StableDiffusion3Pipeline)
-from . import sdxl  # noqa: F401  (registers StableDiffusionXLPipeline)
 from .registry import PlannedRequest, program_for, register_program, registered_pipelines, request_pipeline
 
 __all__ = ["PlannedRequest", "program_for", "register_program", "registered_pipelines", "request_pipeline"]

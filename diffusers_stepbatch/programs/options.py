@@ -5,17 +5,16 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..adapters.state import NOT_GIVEN
 from ..buffers import LatentBuffers
 from ..cache.prompt import PromptCache
 from ..cache.teacache import TeaCacheConfig
+from ..decoders.registry import PiDDecoding
 from .cfg import CFGPolicy
-
-if TYPE_CHECKING:
-    from .pid_exit import PiDExitOptions
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,52 @@ class ProgramOptions:
     cfg_policy: CFGPolicy = field(default_factory=lambda: CFGPolicy(mode="batched"))
     buffers: LatentBuffers | None = None
     packed_attention: str = "auto"
+
+
+@dataclass(frozen=True)
+class PiDExitOptions:
+    """An engine's PiD decoding and where its requests leave the main model.
+
+    Args:
+        decoding: the PiD decoder, its text source and sampler.
+        exit_step: K, the number of main-model steps before PiD takes over: an int in [1, N], or a fraction of
+            the N steps in (0, 1] (rounded to the nearest step); None: N - 2 (at least 1). K = N hands PiD the
+            clean latent (sigma 0).
+    """
+
+    decoding: PiDDecoding
+    exit_step: int | float | None = None
+
+    def __post_init__(self):
+        step = self.exit_step
+        if step is None:
+            return
+        if isinstance(step, bool) or not isinstance(step, numbers.Real):
+            raise ValueError(f"pid_exit_step={step!r} must be a step index (int >= 1), a fraction in (0, 1] or None")
+        if isinstance(step, numbers.Integral):
+            if step < 1:
+                raise ValueError(f"pid_exit_step={step} must be >= 1: the main model runs at least one step")
+        elif not 0 < step <= 1:
+            raise ValueError(f"pid_exit_step={step} as a fraction of the steps must be in (0, 1]")
+
+    def step_for(self, num_steps: int) -> int:
+        """K for a call of `num_steps` steps; ValueError when it falls outside [1, num_steps]."""
+        step = self.exit_step
+        if step is None:
+            return max(num_steps - 2, 1)
+        if isinstance(step, numbers.Integral):
+            if step > num_steps:
+                raise ValueError(
+                    f"pid_exit_step={step} is beyond num_inference_steps={num_steps}; use a step in [1, {num_steps}] "
+                    "or a fraction of the steps"
+                )
+            return int(step)
+        exit_at = round(step * num_steps)
+        if exit_at < 1:
+            raise ValueError(
+                f"pid_exit_step={step} of num_inference_steps={num_steps} rounds to step 0; use a larger fraction"
+            )
+        return exit_at
 
 
 @dataclass

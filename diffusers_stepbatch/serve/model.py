@@ -78,11 +78,7 @@ class ServingModel:
             self._edits_in_flight -= 1
 
     def card(self) -> dict[str, Any]:
-        """What `/v1/models` says about the model beyond OpenAI's fields."""
-        if self.makes_videos:
-            from .video_request import video_card
-
-            return video_card(self)
+        """What `/v1/models` says about an image model beyond OpenAI's fields (a video model's: `video_card`)."""
         width, height = self.default_size
         return {"pipeline": type(self.sb.pipe).__name__, "kind": "image", "default_size": f"{width}x{height}",
                 "sizes": None if self.sizes is None else self.sizes.card(),
@@ -111,7 +107,7 @@ def load_model(config: ServeConfig) -> ServingModel:
         return serve_pipeline(pipe, config, call_defaults=defaults,
                               sizes=SizeRange(MIN_SIDE, MAX_SIDE, SIZE_MULTIPLE, MAX_ASPECT))
     if config.model in TINY_VIDEO_MODELS:
-        from ..testing_video_models import tiny_wan_pipeline
+        from ..toy.video import tiny_wan_pipeline
 
         pipe = tiny_wan_pipeline(image_to_video=TINY_VIDEO_MODELS[config.model])
         if config.device != "cpu" or dtype != torch.float32:  # NOTE: built in fp32 on the CPU; `.to` warns for Wan

@@ -38,6 +38,7 @@ from .generation import (
 from .inputs import read_form, read_references
 from .protocol import APIError, ErrorResponse, ImageEditRequest, ImageGenerationRequest, bad_request
 from .state import ServerContext
+from .video_request import video_card
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _model_card(server: ServerContext) -> dict[str, Any]:
     card = {"id": server.config.model_name, "object": "model", "created": model.created if model else 0,
             "owned_by": "diffusers-stepbatch"}
     if model is not None:
-        card.update(model.card())
+        card.update(video_card(model) if model.makes_videos else model.card())
     return card
 
 

@@ -6,8 +6,8 @@
 """
 
 from .configs import OFFICIAL_CONFIGS, OfficialCheckpoint, get_official_config
-from .hub import PiDCheckpointError, PiDCheckpointNotFoundError, load_official_decoder
-from .model import PiDDecoder
+from .hub import PiDCheckpointError, PiDCheckpointNotFoundError
+from .model import PiDDecoder, load_official_decoder
 from .sampler import PID_DISTILLED_TIMESTEPS, PiDSamplerConfig, decode, sampler_step, to_unit_range
 from .text import PiDTextEncoder, PiDTextEncoderConfig
 

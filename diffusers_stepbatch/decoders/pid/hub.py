@@ -7,9 +7,10 @@ config inside; the network shape comes from `configs.OFFICIAL_CONFIGS`.
 
 The loader downloads with `hf_hub_download` (pinned revision, standard cache, `HF_HUB_OFFLINE` honoured),
 checks the file against the checksum the Hub gave it, reads it with `torch.load(weights_only=True,
-mmap=True)` (never full unpickling), maps the keys and loads strictly.
+mmap=True)` (never full unpickling), maps the keys and loads strictly (`model.load_official_decoder`).
 
->>> decoder = load_official_decoder("PiD_res2k_sr4x_official_flux_distill_4step")
+>>> path = download_official_checkpoint("PiD_res2k_sr4x_official_flux_distill_4step")
+>>> state = map_official_keys(read_checkpoint(path))
 """
 
 from __future__ import annotations
@@ -18,14 +19,11 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from .configs import get_official_config
-
-if TYPE_CHECKING:
-    from .model import PiDDecoder
 
 __all__ = [
     "DEFAULT_REVISION",
@@ -33,7 +31,6 @@ __all__ = [
     "PiDCheckpointError",
     "PiDCheckpointNotFoundError",
     "download_official_checkpoint",
-    "load_official_decoder",
     "load_official_state_dict",
     "map_official_keys",
     "read_checkpoint",
@@ -185,7 +182,7 @@ def _listed(keys: list[str]) -> str:
 
 
 def load_official_state_dict(
-    model: "PiDDecoder", state: Mapping[str, Any], *, source: str = "checkpoint", assign: bool = False
+    model: torch.nn.Module, state: Mapping[str, Any], *, source: str = "checkpoint", assign: bool = False
 ) -> None:
     """Load a released state dict strictly; missing, unexpected or mis-shaped keys raise one error listing them.
 
@@ -209,58 +206,10 @@ def load_official_state_dict(
     model.load_state_dict(mapped, strict=True, assign=assign)
 
 
-def save_official_checkpoint(model: "PiDDecoder", path: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> None:
+def save_official_checkpoint(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write `model` in the released layout: `torch.save({"net.<name>": tensor})`, float tensors cast to `dtype`."""
     state = {
         f"{_NET_PREFIX}{k}": (v.detach().to(dtype) if v.is_floating_point() else v.detach()).cpu().contiguous()
         for k, v in model.state_dict().items()
     }
     torch.save(state, path)
-
-
-def _to(value: Any, device: str | torch.device, dtype: torch.dtype) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.to(device=device, dtype=dtype) if value.is_floating_point() else value.to(device)
-
-
-def load_official_decoder(
-    checkpoint: str,
-    *,
-    repo_id: str = OFFICIAL_REPO_ID,
-    revision: str | None = DEFAULT_REVISION,
-    cache_dir: str | Path | None = None,
-    force_download: bool = False,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    torch_dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    verify_checksum: bool = True,
-    **config_overrides: Any,
-) -> "PiDDecoder":
-    """Build the network of a released checkpoint and load its weights (see the module docstring).
-
-    `torch_dtype=torch.bfloat16` keeps the file's own precision; `config_overrides` replace table values
-    (for a checkpoint whose layout differs from the table; a strict load still checks every key).
-    """
-    from .model import PiDDecoder
-
-    entry = get_official_config(checkpoint)
-    path = download_official_checkpoint(
-        checkpoint,
-        repo_id=repo_id,
-        revision=revision,
-        cache_dir=cache_dir,
-        force_download=force_download,
-        local_files_only=local_files_only,
-        token=token,
-    )
-    if verify_checksum:
-        verify_cached_file(path)
-    state = read_checkpoint(path)
-    # NOTE: build on the meta device and assign the checkpoint's tensors: no random init of ~1.3B parameters.
-    with torch.device("meta"):
-        model = PiDDecoder(**{**entry.constructor, **config_overrides})
-    state = {k: _to(v, device, torch_dtype) for k, v in state.items()}
-    load_official_state_dict(model, state, source=f"{repo_id}/{entry.filename}", assign=True)
-    return model.eval()

@@ -16,11 +16,20 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 from .adapter import LatentConditionAdapter, build_gate
+from .configs import get_official_config
+from .hub import (
+    DEFAULT_REVISION,
+    OFFICIAL_REPO_ID,
+    download_official_checkpoint,
+    load_official_state_dict,
+    read_checkpoint,
+    verify_cached_file,
+)
 from .blocks import PatchBlock, PixelBlock
 from .layers import FinalLayer, PixelEmbedder, TimestepEmbedder, TokenEmbedder, patchify, unpatchify_pixels
 from .rope import ROPE_MODES, grid_rope, text_rope
 
-__all__ = ["PiDDecoder"]
+__all__ = ["PiDDecoder", "load_official_decoder"]
 
 
 class PiDDecoder(
@@ -243,14 +252,12 @@ class PiDDecoder(
         """Load our own format (config.json + model.safetensors), or a released checkpoint by name.
 
         With `checkpoint`, `revision` defaults to `hub.DEFAULT_REVISION` and extra keyword arguments go to
-        `hub.load_official_decoder` (`torch_dtype`, `device`, `verify_checksum`, config overrides).
+        `load_official_decoder` (`torch_dtype`, `device`, `verify_checksum`, config overrides).
 
         >>> PiDDecoder.from_pretrained("my-org/pid-toy-adapter")                      # our format
         >>> PiDDecoder.from_pretrained("nvidia/PiD", checkpoint="PiD_v1pt5_res2kto4k_sr4x_official_flux_distill_4step")
         """
         if checkpoint is not None:
-            from .hub import DEFAULT_REVISION, load_official_decoder
-
             return load_official_decoder(
                 checkpoint,
                 repo_id=str(pretrained_model_name_or_path),
@@ -297,3 +304,51 @@ def _validate(args: dict[str, Any]) -> None:
             raise ValueError(
                 f"{dim}={args[dim]} must be {heads}={args[heads]} times a multiple of 4 (the 2D RoPE head size)"
             )
+
+
+def _to(value: Any, device: str | torch.device, dtype: torch.dtype) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device=device, dtype=dtype) if value.is_floating_point() else value.to(device)
+
+
+def load_official_decoder(
+    checkpoint: str,
+    *,
+    repo_id: str = OFFICIAL_REPO_ID,
+    revision: str | None = DEFAULT_REVISION,
+    cache_dir: str | Path | None = None,
+    force_download: bool = False,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    torch_dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    verify_checksum: bool = True,
+    **config_overrides: Any,
+) -> "PiDDecoder":
+    """Build the network of a released checkpoint and load its weights (the layout: `hub.py`).
+
+    `torch_dtype=torch.bfloat16` keeps the file's own precision; `config_overrides` replace table values
+    (for a checkpoint whose layout differs from the table; a strict load still checks every key).
+
+    >>> decoder = load_official_decoder("PiD_res2k_sr4x_official_flux_distill_4step")
+    """
+    entry = get_official_config(checkpoint)
+    path = download_official_checkpoint(
+        checkpoint,
+        repo_id=repo_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        force_download=force_download,
+        local_files_only=local_files_only,
+        token=token,
+    )
+    if verify_checksum:
+        verify_cached_file(path)
+    state = read_checkpoint(path)
+    # NOTE: build on the meta device and assign the checkpoint's tensors: no random init of ~1.3B parameters.
+    with torch.device("meta"):
+        model = PiDDecoder(**{**entry.constructor, **config_overrides})
+    state = {k: _to(v, device, torch_dtype) for k, v in state.items()}
+    load_official_state_dict(model, state, source=f"{repo_id}/{entry.filename}", assign=True)
+    return model.eval()

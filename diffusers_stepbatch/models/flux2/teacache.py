@@ -2,7 +2,7 @@
 
 The signal is TeaCache's for FLUX.1, the first double block's modulated image input, with shift and scale from
 FLUX.2's shared `double_stream_modulation_img` layer. A skipping row adds its residual of all blocks to its embedded
-image tokens (an edit row's reference tokens included); the row loop is FLUX.1's (`flux/teacache.per_row_blocks`).
+image tokens (an edit row's reference tokens included); the row loop is the shared `teacache_rows.dense_rows`.
 klein KV's calls that read their cache skip the same way; its cache-filling first call always computes.
 
 The rescale polynomial (highest power first) is the one NVIDIA TensorRT-LLM ships for FLUX.2 dev on this signal
@@ -22,7 +22,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2M
 from diffusers.utils import apply_lora_scale
 
 from ...cache.teacache import TeaCacheState
-from ..flux.teacache import per_row_blocks
+from ...cache.teacache_rows import dense_rows
 from ..packing.support import reproduces_call
 from .kv_cache import cache_rows
 from .kv_packing import KV_ARGUMENTS
@@ -104,7 +104,7 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, timestep
     rotary = text_image_rotary(transformer, txt_ids, img_ids)
     signal = flux2_signal(transformer.transformer_blocks[0], hidden, mods[0])
 
-    out, commit = per_row_blocks(transformer, states, hidden, signal, functools.partial(
+    out, commit = dense_rows(transformer, states, hidden, signal, functools.partial(
         _blocks, transformer, encoder=encoder, mods=mods, rotary=rotary, joint_attention_kwargs=joint_attention_kwargs,
         kv_cache=kv_cache))
     output = transformer.proj_out(transformer.norm_out(out, temb))

@@ -26,6 +26,8 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout, row_subset
+from ...cache.teacache import TeaCacheState
+from ...cache.teacache_rows import commit_rows, computing_rows, decide_rows
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -175,7 +177,6 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto",
     if all(state is None for state in states):
         videos = packed_blocks(transformer, rows, method, split)
     else:
-        from .teacache import teacache_blocks  # NOTE: teacache.py builds on this module
 
         videos = teacache_blocks(transformer, rows, states, method, split)
 
@@ -289,3 +290,41 @@ def _attention(attn, layout, hidden, encoder, rotary, method):
                                  attention, method)
     video_out = attn.to_out[1](attn.to_out[0](video_out.to(query.dtype)))
     return video_out, attn.to_add_out(text_out.to(query.dtype))
+
+
+def hunyuan_video15_signal(block, video: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """The TeaCache signal: the first block's modulated video input ([rows, tokens, dim])."""
+    shift_msa, scale_msa = block.norm1.linear(block.norm1.silu(temb)).chunk(6, dim=1)[:2]
+    return block.norm1.norm(video) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+
+
+def teacache_blocks(transformer, rows: Sequence, states: Sequence[TeaCacheState | None], method: str,
+                    split: bool) -> list[torch.Tensor]:
+    """`packed_blocks` with per-state decisions (`states` per row): rows that skip add their cached residual;
+    states change only after the blocks ran (a failed call retried per shape stays correct)."""
+    first = transformer.transformer_blocks[0]
+
+    def signal(group: range) -> torch.Tensor:
+        videos = [rows[r].video for r in group]
+        if all(video.shape == videos[0].shape for video in videos):
+            with row_subset(transformer, [rows[r].index for r in group]):
+                return hunyuan_video15_signal(first, torch.stack(videos), torch.stack([rows[r].temb for r in group]))
+        own = []
+        for r in group:
+            with row_subset(transformer, [rows[r].index]):
+                own.append(hunyuan_video15_signal(first, rows[r].video[None], rows[r].temb[None]))
+        return torch.cat(own)
+
+    decisions = decide_rows(states, signal)
+    compute_rows = computing_rows(decisions)
+    computed = (dict(zip(compute_rows, packed_blocks(transformer, [rows[r] for r in compute_rows], method, split)))
+                if compute_rows else {})
+    videos = []
+    for decision in decisions:
+        if decision.compute:
+            videos.extend(computed[r] for r in decision.rows)
+        else:
+            cached = decision.state.residual.split([rows[r].video.shape[0] for r in decision.rows])
+            videos.extend(rows[r].video + residual for r, residual in zip(decision.rows, cached))
+    commit_rows(decisions, lambda decision: torch.cat([computed[r] - rows[r].video for r in decision.rows]))
+    return videos

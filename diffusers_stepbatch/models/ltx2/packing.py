@@ -18,7 +18,7 @@ reproduced: such calls don't pack (`pack_key` is None) and run as the model's ow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,8 @@ from diffusers.models.transformers.transformer_ltx2 import (
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout
+from ...cache.teacache import TeaCacheState
+from ...cache.teacache_rows import commit_rows, computing_rows, decide_rows
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, RowValues, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -186,8 +188,6 @@ def _forward(transformer, calls, attention_kwargs=None, packed_attention="auto",
                             else [None] * call["hidden_states"].shape[0])]
     through = None
     if any(state is not None for state in states):
-        from .teacache import teacache_blocks  # NOTE: teacache.py builds on this module
-
         def through(signal, hidden, audio, run_rows):
             return teacache_blocks(rows, states, signal, hidden, audio, run_rows)
 
@@ -502,3 +502,28 @@ def _prompt_attention(norm_layer, attn, ctx: _Context, stream, text_stream, hidd
     if query_mod is not None:
         return layout.gated_add(stream, hidden, gate_q, out)
     return hidden + out
+
+
+def teacache_blocks(rows: Sequence, states: Sequence[TeaCacheState | None], signal: Sequence[torch.Tensor],
+                    video: Sequence[torch.Tensor], audio: Sequence[torch.Tensor],
+                    run_rows: Callable[[list[int]], list]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The blocks with per-state decisions (`states` per row): rows that skip add their cached residuals.
+
+    States change only after the blocks ran, so a failed call retried per shape stays correct."""
+    decisions = decide_rows(states, lambda group: torch.cat([signal[r] for r in group]))
+    compute_rows = computing_rows(decisions)
+    computed = dict(zip(compute_rows, run_rows(compute_rows))) if compute_rows else {}
+    after = [None] * len(rows)
+    for decision in decisions:
+        if decision.compute:
+            for r in decision.rows:
+                after[r] = computed[r]
+        else:
+            cached_video, cached_audio = decision.state.residual
+            pieces = zip(decision.rows, cached_video.split([video[r].shape[0] for r in decision.rows]),
+                         cached_audio.split([audio[r].shape[0] for r in decision.rows]))
+            for r, video_residual, audio_residual in pieces:
+                after[r] = (video[r] + video_residual, audio[r] + audio_residual)
+    commit_rows(decisions, lambda decision: (torch.cat([computed[r][0] - video[r] for r in decision.rows]),
+                                             torch.cat([computed[r][1] - audio[r] for r in decision.rows])))
+    return after

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput
 
-from ...cache.teacache import TeaCacheState, row_groups
+from ...cache.teacache import TeaCacheState
 from .packing import ltx2_packed_forward, ltx2_packing_unsupported, pack_key
 
 LTX2_COEFFICIENTS = (3.23182117e00, 1.51528717e-02)
@@ -42,39 +42,3 @@ def signal_hook(transformer, record: Callable[[torch.Tensor], None]):
         record(block.norm1(hidden) * (1 + scale_msa) + shift_msa)
 
     return transformer.transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def teacache_blocks(rows: Sequence, states: Sequence[TeaCacheState | None], signal: Sequence[torch.Tensor],
-                    video: Sequence[torch.Tensor], audio: Sequence[torch.Tensor],
-                    run_rows: Callable[[list[int]], list]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The blocks with per-state decisions (`states` per row): rows that skip add their cached residuals.
-
-    States change only after the blocks ran, so a failed call retried per shape stays correct."""
-    decisions = []  # (state, rows, signal, compute, accumulated)
-    for state, start, end in row_groups(states):
-        group = range(start, end)
-        own = None if state is None else torch.cat([signal[r] for r in group])
-        compute, accumulated = (True, 0.0) if state is None else state.decide(own)
-        decisions.append((state, group, own, compute, accumulated))
-
-    compute_rows = [r for _, group, _, compute, _ in decisions if compute for r in group]
-    computed = dict(zip(compute_rows, run_rows(compute_rows))) if compute_rows else {}
-    after = [None] * len(rows)
-    for state, group, _, compute, _ in decisions:
-        if compute:
-            for r in group:
-                after[r] = computed[r]
-        else:
-            cached_video, cached_audio = state.residual
-            pieces = zip(group, cached_video.split([video[r].shape[0] for r in group]),
-                         cached_audio.split([audio[r].shape[0] for r in group]))
-            for r, video_residual, audio_residual in pieces:
-                after[r] = (video[r] + video_residual, audio[r] + audio_residual)
-    for state, group, own, compute, accumulated in decisions:
-        if state is not None:
-            residual = None
-            if compute:
-                residual = (torch.cat([computed[r][0] - video[r] for r in group]),
-                            torch.cat([computed[r][1] - audio[r] for r in group]))
-            state.commit(own.clone(), compute, accumulated, residual)
-    return after

@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
-from ...cache.teacache import packed_decisions, settle_packed_decisions
+from ...cache.teacache_rows import decide_packed, settle_packed
 from .layout import PackedLayout, attend
 
 TEXT, IMAGE = 0, 1
@@ -144,14 +144,14 @@ def teacache_blocks(layout: PackedLayout, states, hidden: torch.Tensor, encoder:
     first block's modulated image tokens): rows that skip add their cached residual. `run(sub_layout, hidden,
     encoder, rows, parts)` runs the blocks on the computing rows (`rows`: their indices; `parts`: the layout parts
     they keep, in `select_rows`' order)."""
-    def group(state, start, end):
+    def group(state, rows):
         if state is None:  # NOTE: such rows compute; a run of them may span parts (sizes), so no token range
-            return range(start, end), None, None
-        part, inner = layout.part_of_row(start)
-        tokens = layout.row_tokens(IMAGE, part, inner, inner + end - start)
-        return range(start, end), tokens, signal[tokens].unflatten(0, (end - start, -1))
+            return rows, None, None
+        part, inner = layout.part_of_row(rows.start)
+        tokens = layout.row_tokens(IMAGE, part, inner, inner + len(rows))
+        return rows, tokens, signal[tokens].unflatten(0, (len(rows), -1))
 
-    decisions, compute_rows = packed_decisions(states, group)
+    decisions, compute_rows = decide_packed(states, group)
 
     computed = None
     if compute_rows:
@@ -161,4 +161,4 @@ def teacache_blocks(layout: PackedLayout, states, hidden: torch.Tensor, encoder:
         sub_out = run(sub_layout, sub_hidden, encoder.index_select(0, text_index),
                       torch.tensor(compute_rows, device=hidden.device), kept_parts)
         computed = (image_index, sub_hidden, sub_out)
-    return settle_packed_decisions(decisions, hidden, computed)
+    return settle_packed(decisions, hidden, computed)

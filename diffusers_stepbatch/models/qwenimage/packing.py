@@ -29,7 +29,8 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
-from ...cache.teacache import TeaCacheState, packed_decisions, settle_packed_decisions
+from ...cache.teacache import TeaCacheState
+from ...cache.teacache_rows import decide_packed, settle_packed
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -257,14 +258,14 @@ def _teacache_blocks(transformer, layout, states, order, hidden, encoder, temb, 
     signal = block.img_norm1(hidden) * (1 + scale) + shift
     position = {row: p for p, row in enumerate(order)}
 
-    def group(state, start, end):
-        rows = [position[row] for row in range(start, end)]  # NOTE: a state's rows may sit in several parts
+    def group(state, rows):
+        rows = [position[row] for row in rows]  # NOTE: a state's rows may sit in several parts
         if state is None:
             return rows, None, None
         tokens = torch.cat([_image_tokens(layout, p) for p in rows]).to(hidden.device)
         return rows, tokens, signal.index_select(0, tokens).unflatten(0, (len(rows), -1))
 
-    decisions, computing = packed_decisions(states, group)
+    decisions, computing = decide_packed(states, group)
     computing.sort()
 
     if len(computing) == len(order):
@@ -279,7 +280,7 @@ def _teacache_blocks(transformer, layout, states, order, hidden, encoder, temb, 
                                                      method, split))
     else:
         computed = None
-    return settle_packed_decisions(decisions, hidden, computed)
+    return settle_packed(decisions, hidden, computed)
 
 
 def _image_tokens(layout, position: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Qwen-Image's TeaCache forward: `QwenImageTransformer2DModel.forward` with one skip decision per request branch.
 
 The signal is the first block's modulated image input (`img_mod` of the time embedding on `img_norm1`), an edit
-row's reference tokens included; a skipping row adds its residual of all blocks (the row loop is FLUX.1's
-`per_row_blocks`; packed calls decide in `packing.py`). Calls the packed forward can't stand in for (`zero_cond_t`,
+row's reference tokens included; a skipping row adds its residual of all blocks (the row loop is the shared
+`dense_rows`; packed calls decide in `packing.py`). Calls the packed forward can't stand in for (`zero_cond_t`,
 ControlNet residuals, other attention processors, ...) run as the model does, without TeaCache.
 
 The polynomial is vLLM-Omni's for Qwen-Image on this signal (github.com/vllm-project/vllm-omni,
@@ -21,7 +21,7 @@ from diffusers.models.transformers.transformer_qwenimage import compute_text_seq
 from diffusers.utils import apply_lora_scale
 
 from ...cache.teacache import TeaCacheState
-from ..flux.teacache import per_row_blocks
+from ...cache.teacache_rows import dense_rows
 from ..packing.support import reproduces_call
 from .packing import REPRODUCED_ARGUMENTS, qwenimage_packing_unsupported
 
@@ -64,7 +64,7 @@ def _forward(transformer, states, hidden_states, encoder_hidden_states, encoder_
     rotary = transformer.pos_embed(img_shapes, max_txt_seq_len=text_length, device=hidden.device)
     signal = qwenimage_signal(transformer.transformer_blocks[0], hidden, temb)
 
-    out, commit = per_row_blocks(transformer, states, hidden, signal, functools.partial(
+    out, commit = dense_rows(transformer, states, hidden, signal, functools.partial(
         _blocks, transformer, encoder=encoder, mask=mask, temb=temb, rotary=rotary, attention_kwargs=attention_kwargs))
     output = transformer.proj_out(transformer.norm_out(out, temb))
     commit()

@@ -19,7 +19,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Att
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_active, lora_layout
-from ...cache.teacache import TeaCacheState, row_groups
+from ...cache.teacache import TeaCacheState
+from ...cache.teacache_rows import commit_rows, computing_rows, decide_rows
 from .blocks import run_blocks
 from .joint import REPRODUCED, joint_call, project_out, reproduced
 from .kv_cache import cache_rows
@@ -67,13 +68,9 @@ def _forward(model, states, **arguments):
         call = joint_call(model, **arguments, own_zero_rows=lora_active(model))
     joint, target = call.joint, call.target
     signal = (model.transformer_blocks[0].img_norm1(joint) * (1 + call.token_modulation()[0]))[:, target]
-    decisions = []  # (state, start, end, compute, accumulated)
-    for state, start, end in row_groups(states):
-        # NOTE: a call that fills the KV cache computes: the cache is read by every later step
-        compute, accumulated = (True, 0.0) if state is None or call.kv_cache_mode == "extract" else \
-            state.decide(signal[start:end])
-        decisions.append((state, start, end, compute, accumulated))
-    computing = [row for _, start, end, compute, _ in decisions if compute for row in range(start, end)]
+    decisions = decide_rows(states, lambda group: signal[group.start:group.stop],
+                            compute_all=call.kv_cache_mode == "extract")  # NOTE: later steps read what it fills
+    computing = computing_rows(decisions)
 
     out, residual = joint, None
     if computing:
@@ -89,13 +86,12 @@ def _forward(model, states, **arguments):
             out[index], residual[index] = computed, (computed - joint[index])[:, target]
     if len(computing) < len(rows):
         out = out.clone() if out is joint else out
-        for state, start, end, compute, _ in decisions:
-            if not compute:  # NOTE: its text and condition tokens' outputs are not read (the pipeline slices)
-                out[start:end, target] = joint[start:end, target] + state.residual
+        for decision in decisions:
+            if not decision.compute:  # NOTE: its text and condition tokens' outputs are not read (the pipeline slices)
+                group = slice(decision.rows.start, decision.rows.stop)
+                out[group, target] = joint[group, target] + decision.state.residual
 
     with lora_layout(model, embedding_layout(model, rows)):
         output = project_out(model, out, call)
-    for state, start, end, compute, accumulated in decisions:
-        if state is not None:
-            state.commit(signal[start:end], compute, accumulated, residual[start:end] if compute else None)
+    commit_rows(decisions, lambda decision: residual[decision.rows.start:decision.rows.stop])
     return output

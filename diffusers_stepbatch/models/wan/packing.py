@@ -25,6 +25,8 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import LoraLayout, lora_active, lora_layers, lora_layout, row_subset
+from ...cache.teacache import TeaCacheState
+from ...cache.teacache_rows import decide_packed, settle_packed
 from ..packing.attention import resolve
 from ..packing.layout import PackedLayout, RowValues, adaln_values, attend
 from ..packing.support import reproduces_call, unsupported_reason
@@ -198,7 +200,6 @@ def _packed(transformer, parts, ordered, packed_attention, teacache):
     if all(state is None for state in states):
         hidden = packed_blocks(transformer, inputs, hidden)
     else:
-        from .teacache import teacache_blocks  # NOTE: teacache.py builds on this module
 
         hidden = teacache_blocks(transformer, inputs, hidden, states)
 
@@ -422,3 +423,24 @@ def _cross_attention(attn, layout, hidden, context_parts, transformer, part_layo
             part_out = part_out + image_out.flatten(2, 3).type_as(query)
         out[tokens] = part_out.flatten(0, 1)
     return attn.to_out[1](attn.to_out[0](out))
+
+
+def teacache_blocks(transformer, inputs: PackedInputs, hidden: torch.Tensor,
+                    states: Sequence[TeaCacheState | None]) -> torch.Tensor:
+    """`packed_blocks` with per-state decisions (`states` per packed row): rows that skip add their residual."""
+    video = inputs.video
+    def group(state, rows):
+        part, inner = video.part_of_row(rows.start)
+        tokens = video.row_tokens(0, part, inner, inner + len(rows))
+        return rows, tokens, inputs.proj[tokens] if inputs.per_token else inputs.proj[rows.start:rows.stop]
+
+    decisions, compute_rows = decide_packed(states, group)
+
+    computed = None
+    if len(compute_rows) == video.num_rows:
+        computed = (None, hidden, packed_blocks(transformer, inputs, hidden))
+    elif compute_rows:
+        sub_inputs, index = inputs.select(compute_rows)
+        sub_hidden = hidden.index_select(0, index)
+        computed = (index, sub_hidden, packed_blocks(transformer, sub_inputs, sub_hidden))
+    return settle_packed(decisions, hidden, computed)

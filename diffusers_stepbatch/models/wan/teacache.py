@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from ...cache.teacache import TeaCacheState, packed_decisions, settle_packed_decisions
-from .packing import PackedInputs, WanPart, pack_key, packed_blocks, wan_packed_forward, wan_packing_unsupported
+from ...cache.teacache import TeaCacheState
+from .packing import WanPart, pack_key, wan_packed_forward, wan_packing_unsupported
 
 WAN_MODEL_COEFFICIENTS = {
     "Wan2.1-T2V-1.3B": (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
@@ -36,24 +35,3 @@ def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments
                    arguments.get("encoder_hidden_states_image"))
     (output,) = wan_packed_forward(transformer, [part], arguments.get("attention_kwargs"), teacache=[states])
     return (output,) if not arguments.get("return_dict", True) else Transformer2DModelOutput(sample=output)
-
-
-def teacache_blocks(transformer, inputs: PackedInputs, hidden: torch.Tensor,
-                    states: Sequence[TeaCacheState | None]) -> torch.Tensor:
-    """`packed_blocks` with per-state decisions (`states` per packed row): rows that skip add their residual."""
-    video = inputs.video
-    def group(state, start, end):
-        part, inner = video.part_of_row(start)
-        tokens = video.row_tokens(0, part, inner, inner + end - start)
-        return range(start, end), tokens, inputs.proj[tokens] if inputs.per_token else inputs.proj[start:end]
-
-    decisions, compute_rows = packed_decisions(states, group)
-
-    computed = None
-    if len(compute_rows) == video.num_rows:
-        computed = (None, hidden, packed_blocks(transformer, inputs, hidden))
-    elif compute_rows:
-        sub_inputs, index = inputs.select(compute_rows)
-        sub_hidden = hidden.index_select(0, index)
-        computed = (index, sub_hidden, packed_blocks(transformer, sub_inputs, sub_hidden))
-    return settle_packed_decisions(decisions, hidden, computed)

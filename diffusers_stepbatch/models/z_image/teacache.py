@@ -7,7 +7,7 @@ rows of several sizes to the longest, so a request's signal and residual are kep
 covers its request's rows; when the rows change (`cfg_truncation` ends CFG) that step computes.
 
 The rescale polynomial was fitted with `models/flux/teacache.py`'s `fit_coefficients` (signal `z_image_signal`)
-on the tiny test model (`testing_image_models.tiny_z_image_pipeline()`, prompts "a red circle", "a blue square",
+on the tiny test model (`testing.image_models.tiny_z_image_pipeline()`, prompts "a red circle", "a blue square",
 "a green cross", 32x32, 16 steps, guidance 3, negative prompt "bad", degree 4): no Z-Image weights were at hand, so
 fit the real model's polynomial the same way before relying on the default.
 """
@@ -22,7 +22,8 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import row_subset
-from ...cache.teacache import TeaCacheState, row_groups
+from ...cache.teacache import TeaCacheState
+from ...cache.teacache_rows import commit_rows, computing_rows, decide_rows
 from ..packing.support import reproduces_call
 
 Z_IMAGE_COEFFICIENTS = (5.72123062e04, -3.50883175e04, 8.02204162e03, -8.07866363e02, 3.04659687e01)
@@ -83,12 +84,8 @@ def _forward(model, states, x, t, cap_feats, patch_size, f_patch_size, joint_att
     lengths = [a + b for a, b in zip(x_seqlens, cap_seqlens)]
 
     signal = z_image_signal(model.layers[0], unified, adaln_input)
-    decisions = []  # (state, start, end, own signal, compute, accumulated)
-    for state, start, end in row_groups(states):
-        own = _own_tokens(signal, lengths, start, end)
-        compute, accumulated = (True, 0.0) if state is None else state.decide(own)
-        decisions.append((state, start, end, own, compute, accumulated))
-    compute_rows = [r for _, start, end, _, compute, _ in decisions if compute for r in range(start, end)]
+    decisions = decide_rows(states, lambda rows: _own_tokens(signal, lengths, rows))
+    compute_rows = computing_rows(decisions)
 
     out, residual = unified, None
     if compute_rows:
@@ -96,9 +93,8 @@ def _forward(model, states, x, t, cap_feats, patch_size, f_patch_size, joint_att
             computed = _layers(model, unified, mask, freqs, adaln_input)
             out, residual = computed, computed - unified
         else:
-            # NOTE: the computing rows as the model would take them on their own: padded to their longest
             index = torch.tensor(compute_rows, device=device)
-            longest = max(lengths[r] for r in compute_rows)
+            longest = max(lengths[r] for r in compute_rows)  # NOTE: padded to their longest, as run on their own
             sub_mask = None if all(lengths[r] == longest for r in compute_rows) else mask[index, :longest]
             sub_input = unified[index, :longest]
             with row_subset(model, compute_rows):  # NOTE: per-row LoRA: these rows' own adapters
@@ -108,19 +104,16 @@ def _forward(model, states, x, t, cap_feats, patch_size, f_patch_size, joint_att
             residual[index, :longest] = computed - sub_input
     if len(compute_rows) < len(lengths):
         out = out.clone() if out is unified else out
-        for state, start, end, _, compute, _ in decisions:
-            if not compute:
-                cached = state.residual.split(lengths[start:end])
-                for row, row_residual in zip(range(start, end), cached):
+        for decision in decisions:
+            if not decision.compute:
+                cached = decision.state.residual.split([lengths[row] for row in decision.rows])
+                for row, row_residual in zip(decision.rows, cached):
                     out[row, :lengths[row]] = unified[row, :lengths[row]] + row_residual
 
     out = model.all_final_layer[f"{patch_size}-{f_patch_size}"](out, c=adaln_input)
     output = model.unpatchify(list(out.unbind(dim=0)), x_size, patch_size, f_patch_size, None)
 
-    for state, start, end, own, compute, accumulated in decisions:
-        if state is not None:
-            own_residual = _own_tokens(residual, lengths, start, end) if compute else None
-            state.commit(own, compute, accumulated, own_residual)
+    commit_rows(decisions, lambda decision: _own_tokens(residual, lengths, decision.rows))
     return output
 
 
@@ -130,6 +123,6 @@ def _layers(model, unified, mask, freqs, adaln_input):
     return unified
 
 
-def _own_tokens(batch: torch.Tensor, lengths: Sequence[int], start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) of a padded [rows, tokens, dim] batch as their own tokens only, [their tokens, dim]."""
-    return torch.cat([batch[row, :lengths[row]] for row in range(start, end)])
+def _own_tokens(batch: torch.Tensor, lengths: Sequence[int], rows: range) -> torch.Tensor:
+    """`rows` of a padded [rows, tokens, dim] batch as their own tokens only, [their tokens, dim]."""
+    return torch.cat([batch[row, :lengths[row]] for row in rows])

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument, InvalidArgumentType
+from ...errors import InvalidArgument, InvalidArgumentType
 
 _PROMPTS = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
 _SCALES = ("guidance_scale", "true_cfg_scale", "guidance_rescale", "skip_layer_guidance_scale", "eta")

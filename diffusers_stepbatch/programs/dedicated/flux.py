@@ -18,7 +18,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import FluxPipelineOutput, calculate_shift, retrieve_timesteps
 
-from ..adapters.ip_adapter import (
+from ...adapters.ip_adapter import (
     IPAdapterState,
     bind_scale_setter,
     flux_ip_image_embeds,
@@ -26,42 +26,44 @@ from ..adapters.ip_adapter import (
     per_row_ip_scales,
     plan_flux_ip_adapter,
 )
-from ..adapters.lora import lora_layers, streams_ambiguous
-from ..adapters.state import (
+from ...adapters.lora import lora_layers
+from ...adapters.state import (
     AdapterState,
     lora_rows,
     request_adapters,
     text_lora_scale,
     without_lora_scale,
 )
-from ..buffers import stack_rows
-from ..cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
-from ..cache.teacache import TeaCacheState, kept_on_failure
-from ..models.flux.teacache import flux_teacache_forward
-from ..decoders.vae import vae_decode_item
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key
-from ..module_scan import execution_device
-from ..models.packing.attention import check_can_run as check_packed_attention_runs
-from ..models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
-from ..models.row_kernels import row_kernels_of
-from ..models.packing.support import extra_attention_kwargs, packing_refused
-from .cache_hooks import hooked_denoiser
-from .callbacks import run_step_callback
-from .fused_update import FusedEuler
-from .cfg import transformer_activation_bytes
-from .options import PlanContext, ProgramOptions
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
-from .validation import (
+from ...buffers import stack_rows
+from ...cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
+from ...cache.teacache import TeaCacheState, kept_on_failure
+from ...models.flux.teacache import flux_teacache_forward
+from ...decoders.vae import vae_decode_item
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key
+from ...module_scan import execution_device
+from ...models.packing.attention import check_can_run as check_packed_attention_runs
+from ...models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
+from ...models.row_kernels import row_kernels_of
+from ...models.packing.support import extra_attention_kwargs, packing_refused
+from ..cache_hooks import hooked_denoiser
+from ..callbacks import run_step_callback
+from ..fused_update import FusedEuler
+from ..cfg import transformer_activation_bytes
+from ..options import PlanContext, ProgramOptions
+from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
+from ...models import support_for
+from ...models.calls import freeze
+from ...models.packed_calls import run_packed
+from ..checks.values import (
     as_list,
     check_call_size,
     check_given_embeds_not_repeated,
     check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
-    freeze,
 )
 
 
@@ -77,7 +79,7 @@ class FluxCall:
     do_true_cfg: bool
     options: ProgramOptions
     teacache: list[TeaCacheState] | None  # one per CFG branch; None: every step runs the blocks
-    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    pid: PiDExit | None = None  # PiD early exit (programs/pid/exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
@@ -85,11 +87,7 @@ class FluxCall:
 @register_program(FluxPipeline, features=("teacache", "adapters"))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
     check_latent_patches(height, width, pipe)
     run_check_inputs(
         pipe, args["prompt"], args["prompt_2"], height, width,
@@ -124,7 +122,8 @@ def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) ->
     # NOTE: "varlen" with a CPU or float32 model is refused here, in the caller, not in a packed call.
     check_packed_attention_runs(options.packed_attention, pipe.transformer)
     branches = 2 if do_true_cfg else 1
-    teacache = options.teacache.states(pipe.transformer, steps, branches) if options.teacache is not None else None
+    teacache = None if options.teacache is None else options.teacache.states(
+        pipe.transformer, support_for(pipe.transformer).teacache_coefficients, steps, branches)
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
         raise ValueError(
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
@@ -315,7 +314,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
         hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
-    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+    if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
         image = yield from pid_exit_decode(view, call.pid, args, latents, embeds[0], options.prompt_cache)
         return FluxPipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":
@@ -426,26 +425,16 @@ def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shape
         )
         for (txt_ids, img_ids), inputs in shapes
     ]
-    with kept_on_failure(state for part in parts for state in part.teacache or ()):
-        return _run_packed(transformer, joint_attention_kwargs, packed_attention, shapes, parts)
-
-
-def _run_packed(transformer, joint_attention_kwargs, packed_attention, shapes, parts: list[FluxPart]) -> list:
-    forward = functools.partial(flux_packed_forward, transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
-                                packed_attention=packed_attention)
-    if not lora_layers(transformer):
-        return forward()
-    # Per-row LoRA over the packed streams (text, image, and the single blocks' joint text + image tokens).
-    streams = flux_token_streams(parts)
-    lora = [row for _, inputs in shapes for row in inputs["lora"]]
-    teacache = any(state is not None for part in parts for state in part.teacache or ())
-    if teacache or streams_ambiguous(len(lora), streams):
-        # NOTE: TeaCache's packed sub-calls (fewer rows) and streams of coinciding lengths can't be mapped to
-        # rows by shape: these shapes run one ordinary forward each, adapters still per row.
-        return [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
-                for (txt_ids, img_ids), inputs in shapes]
-    with lora_rows(transformer, lora, token_rows=streams):
-        return forward()
+    # NOTE: per-row LoRA maps the packed streams (text, image, the single blocks' joint tokens) to rows
+    return run_packed(
+        transformer,
+        packed=functools.partial(flux_packed_forward, transformer, parts,
+                                 joint_attention_kwargs=joint_attention_kwargs, packed_attention=packed_attention),
+        per_shape=lambda: [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
+                           for (txt_ids, img_ids), inputs in shapes],
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
+        token_rows=lambda: flux_token_streams(parts),
+        teacache=[state for part in parts for state in part.teacache or ()])
 
 
 def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,

@@ -19,59 +19,13 @@ from typing import Any
 
 import torch
 
-from ..cache.prompt import PromptCache, cached_encode
-from ..decoders.pid.work import pid_decode_item, pid_text_item, pid_text_namespace
-from ..decoders.registry import PiDDecoding
-from ..engine.batch import WorkItem
-from .options import PlanContext
-from .pid_families import PiDFamily, pid_family, pid_pipelines
-from .validation import as_list, check_num_images_per_prompt, check_num_inference_steps
-
-
-@dataclass(frozen=True)
-class PiDExitOptions:
-    """An engine's PiD decoding and where its requests leave the main model.
-
-    Args:
-        decoding: the PiD decoder, its text source and sampler.
-        exit_step: K, the number of main-model steps before PiD takes over: an int in [1, N], or a fraction of
-            the N steps in (0, 1] (rounded to the nearest step); None: N - 2 (at least 1). K = N hands PiD the
-            clean latent (sigma 0).
-    """
-
-    decoding: PiDDecoding
-    exit_step: int | float | None = None
-
-    def __post_init__(self):
-        step = self.exit_step
-        if step is None:
-            return
-        if isinstance(step, bool) or not isinstance(step, numbers.Real):
-            raise ValueError(f"pid_exit_step={step!r} must be a step index (int >= 1), a fraction in (0, 1] or None")
-        if isinstance(step, numbers.Integral):
-            if step < 1:
-                raise ValueError(f"pid_exit_step={step} must be >= 1: the main model runs at least one step")
-        elif not 0 < step <= 1:
-            raise ValueError(f"pid_exit_step={step} as a fraction of the steps must be in (0, 1]")
-
-    def step_for(self, num_steps: int) -> int:
-        """K for a call of `num_steps` steps; ValueError when it falls outside [1, num_steps]."""
-        step = self.exit_step
-        if step is None:
-            return max(num_steps - 2, 1)
-        if isinstance(step, numbers.Integral):
-            if step > num_steps:
-                raise ValueError(
-                    f"pid_exit_step={step} is beyond num_inference_steps={num_steps}; use a step in [1, {num_steps}] "
-                    "or a fraction of the steps"
-                )
-            return int(step)
-        exit_at = round(step * num_steps)
-        if exit_at < 1:
-            raise ValueError(
-                f"pid_exit_step={step} of num_inference_steps={num_steps} rounds to step 0; use a larger fraction"
-            )
-        return exit_at
+from ...cache.prompt import PromptCache, cached_encode
+from ...decoders.pid.work import pid_decode_item, pid_text_item, pid_text_namespace
+from ...decoders.registry import PiDDecoding
+from ...engine.batch import WorkItem
+from ..options import PlanContext
+from .families import PiDFamily, pid_family, pid_pipelines
+from ..checks.values import as_list, check_num_images_per_prompt, check_num_inference_steps
 
 
 def check_pid_pipeline(pipe: Any, decoding: PiDDecoding) -> None:
@@ -121,6 +75,17 @@ class PiDExit:
     main_width: int
     family: PiDFamily
     prompt_cache: PromptCache | None = None
+
+
+def plan_main_size(pipe: Any, args: dict[str, Any], context: PlanContext
+                   ) -> tuple[dict[str, Any], PiDExit | None, int, int]:
+    """The dedicated programs' opening: (args, PiD early exit or None, height, width) of the main model's call,
+    which with PiD runs at 1/sr_scale of the requested size; sizes default to the pipeline's sample size."""
+    pid = plan_pid_exit(pipe, args, context)
+    if pid is not None:
+        args = {**args, "height": pid.main_height, "width": pid.main_width}
+    default = pipe.default_sample_size * pipe.vae_scale_factor
+    return args, pid, args["height"] or default, args["width"] or default
 
 
 def plan_pid_exit(pipe: Any, args: dict[str, Any], context: PlanContext) -> PiDExit | None:

@@ -23,37 +23,37 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     retrieve_timesteps,
 )
 
-from ..adapters.ip_adapter import IPAdapterState, bind_scale_setter, ip_key_fields, per_row_ip_scales
-from ..adapters.lora import lora_layers, streams_ambiguous
-from ..adapters.sd3_ip_adapter import plan_sd3_ip_adapter, sd3_ip_image_embeds
-from ..adapters.state import (
+from ...adapters.ip_adapter import IPAdapterState, bind_scale_setter, ip_key_fields, per_row_ip_scales
+from ...adapters.lora import lora_layers, streams_ambiguous
+from ...adapters.sd3_ip_adapter import plan_sd3_ip_adapter, sd3_ip_image_embeds
+from ...adapters.state import (
     AdapterState,
     lora_rows,
     request_adapters,
     text_lora_scale,
     without_lora_scale,
 )
-from ..decoders.vae import vae_decode_item
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key
-from ..module_scan import execution_device
-from ..models.packing.attention import check_can_run as check_packed_attention_runs
-from ..models.packing.layout import PackedLayout
-from ..models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
-from ..models.packing.support import extra_attention_kwargs, packing_refused
-from ..models.row_kernels import row_kernels_of
-from .callbacks import run_step_callback
-from .fused_update import FusedEuler
-from .options import PlanContext
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
-from .validation import (
+from ...decoders.vae import vae_decode_item
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key
+from ...module_scan import execution_device
+from ...models.packing.attention import check_can_run as check_packed_attention_runs
+from ...models.packing.layout import PackedLayout
+from ...models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
+from ...models.packing.support import extra_attention_kwargs, packing_refused
+from ..callbacks import run_step_callback
+from ..fused_update import FusedEuler
+from ..options import PlanContext
+from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
+from ...models.calls import freeze
+from ...models.row_kernels import row_kernels_of
+from ..checks.values import (
     check_call_size,
     check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
-    freeze,
 )
 
 # names of the denoise key's fields shared with packed calls, for stats()["splits"]
@@ -71,7 +71,7 @@ class SD3Call:
     num_prompts: int
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
-    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    pid: PiDExit | None = None  # PiD early exit (programs/pid/exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/sd3_ip_adapter.py); None: none loaded
     packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
@@ -82,11 +82,7 @@ def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any], context: Plan
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
     run_check_inputs(
         pipe, args["prompt"], args["prompt_2"], args["prompt_3"], height, width,
         negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
@@ -263,7 +259,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
             progress_bar.update()
 
     # 4. Decode (batched with other requests' decodes of the same size).
-    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+    if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
         image = yield from pid_exit_decode(view, call.pid, args, latents, embeds[0])
         return StableDiffusion3PipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":

@@ -1,7 +1,7 @@
 """Tiny offline pipelines of the newer image families (Z-Image, FLUX.2 dev and klein, Qwen-Image Edit and 2.1), for
 tests and benchmarks.
 
-Built from configs, seeded, with the byte-level Qwen tokenizer of `testing.py` plus a short chat template
+Built from configs, seeded, with the byte-level Qwen tokenizer of `testing.components` plus a short chat template
 (tokens are characters here, so prompts stay short).
 """
 
@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from .testing import tiny_qwen2_tokenizer
+from .components import tiny_qwen2_tokenizer
 
 _CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -169,7 +169,7 @@ def tiny_qwenimage_edit_pipeline(pipeline_class=None, num_layers: int = 1, atten
                                  num_attention_heads: int = 2, text_hidden: int = 32, vae_base_dim: int = 4,
                                  max_pixels: int = 28 * 28 * 4, seed: int = 0, models_of=None):
     """A QwenImageEditPipeline (or `pipeline_class`: QwenImageEditPlusPipeline, QwenImagePipeline) over the tiny
-    Qwen-Image components of `testing.tiny_qwenimage_pipeline`, a scale-16 VAE and a local Qwen2VLProcessor.
+    Qwen-Image components of `testing.pipelines.tiny_qwenimage_pipeline`, a scale-16 VAE and a local Qwen2VLProcessor.
 
     Output heights and widths must be multiples of 32; pass small ones (the default is ~1024x1024). The encode
     templates keep their structure (system, user with the image placeholders, assistant) with a short system
@@ -178,7 +178,7 @@ def tiny_qwenimage_edit_pipeline(pipeline_class=None, num_layers: int = 1, atten
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImagePipeline
 
-    from .testing import tiny_qwenimage_pipeline
+    from .pipelines import tiny_qwenimage_pipeline
 
     if models_of is None:
         base = tiny_qwenimage_pipeline(num_layers=num_layers, attention_head_dim=attention_head_dim,

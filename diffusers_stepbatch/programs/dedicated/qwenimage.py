@@ -24,43 +24,45 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from ..adapters.lora import lora_layers, streams_ambiguous
-from ..adapters.state import (
+from ...adapters.lora import lora_layers
+from ...adapters.state import (
     AdapterState,
     lora_rows,
     request_adapters,
     text_encoder_state,
     without_lora_scale,
 )
-from ..cache.teacache import TeaCacheState, kept_on_failure
-from ..decoders.vae import vae_decode_item
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key
-from ..module_scan import execution_device
-from ..models.packing.attention import check_can_run as check_packed_attention_runs
-from ..models.qwenimage.packing import (
+from ...cache.teacache import TeaCacheState, kept_on_failure
+from ...decoders.vae import vae_decode_item
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key
+from ...module_scan import execution_device
+from ...models.packing.attention import check_can_run as check_packed_attention_runs
+from ...models.qwenimage.packing import (
     QwenImagePart,
     packed_token_rows,
     qwenimage_packed_forward,
     qwenimage_packing_unsupported,
 )
-from ..models.qwenimage.teacache import teacache_call
-from ..models.row_kernels import row_kernels_of
-from ..models.packing.support import extra_attention_kwargs, packing_refused
-from .cache_hooks import hooked_denoiser
-from .callbacks import run_step_callback
-from .fused_update import FusedEuler
-from .options import PlanContext
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
-from .validation import (
+from ...models.qwenimage.teacache import teacache_call
+from ...models.packing.support import extra_attention_kwargs, packing_refused
+from ..cache_hooks import hooked_denoiser
+from ..callbacks import run_step_callback
+from ..fused_update import FusedEuler
+from ..options import PlanContext
+from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
+from ...models import support_for
+from ...models.calls import freeze
+from ...models.packed_calls import run_packed
+from ...models.row_kernels import row_kernels_of
+from ..checks.values import (
     as_list,
     check_call_size,
     check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
-    freeze,
 )
 
 
@@ -79,7 +81,7 @@ class QwenImageCall:
     num_inference_steps: int
     num_images: int  # prompts x num_images_per_prompt
     do_true_cfg: bool
-    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py); None: VAE decode
+    pid: PiDExit | None = None  # PiD early exit (programs/pid/exit.py); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the model has none
     packed_attention: str = "auto"  # the StepBatched option (models/packing/attention.py)
     teacache: list[TeaCacheState] | None = None  # one per CFG branch; None: every step runs the blocks
@@ -90,11 +92,7 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
     if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
         args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
     check_latent_patches(height, width, pipe)
     run_check_inputs(
         pipe, args["prompt"], height, width, negative_prompt=args["negative_prompt"],
@@ -122,8 +120,8 @@ def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanC
     adapters = request_adapters(pipe.transformer, context.adapters,
                                 lora_scale=(args["attention_kwargs"] or {}).get("scale"))
     options = context.options
-    teacache = options.teacache.states(pipe.transformer, steps, 2 if do_true_cfg else 1) \
-        if options.teacache is not None else None
+    teacache = None if options.teacache is None else options.teacache.states(
+        pipe.transformer, support_for(pipe.transformer).teacache_coefficients, steps, 2 if do_true_cfg else 1)
     if teacache is not None and getattr(pipe.transformer, "_hf_hook", None) is not None:
         raise ValueError(
             "TeaCache calls the transformer's blocks directly, which bypasses the model offload hook on "
@@ -267,7 +265,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
         hooked.release()
 
     # 4. Decode (batched with other requests' decodes of the same size).
-    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+    if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
         image = yield from pid_exit_decode(view, call.pid, args, latents, branches[0][0])
         return QwenImagePipelineOutput(images=image) if args["return_dict"] else (image,)
     if args["output_type"] == "latent":
@@ -331,24 +329,14 @@ def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
                       text_mask=inputs["text_mask"], img_shapes=[grid], teacache=inputs["teacache"])
         for grid, inputs in shapes
     ]
-    with kept_on_failure(state for part in parts for state in part.teacache):
-        return _run_packed(transformer, attention_kwargs, packed_attention, shapes, parts)
-
-
-def _run_packed(transformer, attention_kwargs, packed_attention, shapes, parts: list[QwenImagePart]) -> list:
-    if not lora_layers(transformer):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
-                                        packed_attention=packed_attention)
-    # Per-row LoRA over the packed text and image streams (packed_token_rows).
-    lora = [row for _, inputs in shapes for row in inputs["lora"]]
-    streams = packed_token_rows(parts)
-    if any(state is not None for part in parts for state in part.teacache) or streams_ambiguous(len(lora), streams):
-        # NOTE: TeaCache's packed sub-calls (fewer rows) and streams of coinciding lengths can't be mapped to rows
-        # by shape: one ordinary forward per grid, adapters still per row
-        return [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes]
-    with lora_rows(transformer, lora, token_rows=streams):
-        return qwenimage_packed_forward(transformer, parts, attention_kwargs=attention_kwargs,
-                                        packed_attention=packed_attention)
+    return run_packed(
+        transformer,
+        packed=functools.partial(qwenimage_packed_forward, transformer, parts, attention_kwargs=attention_kwargs,
+                                 packed_attention=packed_attention),
+        per_shape=lambda: [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes],
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
+        token_rows=lambda: packed_token_rows(parts),
+        teacache=[state for part in parts for state in part.teacache])
 
 
 def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora, teacache):

@@ -3,17 +3,14 @@
 On a request's view, the denoisers, text encoders and VAE are proxies: a call goes to the engine as a work item
 whose key holds everything but the rows (`models/calls.py` describes the call through the model layer), and its
 result comes back cut to the request's rows. Calls with equal keys share one model call. Models whose row rules
-are not proven have the first merge of each call structure checked against separate calls.
+are not proven have the first merge of each call structure checked against separate calls (`models/merge_checks.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import sys
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,52 +20,26 @@ from diffusers.hooks import HookRegistry, group_offloading
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import torch_utils
 
-from ..adapters.lora import streams_ambiguous
-from ..adapters.state import AdapterState, lora_rows, without_lora_scale
-from ..cache import encoder_calls
-from ..cache.prompt import PromptCache
-from ..cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure, saved
-from ..engine.batch import Packable, WorkItem
-from ..engine.split_reasons import named_key, split_inside
-from ..models import Packing, support_for
-from ..models.calls import ModelCall, NotRowWise, cut, describe_call, fill, max_difference, probe_tolerance
-from ..models.calls import run_call, slice_rows
-from ..models.packing.support import packing_refused
-from ..models.row_kernels import solo_kernels
-from ..module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
+from ...adapters.lora import streams_ambiguous
+from ...adapters.state import AdapterState, lora_rows, without_lora_scale
+from ...cache import encoder_calls
+from ...cache.prompt import PromptCache
+from ...cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure
+from ...engine.batch import Packable, WorkItem
+from ...engine.split_reasons import named_key
+from ...models import Packing, support_for
+from ...models.calls import ModelCall, cut, describe_call, fill, run_call, slice_rows
+from ...models.merge_checks import log_once, merged_parts, not_rowwise_reason
+from ...models.packed_calls import run_packed
+from ...models.packing.support import packing_refused
+from ...models.row_kernels import solo_kernels
+from ...module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
 from .branch_pairs import BranchPairs
-
-logger = logging.getLogger(__name__)
 
 HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
 LORA = "_lora"  # each row's LoRA state (None: no per-row LoRA)
 TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaCache forward)
 ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
-_logged: set[tuple[str, str]] = set()
-
-
-class RowRecord:
-    """What one model's merged calls have shown, per (method, call structure)."""
-
-    __slots__ = ("not_rowwise", "methods_not_rowwise", "verified")
-
-    def __init__(self):
-        self.not_rowwise: dict[tuple, str] = {}  # why its merged calls failed: such calls run alone
-        self.methods_not_rowwise: set[str] = set()  # methods with an entry there: look their calls up
-        self.verified: set[tuple] = set()  # merged outputs matched separate calls
-
-
-# NOTE: held by the model itself, not its address: a model made where a freed one was starts with no record
-_row_records: weakref.WeakKeyDictionary[torch.nn.Module, RowRecord] = weakref.WeakKeyDictionary()
-_row_records_lock = threading.Lock()
-
-
-def row_record(module: torch.nn.Module) -> RowRecord:
-    with _row_records_lock:
-        record = _row_records.get(module)
-        if record is None:
-            record = _row_records[module] = RowRecord()
-        return record
 
 
 class Holder:
@@ -78,12 +49,6 @@ class Holder:
 
     def __init__(self):
         self.output = None
-
-
-def log_once(model: str, reason: str) -> None:
-    if (model, reason) not in _logged:
-        _logged.add((model, reason))
-        logger.info("StepBatched runs %s calls one at a time: %s", model, reason)
 
 
 # NOTE: diffusers functions that walk a model's modules only to find accelerate or diffusers hooks (private names:
@@ -247,7 +212,7 @@ class RequestTeaCache:
             self.step, self.calls = step, 0
         branch, self.calls = self.calls, self.calls + 1
         if branch not in self.states:
-            made = self.config.states(self.model, self.num_steps(), 1)
+            made = self.config.states(self.model, support_for(self.model).teacache_coefficients, self.num_steps(), 1)
             self.states[branch] = made[0] if made else None
         state = self.states[branch]
         if state is not None:
@@ -277,7 +242,7 @@ def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwa
     if reason is None and call.rows is None:
         reason = "its inputs have no batch rows"
     if reason is None:
-        reason = _not_rowwise_reason(module, method, call)
+        reason = not_rowwise_reason(module, method, call)
     rows = call.rows or 1
     holders, states = [holder] * rows, [teacache] * rows
     if reason is None and paired is not None:
@@ -330,28 +295,25 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
     """One packed call for several shapes' batches; each holder gets its rows of its call's output."""
     holders = [inputs.pop(HOLDERS) for _, inputs in shapes]
     calls = [fill(call.template, _model_inputs(inputs)) for call, inputs in shapes]
-    lora = [row for _, inputs in shapes for row in inputs[LORA] or ()]
-    streams = packing.token_rows(module, calls) if lora else None
-    if lora and (_has_states(inputs[TEACACHE] for _, inputs in shapes) or streams_ambiguous(len(lora), streams)):
-        # NOTE: TeaCache's packed sub-calls (fewer rows) and token streams of coinciding lengths can't be mapped
-        # to rows by shape: each shape runs its own call, adapters still per row
+    teacache = [inputs[TEACACHE] for _, inputs in shapes]
+
+    def packed() -> list:
+        with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
+            return packing.run(module, calls, packed_attention, teacache)
+
+    def per_shape() -> list:
         outputs = []
         for (call, inputs), shape_holders in zip(shapes, holders):
             with solo_kernels(module, _rows_per_request(shape_holders)):
                 outputs.append(_run(module, call, inputs))
-    else:
-        teacache = [inputs[TEACACHE] for _, inputs in shapes]
-        with kept_on_failure(state for states in teacache for state in states or ()), \
-                lora_rows(module, lora, token_rows=streams) if lora else contextlib.nullcontext():
-            with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
-                outputs = packing.run(module, calls, packed_attention, teacache)
+        return outputs
+
+    outputs = run_packed(module, packed, per_shape, lora=[row for _, inputs in shapes for row in inputs[LORA] or ()]
+                         or None, token_rows=lambda: packing.token_rows(module, calls),
+                         teacache=[state for states in teacache for state in states or ()])
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
-
-
-def _has_states(teacache_lists) -> bool:
-    return any(state is not None for states in teacache_lists for state in states or ())
 
 
 def _rows_per_request(holders: list[Holder]) -> list[int]:
@@ -388,30 +350,11 @@ def _merged_call(module, call: ModelCall, **inputs):
     if _lora_streams_ambiguous(call, inputs):  # NOTE: each request's rows alone map to tokens unambiguously
         parts = [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
     else:
-        parts = _merged_parts(module, call, inputs, bounds, total)
+        run = functools.partial(_run, module, call)
+        parts = merged_parts(module, call, inputs, bounds, run, inputs[TEACACHE] or ())
     for (begin, _), part in zip(bounds, parts):
         holders[begin].output = part
     return torch.zeros(total)
-
-
-def _merged_parts(module, call: ModelCall, inputs: dict, bounds: list, total: int) -> list:
-    seen = (call.method, call.structure)
-    checked = not call.support.trusted and seen not in row_record(module).verified
-    before = saved(inputs[TEACACHE] or ()) if checked else None
-    try:
-        with solo_kernels(module, [end - begin for begin, end in bounds]):
-            output = _run(module, call, inputs)
-    except torch.OutOfMemoryError:
-        raise  # NOTE: the engine caps the rows of this key and retries
-    except Exception as exc:  # the merged call itself is what fails: these calls run alone from now on
-        return _apart(module, call, seen, inputs, bounds, f"a merged call raised {type(exc).__name__}: {exc}")
-    try:
-        parts = [cut(output, begin, end, total, call.support) for begin, end in bounds]
-    except NotRowWise as exc:
-        return _apart(module, call, seen, inputs, bounds, f"its output is not row-wise ({exc})")
-    if checked:
-        parts = _checked(module, call, seen, inputs, bounds, parts, before)
-    return parts
 
 
 def _lora_streams_ambiguous(call: ModelCall, inputs: dict) -> bool:
@@ -423,44 +366,6 @@ def _lora_streams_ambiguous(call: ModelCall, inputs: dict) -> bool:
 
 def _model_inputs(inputs: dict) -> dict:
     return {name: value for name, value in inputs.items() if name not in (LORA, TEACACHE)}
-
-
-def _checked(module, call: ModelCall, seen, inputs, bounds, parts, before: Callable[[], None]) -> list:
-    """The first merged call of a structure on a model without proven row rules, checked against the same calls
-    run apart: where the rows were not independent, the separate outputs stand and such calls run alone.
-    `before` puts the rows' TeaCache states back as they were before the merged call, for the separate calls."""
-    after = saved(inputs[TEACACHE] or ())
-    before()
-    alone = [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
-    difference = max(max_difference(part, own) for part, own in zip(parts, alone))
-    if difference > probe_tolerance(alone[0]):
-        _mark_not_rowwise(module, seen, f"merged outputs differed from separate calls by {difference:.2e}",
-                          len(bounds))
-        return alone
-    after()  # NOTE: the merged outputs stand, and the states as the merged call left them
-    row_record(module).verified.add(seen)
-    return parts
-
-
-def _not_rowwise_reason(module, method: str, call: ModelCall) -> str | None:
-    record = _row_records.get(module)  # NOTE: read without the lock: a model with no record has no refusal
-    if record is None or method not in record.methods_not_rowwise:  # NOTE: skips building the call's structure
-        return None
-    return record.not_rowwise.get((method, call.structure))
-
-
-def _mark_not_rowwise(module, seen: tuple, reason: str, calls: int) -> None:
-    """Calls of this structure run alone from now on; the `calls` of the running merged call ran apart."""
-    record = row_record(module)
-    record.not_rowwise[seen] = reason
-    record.methods_not_rowwise.add(seen[0])
-    log_once(type(module).__name__, reason)
-    split_inside(f"generic program: {reason}", calls - 1)
-
-
-def _apart(module, call: ModelCall, seen, inputs, bounds, reason: str) -> list:
-    _mark_not_rowwise(module, seen, reason, len(bounds))
-    return [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
 
 
 def _run(module, call: ModelCall, inputs: dict) -> Any:

@@ -17,8 +17,8 @@ import textwrap
 import threading
 from typing import Any
 
-from ..errors import InvalidArgument
-from .registry import unhooked_class
+from ...errors import InvalidArgument
+from ..registry import unhooked_class
 
 
 def run_check_inputs(pipe: Any, *args: Any, **kwargs: Any) -> None:

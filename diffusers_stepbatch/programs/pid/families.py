@@ -172,7 +172,7 @@ register_pid_family(QwenImagePipeline, PiDFamily(
     _transformer_text_dim, _unpacked_one_frame,
 ))  # fmt: skip
 
-# NOTE: served by the generic program: the pipeline's own loop, stopped after K steps (programs/pid_generic.py)
+# NOTE: served by the generic program: the pipeline's own loop, stopped after K steps (programs/pid/generic.py)
 for _flux2 in (Flux2Pipeline, Flux2KleinPipeline, Flux2KleinKVPipeline):
     register_pid_family(_flux2, PiDFamily(
         "flux2", lambda pipe: pipe.vae_scale_factor * 2, lambda pipe: pipe.vae.config.latent_channels * 4,

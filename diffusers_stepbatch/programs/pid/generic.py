@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
-from ..engine.batch import WorkItem
-from .callbacks import run_step_callback
-from .options import PlanContext
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
+from ...engine.batch import WorkItem
+from ..callbacks import run_step_callback
+from ..options import PlanContext
+from .exit import PiDExit, pid_exit_decode, plan_pid_exit
 
 _HANDED_OVER = ("latents", "prompt_embeds")
 

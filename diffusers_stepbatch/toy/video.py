@@ -1,14 +1,15 @@
-"""Tiny offline video pipelines (Wan 2.1 / 2.2 text- and image-to-video), for tests and benchmarks.
+"""Tiny random Wan 2.1 / 2.2 video pipelines (text- and image-to-video): the demo server's `tiny-wan` models,
+also built by tests and benchmarks.
 
-Built from configs, seeded, with the local T5 tokenizer of `testing.py`. Sizes are multiples of 16 and frame
-counts 4k + 1, as the real pipelines want.
+Built from configs, seeded, with the local T5 tokenizer of `toy.tiny_text`; random weights (no training), so
+videos are noise. Sizes are multiples of 16 and frame counts 4k + 1, as the real pipelines want.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .testing import tiny_t5_encoder, tiny_t5_tokenizer
+from .tiny_text import tiny_t5_encoder, tiny_t5_tokenizer
 
 
 def tiny_wan_transformer(in_channels: int = 16, heads: int = 2, head_dim: int = 12, layers: int = 2,

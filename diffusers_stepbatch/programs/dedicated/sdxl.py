@@ -20,7 +20,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_xl.pipeline_output import StableDiffusionXLPipelineOutput
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg, retrieve_timesteps
 
-from ..adapters.ip_adapter import (
+from ...adapters.ip_adapter import (
     IPAdapterState,
     bind_scale_setter,
     ip_image_embeds,
@@ -28,24 +28,24 @@ from ..adapters.ip_adapter import (
     per_row_ip_scales,
     plan_ip_adapter,
 )
-from ..adapters.ip_masks import batched_masks, mask_key, mask_rows, without_masks
-from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
-from ..decoders.vae import decode_alone_on_cpu, vae_decode_item
-from ..engine.batch import WorkItem
-from ..engine.split_reasons import named_key
-from ..module_scan import execution_device
-from ..models.row_kernels import row_kernels_of
-from .callbacks import run_step_callback
-from .fused_update import FusedEuler
-from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
-from .options import PlanContext
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
-from .validation import (
+from ...adapters.ip_masks import batched_masks, mask_key, mask_rows, without_masks
+from ...adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
+from ...decoders.vae import decode_alone_on_cpu, vae_decode_item
+from ...engine.batch import WorkItem
+from ...engine.split_reasons import named_key
+from ...module_scan import execution_device
+from ..callbacks import run_step_callback
+from ..fused_update import FusedEuler
+from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
+from ..options import PlanContext
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
+from ...models.calls import freeze
+from ...models.row_kernels import row_kernels_of
+from ..checks.values import (
     as_list,
     check_call_size,
     check_latents,
-    freeze,
 )
 
 
@@ -60,7 +60,7 @@ class UNetCall:
     num_prompts: int
     num_images: int  # prompts x num_images_per_prompt
     do_cfg: bool
-    pid: PiDExit | None = None  # PiD early exit (programs/pid_exit.py, SDXL only); None: VAE decode
+    pid: PiDExit | None = None  # PiD early exit (programs/pid/exit.py, SDXL only); None: VAE decode
     adapters: AdapterState | None = None  # this request's LoRA (adapters/state.py); None: the UNet has none
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
@@ -84,14 +84,10 @@ def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, in
 @register_program(StableDiffusionXLPipeline, features=("adapters",))
 def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a StableDiffusionXLPipeline call in the caller's thread and return its step program."""
-    pid = plan_pid_exit(pipe, args, context)  # PiD early exit: the main model runs at 1/sr_scale of the size
-    if pid is not None:
-        if args["denoising_end"] is not None:
-            raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
-                             "decoder use pid_exit_step to choose where the main model stops")
-        args = {**args, "height": pid.main_height, "width": pid.main_width}
-    height = args["height"] or pipe.default_sample_size * pipe.vae_scale_factor
-    width = args["width"] or pipe.default_sample_size * pipe.vae_scale_factor
+    args, pid, height, width = plan_main_size(pipe, args, context)
+    if pid is not None and args["denoising_end"] is not None:
+        raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
+                         "decoder use pid_exit_step to choose where the main model stops")
     run_check_inputs(
         pipe, args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
         args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
@@ -221,7 +217,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
     latents = yield from unet_denoise(view, pipe, call, latents, timesteps, conditioning)
 
     # 3. Decode (batched with other requests' decodes of the same size).
-    if call.pid is not None:  # PiD early exit (programs/pid_exit.py): x_t and its sigma -> the requested size
+    if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
         positive = conditioning["prompt_embeds"][-call.num_images:]  # rows are [negative, positive] under CFG
         watermark = None if view.watermark is None else view.watermark.apply_watermark
         image = yield from pid_exit_decode(view, call.pid, args, latents, positive, finish=watermark)

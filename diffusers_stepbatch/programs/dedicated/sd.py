@@ -15,16 +15,16 @@ from diffusers import StableDiffusionPipeline
 from diffusers.pipelines.stable_diffusion.pipeline_output import StableDiffusionPipelineOutput
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
-from ..adapters.ip_adapter import bind_scale_setter, ip_image_embeds, plan_ip_adapter
-from ..adapters.state import text_lora_scale
-from ..engine.batch import WorkItem
-from ..models.row_kernels import row_kernels_of
-from ..module_scan import execution_device
-from .options import PlanContext
-from .pipeline_checks import run_check_inputs
-from .registry import PlannedRequest, register_program, request_pipeline
+from ...adapters.ip_adapter import bind_scale_setter, ip_image_embeds, plan_ip_adapter
+from ...adapters.state import text_lora_scale
+from ...engine.batch import WorkItem
+from ...module_scan import execution_device
+from ...models.row_kernels import row_kernels_of
+from ..options import PlanContext
+from ..checks.pipeline import run_check_inputs
+from ..registry import PlannedRequest, register_program, request_pipeline
 from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
-from .validation import as_list, check_latents
+from ..checks.values import as_list, check_latents
 
 
 @register_program(StableDiffusionPipeline, features=("adapters",))

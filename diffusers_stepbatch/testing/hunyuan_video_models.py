@@ -1,7 +1,7 @@
 """Tiny offline HunyuanVideo 1.5 pipelines (text and image to video), for tests and benchmarks.
 
 Built from configs, seeded, as diffusers' own fast tests build them, with local tokenizers: the character-level
-Qwen2 tokenizer of `testing.py` (with a short chat template and system message, so prompts stay a few dozen
+Qwen2 tokenizer of `testing.components` (with a short chat template and system message, so prompts stay a few dozen
 tokens) and ByT5's byte tokenizer. Heights and widths are multiples of 16 here, frame counts 2k + 1.
 
 >>> pipe = tiny_hunyuan_video15_pipeline()
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .testing import tiny_qwen2_tokenizer, tiny_t5_encoder
+from .components import tiny_qwen2_tokenizer, tiny_t5_encoder
 
 # NOTE: one line per message; the pipeline crops the system part (its tokens) off the encoder's output.
 _CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -131,22 +131,3 @@ def as_list(value: str | list[str] | None) -> list[str] | None:
     if value is None:
         return None
     return [value] if isinstance(value, str) else list(value)
-
-
-def freeze(value: Any) -> Any:
-    """A hashable stand-in for call options, for compatibility keys.
-
-    Dicts become sorted tuples; values that are not hashable (tensors, modules) are keyed by identity, so
-    only requests that pass the very same object share a batch.
-    """
-    if isinstance(value, dict):
-        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(freeze(v) for v in value)
-    try:
-        hash(value)
-    except TypeError:
-        return ("id", id(value))
-    if isinstance(value, torch.Tensor):
-        return ("id", id(value))
-    return value

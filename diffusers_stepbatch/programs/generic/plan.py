@@ -11,10 +11,7 @@ per model, not per request) or is driven by PAG (its attention processors are se
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
-import logging
 import queue
 import threading
 from collections.abc import Generator
@@ -22,30 +19,21 @@ from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
-from ..cache.prompt import PromptCache
-from ..engine.batch import WorkItem
-from ..engine.ownership import current_owner, run_for
-from ..engine.split_reasons import named_key
-from ..module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
-from .options import PlanContext
-from .pid_generic import plan_generic_pid_exit
-from .pipeline_checks import (
-    arguments_set_before_check,
-    check_logs_muted,
-    checks_input_images,
-    renamed_check_arguments,
-    run_check_inputs,
-)
-from .registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
-from ..adapters.state import NOT_GIVEN, AdapterState, request_adapters
-from ..models import support_for
+from ...cache.prompt import PromptCache
+from ...engine.batch import WorkItem
+from ...engine.ownership import current_owner, run_for
+from ...engine.split_reasons import named_key
+from ...module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
+from ..options import PlanContext
+from ..pid.generic import plan_generic_pid_exit
+from ..checks.generic_call import check_generic_call, num_steps, parameters_after_self
+from ..registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
+from ...adapters.state import NOT_GIVEN, AdapterState, request_adapters
+from ...models import support_for
 from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once, packed_attention_for
-from .request_state import active_view
-from .validation import as_list, check_generator, check_num_images_per_prompt, check_num_inference_steps
-
-logger = logging.getLogger(__name__)
+from ..request_state import active_view
+from ..checks.values import as_list, check_num_images_per_prompt
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unconditional_transformer", "unet", "prior", "decoder")
 ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
@@ -54,12 +42,12 @@ ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_enco
 @register_program(DiffusionPipeline, features=("adapters", "teacache"))
 def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate what can be validated in the caller's thread and return the fallback step program."""
-    pid = plan_generic_pid_exit(pipe, args, context)  # PiD early exit (pid_generic.py); None: VAE decode
+    pid = plan_generic_pid_exit(pipe, args, context)  # PiD early exit (pid/generic.py); None: VAE decode
     if pid is not None:
         args = pid.call_args  # at 1/sr_scale, stopped after step K, latent output
-    _check_call(pipe, args)
+    check_generic_call(pipe, args)
     positional, keywords = _call_arguments(pipe, args)
-    steps = _num_steps(args)
+    steps = num_steps(args)
     prompts = as_list(args["prompt"]) if isinstance(args.get("prompt"), (str, list)) else None
     images = (len(prompts) if prompts else 1) * check_num_images_per_prompt(args.get("num_images_per_prompt"))
     denoisers = _denoiser_names(pipe)
@@ -153,12 +141,6 @@ def _signature_keys(cls: type, owner: type, optional_components: tuple) -> tuple
     return cls._get_signature_keys(owner)  # NOTE: `optional_components` is in the cache key: the answer reads it
 
 
-@functools.cache
-def _parameters_after_self(function) -> tuple[inspect.Parameter, ...]:
-    """A method's parameters without `self`, read once per function (`__call__`, `check_inputs`)."""
-    return tuple(inspect.signature(function).parameters.values())[1:]
-
-
 def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
     """Rows per image: 2 under classifier-free guidance, as far as the call's arguments tell (an estimate)."""
     def above_one(name: str) -> bool:
@@ -171,88 +153,10 @@ def _guidance_branches(args: dict[str, Any], denoisers: list) -> int:
     return 2 if (above_one("guidance_scale") and not distilled) or (above_one("true_cfg_scale") and negative) else 1
 
 
-def _check_call(pipe, args: dict[str, Any]) -> None:
-    """The shared checks, the pipeline's own `check_inputs` where its arguments are plain call arguments, and its
-    image processor's check of each input image where its `__call__` runs one."""
-    if isinstance(args.get("callback_on_step_end"), (PipelineCallback, MultiPipelineCallbacks)):
-        args = {**args, "callback_on_step_end_tensor_inputs": args["callback_on_step_end"].tensor_inputs}
-    _num_steps(args)
-    per_prompt = check_num_images_per_prompt(args.get("num_images_per_prompt"))
-    if isinstance(args.get("prompt"), (str, list)):
-        check_generator(args.get("generator"), len(as_list(args["prompt"])) * per_prompt)
-    _check_inputs(pipe, args)
-    if args.get("image") is not None and checks_input_images(unhooked_class(pipe)):
-        # NOTE: after `check_inputs`, as `__call__` runs them; it checks each input image only once queued
-        for image in args["image"] if isinstance(args["image"], list) else [args["image"]]:
-            pipe.image_processor.check_image_input(image)
-
-
-def _check_inputs(pipe, args: dict[str, Any]) -> None:
-    """The pipeline's own `check_inputs` where its arguments are plain call arguments."""
-    check = getattr(pipe, "check_inputs", None)
-    if check is None or args.get("use_resolution_binning"):  # binning changes height and width before the check
-        return
-    values = {}
-    parameters = _parameters_after_self(check.__func__) if inspect.ismethod(check) else tuple(
-        inspect.signature(check).parameters.values())
-    renamed = renamed_check_arguments(unhooked_class(pipe))  # e.g. the check's `image` is the call's control image
-    wrapped, assigned = arguments_set_before_check(unhooked_class(pipe))
-    for parameter in parameters:
-        name = parameter.name
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        source = renamed.get(name, name)  # the call argument __call__ passes as this check parameter
-        if name in ("height", "width") and args.get(name) is None and source in assigned:
-            return  # the pipeline derives a default size first; it checks again itself
-        if source in args:
-            single = wrapped.get(source)  # `if isinstance(image, PIL.Image.Image): image = [image]` before the check
-            values[name] = [args[source]] if single is not None and isinstance(args[source], single) else args[source]
-        elif name == "callback_steps":  # NOTE: SD-era checks still require it; their __call__ passes None
-            values[name] = None
-        elif parameter.default is parameter.empty:
-            return  # an argument __call__ computes: leave the check to the pipeline
-    if "control_guidance_start" in values and "control_guidance_end" in values:
-        values.update(_aligned_control_guidance(pipe, values["control_guidance_start"], values["control_guidance_end"]))
-    try:
-        with check_logs_muted(pipe):  # the request's own __call__ checks again, and logs then
-            run_check_inputs(pipe, **values)
-    except ValueError:
-        with contextlib.suppress(Exception):  # its __call__ won't run: what the failing check logs, logged once
-            pipe.check_inputs(**values)
-        raise
-    except Exception as exc:  # our mapping doesn't fit this pipeline; its own __call__ still checks
-        logger.debug("skipped %s.check_inputs in the caller: %r", type(pipe).__name__, exc)
-
-
-def _aligned_control_guidance(pipe, start: Any, end: Any) -> dict[str, Any]:
-    """The ControlNet guidance window as ControlNet pipelines' `__call__` hands it to their check: a scalar repeated
-    to the other's length, or both once per ControlNet."""
-    if not isinstance(start, list) and isinstance(end, list):
-        start = len(end) * [start]
-    elif not isinstance(end, list) and isinstance(start, list):
-        end = len(start) * [end]
-    elif not isinstance(start, list):
-        controlnet = getattr(pipe, "controlnet", None)
-        controlnet = getattr(controlnet, "_orig_mod", controlnet)  # a compiled model
-        nets = getattr(controlnet, "nets", None)
-        count = len(nets) if isinstance(nets, (list, torch.nn.ModuleList)) else 1
-        start, end = count * [start], count * [end]
-    return {"control_guidance_start": start, "control_guidance_end": end}
-
-
-def _num_steps(args: dict[str, Any]) -> int:
-    for name in ("timesteps", "sigmas"):
-        if args.get(name) is not None:
-            return check_num_inference_steps(None, args[name])
-    if args.get("num_inference_steps") is None:
-        return 1
-    return check_num_inference_steps(args["num_inference_steps"])
-
-
 def _call_arguments(pipe, args: dict[str, Any]) -> tuple[list, dict]:
     """The bound call arguments (as the wrapper binds them) back into positional and keyword arguments."""
     positional, keywords = [], {}
-    for parameter in _parameters_after_self(unhooked_class(pipe).__call__):
+    for parameter in parameters_after_self(unhooked_class(pipe).__call__):
         if parameter.name not in args:
             continue
         value = args[parameter.name]

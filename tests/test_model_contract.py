@@ -1,0 +1,188 @@
+"""The model layer's contract, for every registered model with a packed forward, a TeaCache forward or LoRA rows:
+packed calls of several sizes equal the model's forward per call, the TeaCache forward at threshold 0 equals the
+model's forward (at a first step and at a later one), and a call under per-row LoRA equals each row run alone with
+its own adapters set on the model. The calls are those real tiny pipelines make (two sizes, two rows each)."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from diffusers_stepbatch import models
+from diffusers_stepbatch.adapters.lora import per_row_lora
+from diffusers_stepbatch.cache.teacache import TeaCacheState
+from diffusers_stepbatch.models.calls import ModelCall, cut, describe_call, fill, run_call, slice_rows
+from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_pipeline, tiny_qwenimage_pipeline
+from diffusers_stepbatch.testing import tiny_sd3_pipeline, tiny_sd_pipeline
+from diffusers_stepbatch.testing.hunyuan_video_models import tiny_hunyuan_video15_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_qwenimage21_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, tiny_ltx2_pipeline
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
+
+from .references import TOLERANCE, max_diff, single_thread  # noqa: F401  (single_thread is a fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+PACKED_TOLERANCE = 1e-5  # packed and TeaCache forwards reorder a few sums against the model's own forward
+TWO = dict(prompt=["a red cat", "a much longer blue dog"])
+
+# model module -> (tiny pipeline builder, the call arguments of each size); each call holds two rows or more
+CASES = {
+    "flux": (functools.partial(tiny_flux_pipeline, guidance_embeds=True),
+             [dict(TWO, height=32, width=32, max_sequence_length=16),
+              dict(TWO, height=32, width=64, max_sequence_length=16)]),
+    "flux2": (tiny_flux2_klein_pipeline,
+              [dict(TWO, height=32, width=32, max_sequence_length=16, text_encoder_out_layers=(1,)),
+               dict(TWO, height=64, width=32, max_sequence_length=16, text_encoder_out_layers=(1,))]),
+    "qwenimage": (tiny_qwenimage_pipeline, [dict(TWO, height=32, width=32), dict(TWO, height=32, width=64)]),
+    "qwenimage21": (tiny_qwenimage21_pipeline,
+                    [dict(TWO, height=64, width=64, output_resolution=64, use_kv_cache=False),
+                     dict(TWO, height=64, width=96, output_resolution=64, use_kv_cache=False)]),
+    "sd3": (tiny_sd3_pipeline, [dict(TWO, height=32, width=32), dict(TWO, height=32, width=64)]),
+    "unet": (tiny_sd_pipeline, [dict(TWO, height=32, width=32), dict(TWO, height=32, width=64)]),
+    "z_image": (tiny_z_image_pipeline, [dict(TWO, height=32, width=32, max_sequence_length=16),
+                                        dict(TWO, height=32, width=64, max_sequence_length=16)]),
+    "wan": (tiny_wan_pipeline, [dict(TWO, height=16, width=16, num_frames=5),
+                                dict(TWO, height=16, width=32, num_frames=5)]),
+    "ltx2": (tiny_ltx2_pipeline, [dict(LTX2_PLAIN, **TWO, height=32, width=32, num_frames=9, frame_rate=25.0),
+                                  dict(LTX2_PLAIN, **TWO, height=32, width=64, num_frames=9, frame_rate=25.0)]),
+    "hunyuan_video15": (functools.partial(tiny_hunyuan_video15_pipeline, guidance_scale=3.0),
+                        # NOTE: its pipeline makes one video per call: two runs' calls are joined into one
+                        [dict(prompt=("a red cat", "a much longer blue dog"), height=16, width=16, num_frames=5),
+                         dict(prompt=("a red cat", "a much longer blue dog"), height=16, width=32, num_frames=5)]),
+}
+
+
+def _with_contract(feature) -> list[str]:
+    return sorted({module for cls, module in models.registered_models().items() if feature(models._SUPPORT[cls])})
+
+
+PACKING = _with_contract(lambda support: support.packing is not None)
+TEACACHE = _with_contract(lambda support: support.teacache_forward is not None)
+LORA_ROWS = _with_contract(lambda support: support.lora_rows)
+
+
+def test_every_model_module_registers_a_class():
+    registered = set(models.registered_models().values())
+    assert [module for module in models.model_modules() if module not in registered] == []
+
+
+def test_every_model_with_a_contract_has_a_case():
+    assert set(PACKING + TEACACHE + LORA_ROWS) <= set(CASES), set(PACKING + TEACACHE + LORA_ROWS) - set(CASES)
+
+
+@functools.lru_cache(maxsize=None)
+def pipe_of(module: str):
+    return CASES[module][0]()
+
+
+def calls_of(pipe, module: str) -> list[ModelCall]:
+    """The first denoiser call of a one-step plain run at each size, described as rows (a tuple of prompts: one
+    run per prompt, their calls joined)."""
+    calls = []
+    for size in CASES[module][1]:
+        prompts = size["prompt"] if isinstance(size["prompt"], tuple) else (size["prompt"],)
+        calls.append(joined([first_call(pipe, dict(size, prompt=prompt)) for prompt in prompts]))
+    assert all(call.rows >= 2 for call in calls), [call.rows for call in calls]
+    return calls
+
+
+def first_call(pipe, kwargs: dict) -> ModelCall:
+    model, seen = denoiser(pipe), []
+    handle = model.register_forward_pre_hook(lambda _m, args, kw: seen.append((args, dict(kw))), with_kwargs=True)
+    try:
+        pipe(num_inference_steps=1, output_type="pt", generator=torch.Generator().manual_seed(0), **kwargs)
+    finally:
+        handle.remove()
+    return describe_call(model, *seen[0])
+
+
+def joined(calls: list[ModelCall]) -> ModelCall:
+    """One call of all the calls' rows."""
+    if len(calls) == 1:
+        return calls[0]
+    parts = list(zip(*(call.row_inputs for call in calls)))
+    row_inputs = [sum(part, []) if isinstance(part[0], list) else torch.cat(part) for part in parts]
+    return dataclasses.replace(calls[0], row_inputs=row_inputs, rows=sum(call.rows for call in calls))
+
+
+def by_name(call: ModelCall) -> dict:
+    """The call's arguments by name, as the engine hands them to a packed or TeaCache forward."""
+    return fill(call.template, rows_of(call))
+
+
+def rows_of(call: ModelCall) -> dict:
+    return {f"row{i}": value for i, value in enumerate(call.row_inputs)}
+
+
+def denoiser(pipe):
+    return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
+
+
+def first_tensor(output):
+    while not isinstance(output, torch.Tensor):
+        output = output[0] if isinstance(output, (tuple, list)) else output.sample
+    return output
+
+
+@pytest.mark.parametrize("module", PACKING)
+def test_packed_calls_equal_the_model_forward_per_call(module):
+    pipe = pipe_of(module)
+    model, calls = denoiser(pipe), calls_of(pipe, module)
+    packing = models.support_for(model).packing
+    assert packing.unsupported(model) is None
+    keys = [packing.key(by_name(call)) for call in calls]
+    assert None not in keys and keys[0][0] == keys[1][0], keys  # the two sizes pack together
+    with torch.no_grad():
+        packed = packing.run(model, [by_name(call) for call in calls], "auto", [None] * len(calls))
+        own = [first_tensor(run_call(model, call, rows_of(call))) for call in calls]
+    for got, want in zip(packed, own):
+        assert first_tensor(got).shape == want.shape
+        assert max_diff(first_tensor(got), want) <= PACKED_TOLERANCE
+    assert min(float(out.abs().mean()) for out in own) > 1e-3  # a mix-up of rows would show
+
+
+@pytest.mark.parametrize("module", TEACACHE)
+def test_teacache_at_threshold_zero_equals_the_model_forward(module):
+    pipe = pipe_of(module)
+    model, (call, _) = denoiser(pipe), calls_of(pipe, module)
+    support = models.support_for(model)
+    states = [TeaCacheState(0.0, support.teacache_coefficients, num_steps=10) for _ in range(call.rows)]
+    with torch.no_grad():
+        want = first_tensor(run_call(model, call, rows_of(call)))
+        for step in (0, 1):  # a first step computes by rule; a later one computes as the threshold never skips
+            for state in states:
+                state.step = step
+            got = support.teacache_forward(model, states, by_name(call))
+            assert got is not None
+            assert max_diff(first_tensor(got), want) <= PACKED_TOLERANCE, step
+    assert {(state.computed_steps, state.skipped_steps) for state in states} == {(2, 0)}
+
+
+# adapters {name: weight} of a call's rows, in turn
+ROW_ADAPTERS = [{"a": 1.0}, {"b": 0.5, "c": 1.0}, {}, {"a": 0.3, "b": 1.0}]
+
+
+@pytest.mark.parametrize("module", LORA_ROWS)
+def test_lora_rows_apply_per_row(module):
+    pipe = CASES[module][0]()  # NOTE: a pipeline of its own: the adapters stay on its model
+    model, (call, _) = denoiser(pipe), calls_of(pipe, module)
+    add_random_lora_adapters(model)
+    support, rows = models.support_for(model), rows_of(call)
+    adapters = [ROW_ADAPTERS[row % len(ROW_ADAPTERS)] for row in range(call.rows)]
+    token_rows = support.lora_token_rows(by_name(call)) if support.lora_token_rows is not None else None
+    with torch.no_grad():
+        with per_row_lora(model, adapters, token_rows):
+            together = support.lora_forward(model, by_name(call)) if support.lora_forward is not None else None
+            together = run_call(model, call, rows) if together is None else together
+        for row, row_adapters in enumerate(adapters):
+            model.enable_lora() if row_adapters else model.disable_lora()
+            model.set_adapters(list(row_adapters) or ["a"], list(row_adapters.values()) or [1.0])
+            alone = first_tensor(run_call(model, call, slice_rows(rows, row, row + 1)))
+            got = first_tensor(cut(together, row, row + 1, call.rows, support))
+            assert max_diff(got, alone) <= TOLERANCE, (row, row_adapters)
+        model.disable_lora()
+        base = first_tensor(run_call(model, call, slice_rows(rows, 0, 1)))
+        model.enable_lora()
+    assert max_diff(base, first_tensor(cut(together, 0, 1, call.rows, support))) > 1e-3  # the adapters tell
