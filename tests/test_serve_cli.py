@@ -90,7 +90,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits():
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     process = subprocess.Popen(
         [sys.executable, "-m", "diffusers_stepbatch.serve", "--port", str(port), "--shutdown-timeout", "10",
-         "--no-access-log", "--log-level", "warning"],
+         "--no-access-log", "--log-level", "warning", "--max-steps", "100000"],  # NOTE: lets "endless" in
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def healthy():
@@ -168,14 +168,17 @@ def test_load_model_builds_the_engine_the_flags_describe():
 
 
 def test_load_model_from_a_local_folder(tmp_path):
-    """`--model PATH`: any saved diffusers pipeline through DiffusionPipeline.from_pretrained, offline."""
+    """`--model PATH`: any saved diffusers pipeline through DiffusionPipeline.from_pretrained, offline; without
+    `guidance_embeds`, a FluxPipeline folder gets FLUX.1 schnell's preset."""
     from diffusers_stepbatch.serve import ServeConfig, load_model
     from diffusers_stepbatch.testing import tiny_flux_pipeline
 
     tiny_flux_pipeline().save_pretrained(tmp_path)
     model = load_model(ServeConfig(model=str(tmp_path)))
     try:
-        assert model.name == str(tmp_path) and model.call_defaults == {}
+        assert model.name == str(tmp_path) and model.preset == "black-forest-labs/FLUX.1-schnell"
+        assert model.call_defaults == {"height": 1024, "width": 1024, "num_inference_steps": 4,
+                                       "guidance_scale": 0.0, "max_sequence_length": 256}
         assert type(model.sb.pipe).__name__ == "FluxPipeline"
         image = model.sb("a cat", height=32, width=32, num_inference_steps=2, max_sequence_length=16).images[0]
         assert image.size == (32, 32)

@@ -23,6 +23,7 @@ from .limits import BodyLimitMiddleware
 from .metrics import HTTPMetrics, MetricsMiddleware, ReplicaHeaderMiddleware
 from .model import ServingModel, load_model
 from .protocol import APIError
+from .request_id import RequestIdMiddleware
 from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
 from .video_routes import page_router as video_page_router
@@ -93,7 +94,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
                              (StarletteHTTPException, http_error)):
         app.add_exception_handler(handled, handler)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=server.http_metrics)  # NOTE: outermost: counts the 413s too
+    app.add_middleware(MetricsMiddleware, metrics=server.http_metrics)  # NOTE: counts the 413s too
+    app.add_middleware(RequestIdMiddleware)  # NOTE: outside the rest: every answer (500s too) carries the id
     if replica is not None:
         app.add_middleware(ReplicaHeaderMiddleware, replica=replica)
     return app

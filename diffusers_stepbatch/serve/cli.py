@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
+import json
 import sys
 from typing import Any
 
 from .config import API_KEY_ENV, DTYPES, ServeConfig
+from .request_id import configure_logging
 
 
 def _number(text: str) -> int | float:
     return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def call_default(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` -> (key, value): VALUE read as JSON (`8`, `3.5`, `true`), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. num_inference_steps=8")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,6 +71,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--max-video-frames", type=int, default=defaults.max_video_frames, help="most frames in one video")
     add("--video-preview-every", type=int, default=defaults.video_preview_every,
         help="a preview every this many steps on a video job's events (0: about ten per job)")
+    presets = parser.add_argument_group("presets, call defaults, limits and logs")
+    presets.add_argument("--preset", default=defaults.preset,
+                         help="'auto': the model card's call defaults (docs/reference/presets.md), 'none', or a Hub id")
+    presets.add_argument("--call-default", action="append", default=[], type=call_default, dest="call_defaults",
+                         metavar="KEY=VALUE", help="a pipeline argument every request gets unless it sets it "
+                         "(over the preset's; VALUE is JSON, else a string); repeatable")
+    presets.add_argument("--max-steps", type=int, default=None, help="the most num_inference_steps a request may "
+                         "ask for (default: the preset's, else the scheduler's num_train_timesteps)")
+    presets.add_argument("--log-format", default="text", choices=("text", "json"),
+                         help="log lines as text or one JSON object each (both name the request id)")
     add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add("--access-log", action=argparse.BooleanOptionalAction, default=True)
@@ -68,6 +90,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     names = {field.name for field in dataclasses.fields(ServeConfig)}
     values = {name: value for name, value in vars(args).items() if name in names}
+    values["call_defaults"] = dict(values.get("call_defaults") or ())
     if values.get("max_queue") == 0:
         values["max_queue"] = None
     return ServeConfig(**values)
@@ -86,8 +109,9 @@ def run(config: ServeConfig, *, log_level: str = "info", access_log: bool = True
             app.state.server_state.begin_shutdown()  # NOTE: before uvicorn stops reading: late requests get 503
             super().handle_exit(sig, frame)
 
+    # NOTE: log_config=None: uvicorn's loggers go through the root handler (request ids, --log-format)
     server = GracefulServer(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=log_level, access_log=access_log,
+        app, host=config.host, port=config.port, log_level=log_level, access_log=access_log, log_config=None,
         timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on"))
     server.run(sockets=sockets)
 
@@ -95,7 +119,7 @@ def run(config: ServeConfig, *, log_level: str = "info", access_log: bool = True
 def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_stepbatch.serve") -> None:
     parser = add_serve_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as exc:

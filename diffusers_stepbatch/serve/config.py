@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 API_KEY_ENV = "DIFFUSERS_STEPBATCH_API_KEY"
 TOY_MODEL = "toy"
@@ -32,6 +33,8 @@ class ServeConfig:
         video_dir, video_retention_s, max_video_jobs: where video jobs keep their files (None: a temporary
             folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
             frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
+        preset, call_defaults, max_steps: docs/reference/presets.md ("auto", "none" or a Hub id), over it
+            (`--call-default`), the step cap (None: the preset's, else the scheduler's `num_train_timesteps`).
     """
 
     model: str = TOY_MODEL
@@ -67,6 +70,9 @@ class ServeConfig:
     video_fps: int = 16
     max_video_frames: int = 257
     video_preview_every: int = 0
+    preset: str = "auto"
+    call_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_steps: int | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -85,6 +91,8 @@ class ServeConfig:
                      "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 1")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         elif self.api_key == "":

@@ -18,6 +18,7 @@ from typing import Any
 import PIL.Image
 
 from .encoding import encode_image, preview_image, size_of
+from .extra_fields import extra_arguments
 from .model import ServingModel
 from .protocol import ImageEditRequest, ImageOptions, bad_request, check_request, parse_size
 
@@ -167,6 +168,8 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
             raise bad_request(f"{name}={value!r} is not an argument of {pipe_name}; leave it out", name,
                               code="unsupported_parameter")
         kwargs[name] = value
+    kwargs.update(extra_arguments(body.model_extra, type(sb.pipe), set(type(body).model_fields)))
+    check_steps(model, kwargs.get("num_inference_steps"))
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     import torch
 
@@ -178,6 +181,14 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
         compression=body.output_compression, partial_images=body.partial_images or 0, seed=seed, user=body.user,
         stream=body.stream,
     )
+
+
+def check_steps(model: ServingModel, steps: Any) -> None:
+    """A 400 for more steps than the server's cap (`--max-steps`, the preset's), before queueing (fewer than 1
+    is the pipeline's own check)."""
+    if isinstance(steps, int) and steps > model.max_steps:
+        raise bad_request(f"num_inference_steps={steps}: this server runs at most {model.max_steps} steps "
+                          f"(--max-steps)", "num_inference_steps", code="invalid_value")
 
 
 def _default(sb: Any, argument: str) -> Any:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import TINY_VIDEO_MODELS, TOY_MODEL, ServeConfig
+from .presets import DEFAULT_MAX_STEPS, ModelPreset, find_preset, preset_named
+from .size_limits import model_sizes
 from .sizes import SizeRange
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,7 @@ class ServingModel:
         edits: task ("inpaint", "reference", "img2img") -> the sibling engine serving those edits.
         generic_twin: `sb`'s pipeline under the generic program, where generations go while edits run, so that
             they share forwards (the same images either way).
+        max_steps: the most `num_inference_steps` a request may ask for; preset: the Hub id of the preset in force.
     """
 
     sb: Any
@@ -36,6 +39,8 @@ class ServingModel:
     sizes: SizeRange | None = None
     edits: dict[str, Any] = field(default_factory=dict)
     generic_twin: Any = None
+    max_steps: int = DEFAULT_MAX_STEPS
+    preset: str | None = None
 
     def __post_init__(self):
         self.parameters = frozenset(inspect.signature(type(self.sb.pipe).__call__).parameters)
@@ -86,7 +91,12 @@ class ServingModel:
         width, height = self.default_size
         return {"pipeline": type(self.sb.pipe).__name__, "kind": "image", "default_size": f"{width}x{height}",
                 "sizes": None if self.sizes is None else self.sizes.card(),
-                "edits": {task: type(sb.pipe).__name__ for task, sb in self.edits.items()}}
+                "edits": {task: type(sb.pipe).__name__ for task, sb in self.edits.items()}, **self.defaults_card()}
+
+    def defaults_card(self) -> dict[str, Any]:
+        """The call defaults in force, the step cap and the preset they come from (`/v1/models`)."""
+        defaults = {k: v for k, v in self.call_defaults.items() if self.accepts(k)}
+        return {"call_defaults": defaults, "max_steps": self.max_steps, "preset": self.preset}
 
     def close(self) -> None:
         self.sb.close()
@@ -121,15 +131,28 @@ def load_model(config: ServeConfig) -> ServingModel:
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(config.model, dtype=dtype).to(config.device)
-    return serve_pipeline(pipe, config)
+    return serve_pipeline(pipe, config, preset=preset_of(config, pipe))
+
+
+def preset_of(config: ServeConfig, pipe: Any) -> ModelPreset | None:
+    """`config.preset`: "auto" (found by the model id or folder), "none", or a known Hub id."""
+    if config.preset == "none":
+        return None
+    return find_preset(config.model, pipe) if config.preset == "auto" else preset_named(config.preset)
 
 
 def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, Any] | None = None,
-                   sizes: SizeRange | None = None) -> ServingModel:
+                   sizes: SizeRange | None = None, preset: ModelPreset | None = None) -> ServingModel:
     """A pipeline already built as a server's model (its engine as `config` says, with its edit pipelines).
+
+    Call defaults, lowest first: `preset`'s, `call_defaults`, `config.call_defaults` (`--call-default`); a
+    request's own values win over all. Without `sizes`, an image model serves the sizes `preset` and its own
+    position embeddings allow.
 
     >>> app = create_app(config, model=serve_pipeline(pipe, config, call_defaults={"num_inference_steps": 8}))"""
     import time
+
+    defaults = {**(preset.call_defaults if preset else {}), **(call_defaults or {}), **config.call_defaults}
 
     from ..cache.teacache import TeaCacheConfig
     from ..wrapper import StepBatched
@@ -147,7 +170,18 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
     video = "num_frames" in inspect.signature(type(pipe).__call__).parameters
     edits = edit_pipelines(sb) if config.edits and not video else {}
     twin = generic_twin(sb) if edits and config.teacache is None and config.decoder is None else None
-    logger.info("serving %s as %r: %r; edits: %s", type(pipe).__name__, config.model_name, sb,
-                sorted(edits) or "none")
-    return ServingModel(sb=sb, name=config.model_name, call_defaults=dict(call_defaults or {}),
-                        created=int(time.time()), sizes=sizes, edits=edits, generic_twin=twin)
+    if sizes is None and not video:
+        fallback = getattr(pipe, "default_sample_size", 64) * getattr(pipe, "vae_scale_factor", 8)
+        default = (defaults.get("width", fallback), defaults.get("height", fallback))
+        sizes = model_sizes(pipe, default, **({} if preset is None else {
+            "min_side": preset.min_side, "max_side": preset.max_side, "max_aspect": preset.max_aspect}))
+        if not sizes.accepts(*default):  # NOTE: a preset's size beyond a smaller local model: its closest
+            defaults["width"], defaults["height"] = sizes.nearest(*default)
+    # NOTE: without a preset, the scheduler's training timesteps: more steps than those repeat timesteps
+    trained = getattr(getattr(pipe, "scheduler", None), "config", {}).get("num_train_timesteps") or DEFAULT_MAX_STEPS
+    max_steps = config.max_steps or (preset.max_steps if preset else int(trained))
+    logger.info("serving %s as %r: %r; edits: %s; preset: %s; call defaults: %s", type(pipe).__name__,
+                config.model_name, sb, sorted(edits) or "none", preset.hub_id if preset else "none", defaults)
+    return ServingModel(sb=sb, name=config.model_name, call_defaults=defaults, created=int(time.time()),
+                        sizes=sizes, edits=edits, generic_twin=twin, max_steps=max_steps,
+                        preset=preset.hub_id if preset else None)

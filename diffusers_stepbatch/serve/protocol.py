@@ -18,13 +18,15 @@ class APIError(Exception):
     """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+        self.extra = extra or {}  # more fields of the error object (a 500's `request_id`)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
 
 def bad_request(message: str, param: str | None, code: str = "invalid_value") -> APIError:
@@ -45,9 +47,10 @@ class ErrorResponse(BaseModel):
 
 
 class ImageOptions(BaseModel):
-    """The fields generations and edits share."""
+    """The fields generations and edits share. Another field must be an argument of the pipeline's `__call__`
+    (it is passed on) or the request is a 400 (`extra_fields.extra_arguments`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     prompt: str = Field(description="What to draw (at most the server's --max-prompt-chars characters)")
     model: str | None = Field(None, description="The served model's name; another is a 404")
@@ -58,6 +61,8 @@ class ImageOptions(BaseModel):
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
     quality: str | None = Field(None, description="Accepted and ignored")
     background: str | None = Field(None, description="Accepted and ignored")
+    moderation: str | None = Field(None, description="Accepted and ignored")
+    style: str | None = Field(None, description="Accepted and ignored")
     user: str | None = Field(None, description="An end-user id; the web page's live panel names requests by it")
     stream: bool = Field(False, description="Server-sent image_generation.* / image_edit.* events")
     partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES, description="Partial images to stream")
@@ -71,7 +76,7 @@ class ImageOptions(BaseModel):
 
 
 class ImageGenerationRequest(ImageOptions):
-    """`POST /v1/images/generations`. Unknown fields are ignored, as OpenAI's server does for other models'."""
+    """`POST /v1/images/generations`."""
 
 
 class ImageReference(BaseModel):

@@ -15,6 +15,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .config import ServeConfig
+from .extra_fields import extra_arguments
+from .generation import check_steps
 from .model import ServingModel
 from .protocol import ImageReference, bad_request, parse_size
 
@@ -28,9 +30,10 @@ _EXTRA_ARGUMENTS = ("negative_prompt", "num_inference_steps", "guidance_scale", 
 
 class VideoCreateRequest(BaseModel):
     """`POST /v1/videos`: a multipart form (OpenAI's client sends one; `input_reference` a file) or this JSON
-    (`input_reference` an image reference). Unknown fields are ignored."""
+    (`input_reference` an image reference). Another field must be an argument of the pipeline's `__call__`
+    (passed on), else a 400."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     prompt: str = Field(description="What the video shows (at most the server's --max-prompt-chars characters)")
     model: str | None = Field(None, description="The served model's name; another is a 404")
@@ -107,6 +110,8 @@ def plan_video(model: ServingModel, body: VideoCreateRequest, image: Any, config
             raise bad_request(f"{name}={value!r} is not an argument of {pipe_name}; leave it out", name,
                               code="unsupported_parameter")
         kwargs[name] = value
+    kwargs.update(extra_arguments(body.model_extra, type(model.sb.pipe), set(VideoCreateRequest.model_fields)))
+    check_steps(model, kwargs.get("num_inference_steps"))
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     import torch
 
