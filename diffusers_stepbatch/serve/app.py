@@ -24,6 +24,7 @@ from .metrics import HTTPMetrics, MetricsMiddleware, ReplicaHeaderMiddleware
 from .model import ServingModel, load_model
 from .protocol import APIError
 from .request_id import RequestIdMiddleware
+from .request_metrics import RequestMetrics, register_gauges
 from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
 from .video_routes import page_router as video_page_router
@@ -50,6 +51,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     registry = CollectorRegistry()
     server = ServerContext(config=config, state=ServerState(), registry=registry, http_metrics=HTTPMetrics(registry))
     state = server.state
+    server.request_metrics = RequestMetrics(registry)
+    register_gauges(registry, lambda: state.model, lambda: server.videos)
 
     def attach(loaded: ServingModel) -> None:
         loaded.sb.register_prometheus(registry)

@@ -98,6 +98,11 @@ class ServingModel:
         defaults = {k: v for k, v in self.call_defaults.items() if self.accepts(k)}
         return {"call_defaults": defaults, "max_steps": self.max_steps, "preset": self.preset}
 
+    def engine_alive(self) -> bool:
+        """False once the engine's thread has died (`_thread` is None until the first request)."""
+        engine = self.sb.engine
+        return getattr(engine, "_thread", None) is None or engine.is_alive
+
     def close(self) -> None:
         self.sb.close()
 
@@ -145,9 +150,8 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
                    sizes: SizeRange | None = None, preset: ModelPreset | None = None) -> ServingModel:
     """A pipeline already built as a server's model (its engine as `config` says, with its edit pipelines).
 
-    Call defaults, lowest first: `preset`'s, `call_defaults`, `config.call_defaults` (`--call-default`); a
-    request's own values win over all. Without `sizes`, an image model serves the sizes `preset` and its own
-    position embeddings allow.
+    Call defaults, lowest first: `preset`'s, `call_defaults`, `config.call_defaults`, a request's own. Without
+    `sizes`: those `preset` and the model's position embeddings allow.
 
     >>> app = create_app(config, model=serve_pipeline(pipe, config, call_defaults={"num_inference_steps": 8}))"""
     import time

@@ -89,13 +89,31 @@ async def web_script() -> Response:
 
 @router.get("/health", responses={503: _ERRORS[503]})
 async def health(request: Request) -> JSONResponse:
-    """200 `{"status": "ok"}` once the model is loaded; 503 while loading, after a failed load, when stopping."""
+    """200 `{"status": "ok"}` once the model is loaded and its engine runs; 503 while loading, after a failed
+    load, when stopping, and once the engine thread has died (`"engine_dead"`)."""
+    return _probe(request, "ready")
+
+
+@router.get("/ready", responses={503: _ERRORS[503]})
+async def ready(request: Request) -> JSONResponse:
+    """Readiness (send traffic here): 200 as `/health`."""
+    return _probe(request, "ready")
+
+
+@router.get("/live", responses={503: _ERRORS[503]})
+async def live(request: Request) -> JSONResponse:
+    """Liveness (restart when 503): 200 while loading, ready or stopping; 503 after a failed load or once the
+    engine thread has died."""
+    return _probe(request, "live")
+
+
+def _probe(request: Request, kind: str) -> JSONResponse:
     server = server_of(request)
-    state = server.state
-    body = {"status": "ok" if state.phase == "ready" else state.phase, "model": server.config.model_name}
-    if state.error:
-        body["error"] = state.error
-    return JSONResponse(body, status_code=200 if state.phase == "ready" else 503)
+    status, is_live, is_ready = server.condition()
+    body = {"status": status, "model": server.config.model_name}
+    if server.state.error:
+        body["error"] = server.state.error
+    return JSONResponse(body, status_code=200 if (is_ready if kind == "ready" else is_live) else 503)
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
@@ -215,11 +233,15 @@ async def _answer(server: ServerContext, generation: Generation, request: Reques
     watch = DisconnectWatch(request.receive)
     entry = server.live.start(generation)
     server.http_metrics.generations.inc()
+    started = time.perf_counter()
 
     def end(status: str) -> None:
         watch.close()
         server.http_metrics.generations.dec()
         server.live.finish(entry, status)
+        if status == "done":
+            endpoint = "edits" if generation.kind == "edit" else "generations"
+            server.request_metrics.observe(generation.sb, generation.request_ids, endpoint, served.name, started)
         if on_end is not None:
             on_end()
 

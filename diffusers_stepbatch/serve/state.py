@@ -35,14 +35,24 @@ class ServerContext:
     http_metrics: HTTPMetrics
     live: LiveRequests = field(default_factory=LiveRequests)
     videos: Any = None  # the video jobs (`video_jobs.VideoJobs`), made by the first videos request
+    request_metrics: Any = None  # `request_metrics.RequestMetrics`: per-request histograms
+
+    def condition(self) -> tuple[str, bool, bool]:
+        """(status, live, ready): "ok" once loaded and the engine thread runs; "engine_dead" once it died."""
+        state = self.state
+        if state.phase == "ready" and state.model is not None and not state.model.engine_alive():
+            return "engine_dead", False, False
+        return ("ok" if state.phase == "ready" else state.phase), state.phase != "failed", state.phase == "ready"
 
     def ready_model(self, requested: str | None) -> ServingModel:
         """The served model, or a 503 (not ready) / 404 (another model's name)."""
         state, config = self.state, self.config
-        if state.phase != "ready" or state.model is None:
+        status, _, ready = self.condition()
+        if not ready or state.model is None:
             reason = {"loading": "the model is still loading", "stopping": "the server is shutting down",
-                      "failed": f"the model failed to load ({state.error})"}.get(state.phase, state.phase)
-            raise APIError(503, f"{reason}; retry later", type="server_error", code=f"server_{state.phase}",
+                      "failed": f"the model failed to load ({state.error})",
+                      "engine_dead": "the engine stopped"}.get(status, status)
+            raise APIError(503, f"{reason}; retry later", type="server_error", code=f"server_{status}",
                            headers={"Retry-After": str(max(1, config.retry_after_s))})
         if requested is not None and requested != state.model.name:
             raise APIError(404, f"model={requested!r} does not exist; this server serves {state.model.name!r}",
