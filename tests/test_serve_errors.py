@@ -113,7 +113,8 @@ def test_a_pipeline_value_error_after_queueing_is_a_400(folder):
 
 
 @pytest.mark.parametrize("field,suggestion", [("num_inference_step", "num_inference_steps"),
-                                              ("guidance", "guidance_scale"), ("lora", None)])
+                                              ("guidance", "guidance_scale"), ("loras", "lora"),
+                                              ("seeds", "seed")])
 def test_an_unknown_field_is_a_400_naming_it(served, client, field, suggestion):
     before = finished(served[1])
     with pytest.raises(openai.BadRequestError) as caught:
@@ -161,3 +162,9 @@ def test_outside_the_advertised_range_is_a_400_before_queueing(served, client, e
     error = caught.value.body
     assert caught.value.status_code == 400 and error["param"] == param, error
     assert finished(served[1]) == before
+
+
+def test_lora_on_a_server_without_adapters_is_a_400(served, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.images.generate(model="tiny-z", prompt="a cat", extra_body={"lora": {"pixel": 1.0}})
+    assert caught.value.body["code"] == "lora_not_found" and "--lora-modules" in caught.value.body["message"]

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from .config import API_KEY_ENV, DTYPES, ServeConfig
+from .lora_adapters import parse_lora_modules
 from .request_id import configure_logging
 
 
@@ -79,6 +80,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                          "(over the preset's; VALUE is JSON, else a string); repeatable")
     presets.add_argument("--max-steps", type=int, default=None, help="the most num_inference_steps a request may "
                          "ask for (default: the preset's, else the scheduler's num_train_timesteps)")
+    presets.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH_OR_ID",
+                         help="LoRA adapters loaded at startup (a folder, a .safetensors file or a Hub id); "
+                         "requests pick them with \"lora\": {NAME: weight}")
+    presets.add_argument("--lora-dir", default=None, help="a folder of LoRA adapters (NAME/ or NAME.safetensors), "
+                         "each loaded on first use")
+    presets.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                         help="--lora-dir adapters kept loaded at once (least recently used first out)")
     presets.add_argument("--log-format", default="text", choices=("text", "json"),
                          help="log lines as text or one JSON object each (both name the request id)")
     add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
@@ -91,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     names = {field.name for field in dataclasses.fields(ServeConfig)}
     values = {name: value for name, value in vars(args).items() if name in names}
     values["call_defaults"] = dict(values.get("call_defaults") or ())
+    values["lora_modules"] = parse_lora_modules(values.get("lora_modules") or [])
     if values.get("max_queue") == 0:
         values["max_queue"] = None
     return ServeConfig(**values)
@@ -119,11 +128,11 @@ def run(config: ServeConfig, *, log_level: str = "info", access_log: bool = True
 def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_stepbatch.serve") -> None:
     parser = add_serve_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    configure_logging(args.log_level, args.log_format)  # NOTE: after the checks: a bad flag changes nothing
     run(config, log_level=args.log_level, access_log=args.access_log)
 
 

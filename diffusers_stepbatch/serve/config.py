@@ -35,6 +35,7 @@ class ServeConfig:
             frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
         preset, call_defaults, max_steps: docs/reference/presets.md ("auto", "none" or a Hub id), over it
             (`--call-default`), the step cap (None: the preset's, else the scheduler's `num_train_timesteps`).
+        lora_modules, lora_dir, max_loras: LoRA adapters by name (`serve/lora_adapters.py`).
     """
 
     model: str = TOY_MODEL
@@ -73,6 +74,9 @@ class ServeConfig:
     preset: str = "auto"
     call_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_steps: int | None = None
+    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    lora_dir: str | None = None
+    max_loras: int = 8
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -87,7 +91,7 @@ class ServeConfig:
             raise ValueError(f"video_retention_s={self.video_retention_s} must be > 0")
         if self.video_preview_every < 0:
             raise ValueError(f"video_preview_every={self.video_preview_every} must be >= 0 (0: automatic)")
-        for name in ("max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels", "max_video_jobs",
+        for name in ("max_loras", "max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels", "max_video_jobs",
                      "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

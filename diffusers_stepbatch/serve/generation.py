@@ -169,6 +169,7 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
                               code="unsupported_parameter")
         kwargs[name] = value
     kwargs.update(extra_arguments(body.model_extra, type(sb.pipe), set(type(body).model_fields)))
+    kwargs.update(lora_arguments(model, body.lora))
     check_steps(model, kwargs.get("num_inference_steps"))
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     import torch
@@ -181,6 +182,16 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
         compression=body.output_compression, partial_images=body.partial_images or 0, seed=seed, user=body.user,
         stream=body.stream,
     )
+
+
+def lora_arguments(model: ServingModel, lora: Any) -> dict[str, Any]:
+    """`adapters=` for the request's `lora` ({} is the base model: the pipe's active adapters never apply)."""
+    if model.lora is None:
+        if lora:
+            raise bad_request(f"lora: {model.name} serves no LoRA adapters (start the server with --lora-modules or "
+                              f"--lora-dir)", "lora", code="lora_not_found")
+        return {}
+    return {"adapters": model.lora.weights(lora)}
 
 
 def check_steps(model: ServingModel, steps: Any) -> None:

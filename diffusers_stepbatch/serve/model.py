@@ -41,6 +41,7 @@ class ServingModel:
     generic_twin: Any = None
     max_steps: int = DEFAULT_MAX_STEPS
     preset: str | None = None
+    lora: Any = None  # `lora_adapters.LoraAdapters`, where the server offers adapters
 
     def __post_init__(self):
         self.parameters = frozenset(inspect.signature(type(self.sb.pipe).__call__).parameters)
@@ -96,7 +97,8 @@ class ServingModel:
     def defaults_card(self) -> dict[str, Any]:
         """The call defaults in force, the step cap and the preset they come from (`/v1/models`)."""
         defaults = {k: v for k, v in self.call_defaults.items() if self.accepts(k)}
-        return {"call_defaults": defaults, "max_steps": self.max_steps, "preset": self.preset}
+        return {"call_defaults": defaults, "max_steps": self.max_steps, "preset": self.preset,
+                "lora": None if self.lora is None else self.lora.card()}
 
     def engine_alive(self) -> bool:
         """False once the engine's thread has died (`_thread` is None until the first request)."""
@@ -170,6 +172,11 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
         decoder=config.decoder,
         pid_exit_step=config.pid_exit_step,
     )
+    lora = None
+    if config.lora_modules or config.lora_dir:
+        from .lora_adapters import LoraAdapters
+
+        lora = LoraAdapters(sb, config.lora_modules, config.lora_dir, config.max_loras)
     # NOTE: an image-to-video pipeline takes `image` too, but it is served on /v1/videos, never as an image edit
     video = "num_frames" in inspect.signature(type(pipe).__call__).parameters
     edits = edit_pipelines(sb) if config.edits and not video else {}
@@ -188,4 +195,4 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
                 config.model_name, sb, sorted(edits) or "none", preset.hub_id if preset else "none", defaults)
     return ServingModel(sb=sb, name=config.model_name, call_defaults=defaults, created=int(time.time()),
                         sizes=sizes, edits=edits, generic_twin=twin, max_steps=max_steps,
-                        preset=preset.hub_id if preset else None)
+                        preset=preset.hub_id if preset else None, lora=lora)

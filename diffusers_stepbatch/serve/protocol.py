@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 MAX_IMAGES = 10
@@ -31,6 +31,31 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def lora_from_text(value: Any) -> Any:
+    """A multipart form's `lora` (a JSON string) as the object JSON bodies send."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("lora must be a JSON object of adapter name -> weight") from None
+    return value
+
+
+def fold_brackets(fields: dict[str, Any]) -> dict[str, Any]:
+    """A multipart form's `lora[pixel]=0.8` fields (how the openai client sends a nested object) as
+    `{"lora": {"pixel": "0.8"}}`."""
+    folded: dict[str, Any] = {}
+    for key, value in fields.items():
+        match = re.fullmatch(r"([A-Za-z_]\w*)\[([^\]]+)\]", key)
+        if match and match.group(1) != "image":
+            folded.setdefault(match.group(1), {})[match.group(2)] = value
+        else:
+            folded[key] = value
+    return folded
 
 
 class ErrorDetail(BaseModel):
@@ -73,6 +98,12 @@ class ImageOptions(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63, description="Extra: a CPU torch.Generator seed")
     priority: int = Field(0, description="Extra: admission order under the 'priority' policy")
     deadline_s: float | None = Field(None, gt=0, description="Extra: seconds from now (SLO admission)")
+    lora: dict[str, float] | None = Field(None, description="Extra: LoRA adapters by name -> weight (/v1/models)")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_from_form(cls, value: Any) -> Any:
+        return lora_from_text(value)
 
 
 class ImageGenerationRequest(ImageOptions):

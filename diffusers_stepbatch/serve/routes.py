@@ -230,6 +230,9 @@ async def edits(request: Request) -> Any:
 async def _answer(server: ServerContext, generation: Generation, request: Request, on_end: Any = None) -> Any:
     """Run a planned request to its JSON answer or its stream of events; `end` runs once, when it is over."""
     served = server.state.model
+    lora = served.lora if "adapters" in generation.kwargs else None
+    if lora is not None:
+        await lora.admit(list(generation.kwargs["adapters"]))  # NOTE: may wait for an adapter to load
     watch = DisconnectWatch(request.receive)
     entry = server.live.start(generation)
     server.http_metrics.generations.inc()
@@ -239,6 +242,8 @@ async def _answer(server: ServerContext, generation: Generation, request: Reques
         watch.close()
         server.http_metrics.generations.dec()
         server.live.finish(entry, status)
+        if lora is not None:
+            lora.release()
         if status == "done":
             endpoint = "edits" if generation.kind == "edit" else "generations"
             server.request_metrics.observe(generation.sb, generation.request_ids, endpoint, served.name, started)
