@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from .config import API_KEY_ENV, DTYPES, ServeConfig
+from .config_file import parse_with_config_file
 from .lora_adapters import parse_lora_modules
 from .request_id import configure_logging
 
@@ -89,6 +90,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                          help="--lora-dir adapters kept loaded at once (least recently used first out)")
     presets.add_argument("--log-format", default="text", choices=("text", "json"),
                          help="log lines as text or one JSON object each (both name the request id)")
+    knobs = parser.add_argument_group("launch knobs")
+    knobs.add_argument("--quantize", default=None, choices=("qint8", "qint4", "qfloat8"),
+                       help="the transformer's weights with optimum-quanto (as StepBatched(quantize=))")
+    knobs.add_argument("--offload", default=None, choices=("model", "sequential", "group"),
+                       help="diffusers' model / sequential CPU offload, or group offload by blocks")
+    knobs.add_argument("--compile", action="store_true", help="torch.compile the denoiser (dynamic shapes)")
+    knobs.add_argument("--compile-backend", default=defaults.compile_backend, help="torch.compile's backend")
+    knobs.add_argument("--attention-backend", default=None,
+                       help="a diffusers attention dispatcher name: native, flex, flash, sage, ... (CUDA ones "
+                       "need --device cuda)")
+    knobs.add_argument("--vae-tiling", action="store_true", help="decode (and encode) in VAE tiles")
+    knobs.add_argument("--warmup", type=int, default=defaults.warmup, metavar="N",
+                       help="requests run at startup to prime the cost model (/health says 'warming' meanwhile)")
+    knobs.add_argument("--config", default=None, metavar="FILE",
+                       help="a TOML file of these flags (names with - or _); flags on the command line win")
     add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add("--access-log", action=argparse.BooleanOptionalAction, default=True)
@@ -127,7 +143,7 @@ def run(config: ServeConfig, *, log_level: str = "info", access_log: bool = True
 
 def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_stepbatch.serve") -> None:
     parser = add_serve_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
-    args = parser.parse_args(argv)
+    args = parse_with_config_file(parser, argv)
     try:
         config = config_from_args(args)
     except ValueError as exc:

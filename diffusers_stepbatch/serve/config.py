@@ -36,6 +36,7 @@ class ServeConfig:
         preset, call_defaults, max_steps: docs/reference/presets.md ("auto", "none" or a Hub id), over it
             (`--call-default`), the step cap (None: the preset's, else the scheduler's `num_train_timesteps`).
         lora_modules, lora_dir, max_loras: LoRA adapters by name (`serve/lora_adapters.py`).
+        quantize, offload, compile, compile_backend, attention_backend, vae_tiling, warmup: `launch_knobs.py`.
     """
 
     model: str = TOY_MODEL
@@ -77,6 +78,13 @@ class ServeConfig:
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     lora_dir: str | None = None
     max_loras: int = 8
+    quantize: str | None = None
+    offload: str | None = None
+    compile: bool = False
+    compile_backend: str = "inductor"
+    attention_backend: str | None = None
+    vae_tiling: bool = False
+    warmup: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -95,6 +103,12 @@ class ServeConfig:
                      "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.offload not in (None, "model", "sequential", "group"):
+            raise ValueError(f"offload={self.offload!r} is not one of 'model', 'sequential', 'group'")
+        if self.quantize not in (None, "qint8", "qint4", "qfloat8"):
+            raise ValueError(f"quantize={self.quantize!r} is not one of 'qint8', 'qint4', 'qfloat8'")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps={self.max_steps} must be >= 1")
         if self.api_key is None:

@@ -137,7 +137,9 @@ def load_model(config: ServeConfig) -> ServingModel:
                               call_defaults={"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 4})
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(config.model, dtype=dtype).to(config.device)
+    pipe = DiffusionPipeline.from_pretrained(config.model, dtype=dtype)
+    if config.offload is None:  # NOTE: offloading places the models itself
+        pipe = pipe.to(config.device)
     return serve_pipeline(pipe, config, preset=preset_of(config, pipe))
 
 
@@ -163,8 +165,10 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
     from ..cache.teacache import TeaCacheConfig
     from ..wrapper import StepBatched
     from .edits import edit_pipelines, generic_twin
+    from .launch_knobs import apply_knobs
 
     pipe.set_progress_bar_config(disable=True)
+    apply_knobs(pipe, config)
     sb = StepBatched(
         pipe,
         scheduler=config.scheduler_config(),

@@ -13,7 +13,7 @@ from .protocol import APIError
 
 
 class ServerState:
-    """Where the server is in its life: "loading" -> "ready" (or "failed") -> "stopping"."""
+    """Where the server is in its life: "loading" -> ("warming" ->) "ready" (or "failed") -> "stopping"."""
 
     def __init__(self):
         self.phase = "loading"
@@ -51,7 +51,7 @@ class ServerContext:
         if not ready or state.model is None:
             reason = {"loading": "the model is still loading", "stopping": "the server is shutting down",
                       "failed": f"the model failed to load ({state.error})",
-                      "engine_dead": "the engine stopped"}.get(status, status)
+                      "engine_dead": "the engine stopped", "warming": "the server is warming up"}.get(status, status)
             raise APIError(503, f"{reason}; retry later", type="server_error", code=f"server_{status}",
                            headers={"Retry-After": str(max(1, config.retry_after_s))})
         if requested is not None and requested != state.model.name:
