@@ -16,6 +16,7 @@ from .sizes import SizeRange
 logger = logging.getLogger(__name__)
 
 EDIT_TASKS = ("inpaint", "reference", "img2img")
+PAGE_ARGUMENTS = ("negative_prompt", "guidance_scale", "true_cfg_scale", "num_images_per_prompt")
 
 
 @dataclass
@@ -92,7 +93,8 @@ class ServingModel:
         width, height = self.default_size
         return {"pipeline": type(self.sb.pipe).__name__, "kind": "image", "default_size": f"{width}x{height}",
                 "sizes": None if self.sizes is None else self.sizes.card(),
-                "edits": {task: type(sb.pipe).__name__ for task, sb in self.edits.items()}, **self.defaults_card()}
+                "edits": {task: type(sb.pipe).__name__ for task, sb in self.edits.items()},
+                "arguments": [name for name in PAGE_ARGUMENTS if self.accepts(name)], **self.defaults_card()}
 
     def defaults_card(self) -> dict[str, Any]:
         """The call defaults in force, the step cap and the preset they come from (`/v1/models`)."""
