@@ -154,3 +154,33 @@ def test_a_stream_takes_adapters_too(family):
     completed = [event for event in events if event.type == "image_generation.completed"]
     want = plain_image(plain, {"a": 0.5}, "a red circle", 2, extra)
     assert np.abs(pixels(decode_b64(completed[0].b64_json)) - pixels(want)).max() <= 1
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+def test_a_video_takes_adapters_too(tmp_path):
+    pytest.importorskip("av", reason="the videos API needs PyAV")
+    from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+
+    from .serve_helpers import wait_for
+    from .test_serve_videos import assert_same_video, content, diff, encoded
+
+    build = functools.partial(tiny_wan_pipeline, layers=1)
+    paths = save_adapters(build, tmp_path)
+    plain = build()
+    plain.load_lora_weights(paths["a"], adapter_name="a")
+    with Served(build(), "tiny-wan", lora_modules={"a": str(paths["a"])}, video_fps=4) as served:
+        video = served.client.videos.create(model="tiny-wan", prompt="rain", size="32x32", extra_body={
+            "num_frames": 5, "num_inference_steps": 2, "seed": 1, "lora": {"a": 0.7}})
+        assert wait_for(lambda: served.client.videos.retrieve(video.id).status == "completed", timeout=60)
+        got = content(served.client, video.id)
+    plain.set_adapters(["a"], [0.7])
+    frames = plain(prompt="rain", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="np",
+                   generator=torch.Generator().manual_seed(1)).frames[0]
+    from diffusers_stepbatch.serve.video_encoding import to_uint8
+
+    want = to_uint8(frames)
+    assert_same_video(got, want)
+    plain.disable_lora()
+    base = to_uint8(plain(prompt="rain", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="np",
+                          generator=torch.Generator().manual_seed(1)).frames[0])
+    assert diff(got, encoded(base)).mean() > 1  # the adapter changed the video

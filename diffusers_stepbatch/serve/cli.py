@@ -121,13 +121,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(**values)
 
 
-def run(config: ServeConfig, *, log_level: str = "info", access_log: bool = True, sockets: list | None = None) -> None:
-    """Serve `config` until SIGTERM / SIGINT (blocking)."""
+def run(config: ServeConfig, *, model: Any = None, log_level: str = "info", access_log: bool = True,
+        sockets: list | None = None) -> None:
+    """Serve `config` until SIGTERM / SIGINT (blocking), with the CLI's graceful shutdown; `model`: a
+    `serve_pipeline(...)` you built (closed at shutdown), else the one `config` names.
+
+    >>> run(config, model=serve_pipeline(pipe, config, call_defaults={"num_inference_steps": 8}))"""
     import uvicorn
 
     from .app import create_app
 
-    app = create_app(config)
+    app = create_app(config, model=model, close_model=True if model is not None else None)
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
