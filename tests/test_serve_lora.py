@@ -79,6 +79,20 @@ def test_models_lists_the_adapters(family):
     served, _, _ = family
     card = served.client.models.retrieve(served.name).model_extra["lora"]
     assert card["adapters"] == ["a", "b", "c", "d"] and card["loaded"] == ["a", "b"] and card["max_loras"] == 1
+    models = served.client.models.list().data  # and as vLLM lists adapters: models whose parent is the served one
+    assert [m.id for m in models] == [served.name, "a", "b", "c", "d"]
+    assert {m.model_extra.get("parent") for m in models[1:]} == {served.name}
+    assert served.client.models.retrieve("b").model_extra["parent"] == served.name
+
+
+def test_an_adapters_name_as_the_model_picks_it(family):
+    served, plain, extra = family
+    result = served.client.images.generate(model="b", prompt="a cat", size="32x32",
+                                           extra_body={"seed": 6, "num_inference_steps": 3, **extra})
+    want = plain_image(plain, {"b": 1.0}, "a cat", 6, extra)
+    assert np.abs(pixels(decode_b64(result.data[0].b64_json)) - pixels(want)).max() <= 1
+    with pytest.raises(openai.NotFoundError):
+        served.client.images.generate(model="nope", prompt="a cat")
 
 
 def test_requests_with_different_adapters_share_forwards_and_equal_set_adapters(family):

@@ -169,7 +169,7 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
                               code="unsupported_parameter")
         kwargs[name] = value
     kwargs.update(extra_arguments(body.model_extra, type(sb.pipe), set(type(body).model_fields)))
-    kwargs.update(lora_arguments(model, body.lora))
+    kwargs.update(lora_arguments(model, body.lora, body.model))
     check_steps(model, kwargs.get("num_inference_steps"))
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     import torch
@@ -184,8 +184,11 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
     )
 
 
-def lora_arguments(model: ServingModel, lora: Any) -> dict[str, Any]:
-    """`adapters=` for the request's `lora` ({} is the base model: the pipe's active adapters never apply)."""
+def lora_arguments(model: ServingModel, lora: Any, requested: str | None = None) -> dict[str, Any]:
+    """`adapters=` for the request's `lora` ({} is the base model: the pipe's active adapters never apply); a
+    request for an adapter's name as its `model` (vLLM's way) gets that adapter at weight 1."""
+    if lora is None and requested is not None and requested != model.name:
+        lora = {requested: 1.0}
     if model.lora is None:
         if lora:
             raise bad_request(f"lora: {model.name} serves no LoRA adapters (start the server with --lora-modules or "

@@ -6,6 +6,7 @@ Each route reaches its server (config, model, metrics) through `request.app.stat
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -138,12 +139,28 @@ def _model_card(server: ServerContext) -> dict[str, Any]:
 async def list_models(request: Request) -> dict[str, Any]:
     """The served model, with our metadata: `pipeline`, `default_size`, `sizes` (the sizes it draws; others are a
     400) and `edits` (task -> pipeline serving `/v1/images/edits`)."""
-    return {"object": "list", "data": [_model_card(server_of(request))]}
+    server = server_of(request)
+    return {"object": "list", "data": [_model_card(server), *map(functools.partial(_adapter_card, server),
+                                                                    _adapters(server))]}
+
+
+def _adapters(server: ServerContext) -> list[str]:
+    model = server.state.model
+    return model.lora.names() if model is not None and model.lora is not None else []
+
+
+def _adapter_card(server: ServerContext, name: str) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists one: a model whose `parent` is the served model (`model=NAME` picks it)."""
+    model = server.state.model
+    return {"id": name, "object": "model", "created": model.created, "owned_by": "diffusers-stepbatch",
+            "parent": server.config.model_name}
 
 
 @v1.get("/models/{name:path}", responses={404: _ERRORS[404]})
 async def get_model(name: str, request: Request) -> dict[str, Any]:
     server = server_of(request)
+    if name in _adapters(server):
+        return _adapter_card(server, name)
     if name != server.config.model_name:
         raise APIError(404, f"model {name!r} does not exist; this server serves {server.config.model_name!r}",
                        param="model", code="model_not_found")

@@ -45,7 +45,8 @@ class ServerContext:
         return ("ok" if state.phase == "ready" else state.phase), state.phase != "failed", state.phase == "ready"
 
     def ready_model(self, requested: str | None) -> ServingModel:
-        """The served model, or a 503 (not ready) / 404 (another model's name)."""
+        """The served model, or a 503 (not ready) / 404 (another model's name). A LoRA adapter's name (as vLLM
+        lists adapters) is the served model with that adapter."""
         state, config = self.state, self.config
         status, _, ready = self.condition()
         if not ready or state.model is None:
@@ -54,7 +55,8 @@ class ServerContext:
                       "engine_dead": "the engine stopped", "warming": "the server is warming up"}.get(status, status)
             raise APIError(503, f"{reason}; retry later", type="server_error", code=f"server_{status}",
                            headers={"Retry-After": str(max(1, config.retry_after_s))})
-        if requested is not None and requested != state.model.name:
+        adapters = state.model.lora.names() if state.model.lora is not None else ()
+        if requested is not None and requested != state.model.name and requested not in adapters:
             raise APIError(404, f"model={requested!r} does not exist; this server serves {state.model.name!r}",
                            param="model", code="model_not_found")
         return state.model

@@ -117,7 +117,7 @@ def plan_video(model: ServingModel, body: VideoCreateRequest, image: Any, config
                               code="unsupported_parameter")
         kwargs[name] = value
     kwargs.update(extra_arguments(body.model_extra, type(model.sb.pipe), set(VideoCreateRequest.model_fields)))
-    kwargs.update(lora_arguments(model, body.lora))
+    kwargs.update(lora_arguments(model, body.lora, body.model))
     check_steps(model, kwargs.get("num_inference_steps"))
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     import torch
