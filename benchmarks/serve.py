@@ -4,6 +4,7 @@
     python benchmarks/serve.py --smoke             # seconds, for CI
     python benchmarks/serve.py --requests 200 --rounds 4
     python benchmarks/serve.py --mix edits         # half inpainting edits (POST /v1/images/edits), half generations
+    python benchmarks/serve.py --mix lora          # 64 requests over 8 LoRA adapters ("lora": {name: weight})
 
 The toy-shapes model, a closed loop of `--concurrency` clients and a mixed workload (sizes, steps, seeds drawn
 once, the same for every side). Sides, interleaved round by round so that the machine's load hits them alike:
@@ -13,7 +14,10 @@ once, the same for every side). Sides, interleaved round by round so that the ma
   write today), the same clients over HTTP.
 With `--mix edits`, every other request is an inpainting edit (a multipart upload of a rendered scene and an
 OpenAI mask over its top-left quadrant); the lock server runs those through `FluxInpaintPipeline` built from the
-same components, under the same lock.
+same components, under the same lock. With `--mix lora`, 8 random LoRA adapters of the toy transformer are saved
+as diffusers LoRA files; each request names one with its weight: the server loads them with `--lora-modules`
+(requests with different adapters share forwards), the in-process side passes `adapters=`, and the lock server
+calls `set_adapters` for each request under its lock.
 Bounded: every side runs exactly `--requests` requests, then the script stops. Every answer is checked (0
 lost, 0 5xx); the server processes' memory is sampled (flat after warm-up?). Besides wall-clock throughput it
 reports CPU milliseconds per request (server process + clients), which other load on a shared machine disturbs
@@ -28,10 +32,12 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,11 +58,35 @@ PROMPTS = (
 )
 EDIT_STRENGTH = 1.0  # NOTE: every side redraws the masked part entirely (the server's default for inpainting)
 TOY_CALL = {"guidance_scale": 3.5, "max_sequence_length": 16}  # NOTE: the toy was trained on 16 text tokens
+LORA_ADAPTERS = tuple(f"style{i}" for i in range(8))
+
+
+def save_lora_adapters(folder: Path) -> dict[str, str]:
+    """8 random LoRA adapters of the toy transformer, saved as diffusers LoRA files: {name: folder}."""
+    from peft.utils import get_peft_model_state_dict
+
+    from diffusers_stepbatch.testing import add_random_lora_adapters
+    from diffusers_stepbatch.toy import load_pipeline
+
+    pipe = load_pipeline()
+    add_random_lora_adapters(pipe.transformer, names=LORA_ADAPTERS)
+    paths = {}
+    for name in LORA_ADAPTERS:
+        paths[name] = str(folder / name)
+        type(pipe).save_lora_weights(paths[name], transformer_lora_layers=get_peft_model_state_dict(
+            pipe.transformer, adapter_name=name))
+    return paths
+
+
+def load_lora_adapters(pipe, folder: Path) -> None:
+    for name in LORA_ADAPTERS:
+        pipe.load_lora_weights(str(folder / name), adapter_name=name)
 
 
 # ------------------------------------------------------------------------------------------- the lock server
-def lock_app():
-    """The baseline: FastAPI + the plain pipeline behind a lock, answering like our server (b64 PNG)."""
+def lock_app(lora_dir: str | None = None):
+    """The baseline: FastAPI + the plain pipeline behind a lock, answering like our server (b64 PNG); with
+    `lora_dir`, its adapters loaded and `set_adapters` called for each request under the lock."""
     import base64
     import io
 
@@ -67,6 +97,8 @@ def lock_app():
     from diffusers_stepbatch.toy.pipeline import ToyFluxInpaintPipeline
 
     pipe, lock, app = load_pipeline(), threading.Lock(), FastAPI()
+    if lora_dir is not None:
+        load_lora_adapters(pipe, Path(lora_dir))
 
     @app.get("/health")
     def health() -> dict:
@@ -76,6 +108,9 @@ def lock_app():
     def generate(body: dict) -> dict:  # a sync route: FastAPI runs it in its thread pool
         width, height = map(int, body.get("size", "64x64").split("x"))
         with lock:
+            if lora_dir is not None:  # NOTE: the adapters are global state: swapped per request, under the lock
+                lora = body.get("lora") or {}
+                pipe.set_adapters(list(lora), list(lora.values()))
             images = pipe(body["prompt"], height=height, width=width, num_inference_steps=body["num_inference_steps"],
                           generator=torch.Generator().manual_seed(body["seed"]), **TOY_CALL).images
         data = []
@@ -114,19 +149,24 @@ def _b64_png(image) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def run_lock_server(port: int) -> None:
+def run_lock_server(port: int, lora_dir: str | None = None) -> None:
     import torch
     import uvicorn
 
     torch.set_num_threads(1)
-    uvicorn.run(lock_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(lock_app(lora_dir), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 # ------------------------------------------------------------------------------------------------- clients
-def make_workload(count: int, seed: int, steps: tuple[int, ...], edits: bool = False) -> list[dict]:
+def make_workload(count: int, seed: int, steps: tuple[int, ...], edits: bool = False, lora: bool = False) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt": rng.choice(PROMPTS), "size": "{}x{}".format(*rng.choice(SIZES)), "num_inference_steps": rng.choice(steps),
-             "seed": rng.randrange(2**31), "edit": edits and i % 2 == 1} for i in range(count)]
+    workload = [{"prompt": rng.choice(PROMPTS), "size": "{}x{}".format(*rng.choice(SIZES)),
+                 "num_inference_steps": rng.choice(steps), "seed": rng.randrange(2**31), "edit": edits and i % 2 == 1}
+                for i in range(count)]
+    if lora:  # NOTE: every adapter as often, at weights from 0.5 to 1
+        for i, body in enumerate(workload):
+            body["lora"] = {LORA_ADAPTERS[i % len(LORA_ADAPTERS)]: round(rng.uniform(0.5, 1.0), 2)}
+    return workload
 
 
 
@@ -216,6 +256,8 @@ def in_process_round(engines: dict, workload: list[dict], concurrency: int) -> t
             engine = engines["edit"]
             extra = {"image": Image.open(io.BytesIO(image)).convert("RGB"), "strength": EDIT_STRENGTH,
                      "mask_image": Image.open(io.BytesIO(mask)).getchannel("A").point(lambda a: 255 - a)}
+        if "lora" in body:
+            extra["adapters"] = body["lora"]
         images = engine(body["prompt"], height=height, width=width, num_inference_steps=body["num_inference_steps"],
                         generator=torch.Generator().manual_seed(body["seed"]), **TOY_CALL, **extra).images
         assert images
@@ -274,7 +316,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=500, help="requests per side")
+    parser.add_argument("--requests", type=int, default=None, help="requests per side (500; --mix lora: 64)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds the requests are split into")
     parser.add_argument("--max-batch-size", type=int, default=8)
@@ -282,15 +324,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sides", nargs="+", default=["server", "in-process", "lock"],
                         choices=["server", "in-process", "lock"])
     parser.add_argument("--smoke", action="store_true", help="24 requests, 8 clients, 2-4 steps: for CI")
-    parser.add_argument("--mix", choices=["generations", "edits"], default="generations",
-                        help="edits: every other request is an inpainting edit")
+    parser.add_argument("--mix", choices=["generations", "edits", "lora"], default="generations",
+                        help="edits: every other request is an inpainting edit; lora: each names one of 8 adapters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="default: results/serve.json (serve_edits.json)")
     parser.add_argument("--lock-server", type=int, default=None, help=argparse.SUPPRESS)  # the baseline process
+    parser.add_argument("--lock-lora-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.lock_server is not None:
-        run_lock_server(args.lock_server)
+        run_lock_server(args.lock_server, args.lock_lora_dir)
         return {}
+    if args.requests is None:
+        args.requests = 64 if args.mix == "lora" else 500
     steps = (2, 3, 4) if args.smoke else STEPS
     if args.smoke:
         args.requests, args.concurrency, args.rounds, args.warmup = 24, 8, 1, 4
@@ -301,11 +346,14 @@ def main(argv: list[str] | None = None) -> dict:
     from diffusers_stepbatch.toy import load_pipeline
 
     torch.set_num_threads(1)
-    edits = args.mix == "edits"
+    edits, lora = args.mix == "edits", args.mix == "lora"
     if args.out is None:
-        args.out = Path(__file__).parent / "results" / ("serve_edits.json" if edits else "serve.json")
-    workload = make_workload(args.requests, args.seed, steps, edits)
-    warmup = make_workload(args.warmup, args.seed + 1, steps, edits)
+        args.out = Path(__file__).parent / "results" / {"edits": "serve_edits.json", "lora": "serve_lora.json"}.get(
+            args.mix, "serve.json")
+    workload = make_workload(args.requests, args.seed, steps, edits, lora)
+    warmup = make_workload(args.warmup, args.seed + 1, steps, edits, lora)
+    lora_dir = Path(tempfile.mkdtemp(prefix="stepbatch-loras-")) if lora else None
+    lora_paths = save_lora_adapters(lora_dir) if lora else {}
     per_round = -(-len(workload) // args.rounds)  # ceil
     rounds = [workload[i:i + per_round] for i in range(0, len(workload), per_round)]
 
@@ -315,17 +363,22 @@ def main(argv: list[str] | None = None) -> dict:
             port = free_port()
             processes["server"] = start(
                 [sys.executable, "-m", "diffusers_stepbatch.serve", "--port", str(port), "--max-batch-size",
-                 str(args.max_batch_size), "--max-queue", "0", "--no-access-log", "--log-level", "warning"], port)
+                 str(args.max_batch_size), "--max-queue", "0", "--no-access-log", "--log-level", "warning",
+                 *(["--lora-modules", *(f"{n}={p}" for n, p in lora_paths.items())] if lora else [])], port)
             runners["server"] = lambda w, url=f"http://127.0.0.1:{port}": http_round(url, w, args.concurrency)
             pids["server"] = processes["server"].pid
         if "lock" in args.sides:
             port = free_port()
-            processes["lock"] = start([sys.executable, str(Path(__file__).resolve()), "--lock-server", str(port)], port)
+            processes["lock"] = start([sys.executable, str(Path(__file__).resolve()), "--lock-server", str(port),
+                                       *(["--lock-lora-dir", str(lora_dir)] if lora else [])], port)
             runners["lock"] = lambda w, url=f"http://127.0.0.1:{port}": http_round(url, w, args.concurrency)
             pids["lock"] = processes["lock"].pid
         sb = None
         if "in-process" in args.sides:
-            sb = StepBatched(load_pipeline(), scheduler=SchedulerConfig(max_batch_size=args.max_batch_size))
+            pipe = load_pipeline()
+            if lora:
+                load_lora_adapters(pipe, lora_dir)
+            sb = StepBatched(pipe, scheduler=SchedulerConfig(max_batch_size=args.max_batch_size))
             engines = {"generate": sb}
             if edits:
                 from diffusers_stepbatch.toy.pipeline import ToyFluxInpaintPipeline
@@ -362,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
         if sb is not None:
             sb.close()
     finally:
+        if lora_dir is not None:
+            shutil.rmtree(lora_dir, ignore_errors=True)
         for process in processes.values():
             process.terminate()
             try:

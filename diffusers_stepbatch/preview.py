@@ -47,9 +47,15 @@ def latent_rgb_projection(vae: Any, samples: int = 8, size: int | None = None, s
     with _PROJECTIONS_LOCK:
         if vae in _PROJECTIONS:
             return _PROJECTIONS[vae]
-    scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    projection = fit_rgb_projection(lambda images: vae.encode(images.to(vae.device, vae.dtype)).latent_dist.mean,
-                                    scale, samples, size, seed)
+    scale = getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(vae.config.block_out_channels) - 1)
+    frames = not hasattr(vae.config, "block_out_channels")  # NOTE: Qwen-Image's video-style VAE: [B, C, 1, H, W]
+
+    def encode(images: torch.Tensor) -> torch.Tensor:
+        images = images.to(vae.device, vae.dtype)
+        latents = vae.encode(images.unsqueeze(2) if frames else images).latent_dist.mean
+        return latents[:, :, 0] if frames else latents
+
+    projection = fit_rgb_projection(encode, scale, samples, size, seed)
     with _PROJECTIONS_LOCK:
         _PROJECTIONS[vae] = projection
     return projection

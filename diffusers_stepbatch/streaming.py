@@ -26,7 +26,8 @@ def stream_call(sb: StepBatched, args: tuple, kwargs: dict, preview_every: int, 
     if isinstance(preview_every, bool) or not isinstance(preview_every, int) or preview_every < 1:
         raise ValueError(f"preview_every={preview_every!r} must be an int >= 1")
     pipe = sb.pipe
-    call_args = sb._bind(args, {k: v for k, v in kwargs.items() if k != "teacache"})
+    # NOTE: the call options `submit` takes besides the pipeline's arguments
+    call_args = sb._bind(args, {k: v for k, v in kwargs.items() if k not in ("teacache", "adapters", "decoder")})
     user_callback = call_args.get("callback_on_step_end")
     user_inputs = list(call_args.get("callback_on_step_end_tensor_inputs") or [])
     preview = _video_previews(pipe) if "num_frames" in sb._signature.parameters else _image_previews(pipe, call_args)

@@ -90,7 +90,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits():
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     process = subprocess.Popen(
         [sys.executable, "-m", "diffusers_stepbatch.serve", "--port", str(port), "--shutdown-timeout", "10",
-         "--no-access-log", "--log-level", "warning"],
+         "--no-access-log", "--log-level", "warning", "--max-steps", "100000"],  # NOTE: lets "endless" in
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def healthy():
@@ -168,16 +168,51 @@ def test_load_model_builds_the_engine_the_flags_describe():
 
 
 def test_load_model_from_a_local_folder(tmp_path):
-    """`--model PATH`: any saved diffusers pipeline through DiffusionPipeline.from_pretrained, offline."""
+    """`--model PATH`: any saved diffusers pipeline through DiffusionPipeline.from_pretrained, offline; without
+    `guidance_embeds`, a FluxPipeline folder gets FLUX.1 schnell's preset."""
     from diffusers_stepbatch.serve import ServeConfig, load_model
     from diffusers_stepbatch.testing import tiny_flux_pipeline
 
     tiny_flux_pipeline().save_pretrained(tmp_path)
     model = load_model(ServeConfig(model=str(tmp_path)))
     try:
-        assert model.name == str(tmp_path) and model.call_defaults == {}
+        assert model.name == str(tmp_path) and model.preset == "black-forest-labs/FLUX.1-schnell"
+        assert model.call_defaults == {"height": 1024, "width": 1024, "num_inference_steps": 4,
+                                       "guidance_scale": 0.0, "max_sequence_length": 256}
         assert type(model.sb.pipe).__name__ == "FluxPipeline"
         image = model.sb("a cat", height=32, width=32, num_inference_steps=2, max_sequence_length=16).images[0]
         assert image.size == (32, 32)
     finally:
         model.close()
+
+
+def test_run_serves_a_pipeline_built_in_python_with_the_clis_shutdown(tmp_path):
+    """`run(config, model=serve_pipeline(...))`: the CLI's server (graceful SIGTERM) around your own pipeline."""
+    port = _free_port()
+    code = ("from diffusers_stepbatch.serve import ServeConfig, serve_pipeline\n"
+            "from diffusers_stepbatch.serve.cli import run\n"
+            "from diffusers_stepbatch.testing import tiny_flux_pipeline\n"
+            f"config = ServeConfig(port={port}, served_model_name='mine')\n"
+            "run(config, model=serve_pipeline(tiny_flux_pipeline(), config, call_defaults={'num_inference_steps': 2,"
+            " 'max_sequence_length': 16, 'height': 32, 'width': 32}), log_level='warning')\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_for(healthy, timeout=120, interval=0.2), "the server never became healthy"
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert card["id"] == "mine" and card["call_defaults"]["num_inference_steps"] == 2
+        response = httpx.post(f"{url}/v1/images/generations", json={"prompt": "a cat"}, timeout=60)
+        assert response.status_code == 200 and decode_b64(response.json()["data"][0]["b64_json"]).size == (32, 32)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -21,8 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .config import ServeConfig
 from .limits import BodyLimitMiddleware
 from .metrics import HTTPMetrics, MetricsMiddleware, ReplicaHeaderMiddleware
+from .launch_knobs import warm_up
 from .model import ServingModel, load_model
 from .protocol import APIError
+from .request_id import RequestIdMiddleware
+from .request_metrics import RequestMetrics, register_gauges
 from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
 from .video_routes import page_router as video_page_router
@@ -49,6 +52,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     registry = CollectorRegistry()
     server = ServerContext(config=config, state=ServerState(), registry=registry, http_metrics=HTTPMetrics(registry))
     state = server.state
+    server.request_metrics = RequestMetrics(registry)
+    register_gauges(registry, lambda: state.model, lambda: server.videos)
 
     def attach(loaded: ServingModel) -> None:
         loaded.sb.register_prometheus(registry)
@@ -56,27 +61,35 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         if state.phase == "loading":
             state.phase = "ready"
 
-    async def load_in_background() -> None:
+    async def start_in_background(given: ServingModel | None) -> None:
+        """Load the model (unless given), then run the warm-up requests (`/health` says "warming")."""
         try:
-            attach(await asyncio.to_thread(loader, config))
+            loaded = given if given is not None else await asyncio.to_thread(loader, config)
+            state.phase = "warming" if config.warmup and state.phase == "loading" else state.phase
+            attach(loaded)
+            if state.phase == "warming":
+                await asyncio.to_thread(warm_up, loaded, config.warmup)
         except Exception as exc:
-            logger.exception("loading %s failed", config.model)
+            logger.exception("loading or warming up %s failed", config.model)
             state.phase, state.error = "failed", f"{type(exc).__name__}: {exc}"
+            return
+        if state.phase == "warming":
+            state.phase = "ready"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = None
-        if model is not None:
+        if model is not None and not config.warmup:
             attach(model)
         else:
-            loading = asyncio.create_task(load_in_background())
+            loading = asyncio.create_task(start_in_background(model))
         yield
         state.begin_shutdown()
         if server.videos is not None:
             await asyncio.to_thread(server.videos.close)  # NOTE: cancels running video jobs, deletes their files
         if loading is not None:
             await loading  # NOTE: a load can't be interrupted; close what it made
-        if state.model is not None and (loading is not None if close_model is None else close_model):
+        if state.model is not None and (model is None if close_model is None else close_model):
             await asyncio.to_thread(state.model.close)  # in-flight requests finish first
 
     app = FastAPI(title="diffusers-stepbatch", lifespan=lifespan,
@@ -93,7 +106,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
                              (StarletteHTTPException, http_error)):
         app.add_exception_handler(handled, handler)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=server.http_metrics)  # NOTE: outermost: counts the 413s too
+    app.add_middleware(MetricsMiddleware, metrics=server.http_metrics)  # NOTE: counts the 413s too
+    app.add_middleware(RequestIdMiddleware)  # NOTE: outside the rest: every answer (500s too) carries the id
     if replica is not None:
         app.add_middleware(ReplicaHeaderMiddleware, replica=replica)
     return app

@@ -8,15 +8,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
+import json
 import sys
 from typing import Any
 
 from .config import API_KEY_ENV, DTYPES, ServeConfig
+from .config_file import parse_with_config_file
+from .lora_adapters import parse_lora_modules
+from .request_id import configure_logging
 
 
 def _number(text: str) -> int | float:
     return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def call_default(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` -> (key, value): VALUE read as JSON (`8`, `3.5`, `true`), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. num_inference_steps=8")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -60,6 +74,38 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--max-video-frames", type=int, default=defaults.max_video_frames, help="most frames in one video")
     add("--video-preview-every", type=int, default=defaults.video_preview_every,
         help="a preview every this many steps on a video job's events (0: about ten per job)")
+    presets = parser.add_argument_group("presets, call defaults, limits and logs")
+    presets.add_argument("--preset", default=defaults.preset,
+                         help="'auto': the model card's call defaults (docs/reference/presets.md), 'none', or a Hub id")
+    presets.add_argument("--call-default", action="append", default=[], type=call_default, dest="call_defaults",
+                         metavar="KEY=VALUE", help="a pipeline argument every request gets unless it sets it "
+                         "(over the preset's; VALUE is JSON, else a string); repeatable")
+    presets.add_argument("--max-steps", type=int, default=None, help="the most num_inference_steps a request may "
+                         "ask for (default: the preset's, else the scheduler's num_train_timesteps)")
+    presets.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH_OR_ID",
+                         help="LoRA adapters loaded at startup (a folder, a .safetensors file or a Hub id); "
+                         "requests pick them with \"lora\": {NAME: weight}")
+    presets.add_argument("--lora-dir", default=None, help="a folder of LoRA adapters (NAME/ or NAME.safetensors), "
+                         "each loaded on first use")
+    presets.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                         help="--lora-dir adapters kept loaded at once (least recently used first out)")
+    presets.add_argument("--log-format", default="text", choices=("text", "json"),
+                         help="log lines as text or one JSON object each (both name the request id)")
+    knobs = parser.add_argument_group("launch knobs")
+    knobs.add_argument("--quantize", default=None, choices=("qint8", "qint4", "qfloat8"),
+                       help="the transformer's weights with optimum-quanto (as StepBatched(quantize=))")
+    knobs.add_argument("--offload", default=None, choices=("model", "sequential", "group"),
+                       help="diffusers' model / sequential CPU offload, or group offload by blocks")
+    knobs.add_argument("--compile", action="store_true", help="torch.compile the denoiser (dynamic shapes)")
+    knobs.add_argument("--compile-backend", default=defaults.compile_backend, help="torch.compile's backend")
+    knobs.add_argument("--attention-backend", default=None,
+                       help="a diffusers attention dispatcher name: native, flex, flash, sage, ... (CUDA ones "
+                       "need --device cuda)")
+    knobs.add_argument("--vae-tiling", action="store_true", help="decode (and encode) in VAE tiles")
+    knobs.add_argument("--warmup", type=int, default=defaults.warmup, metavar="N",
+                       help="requests run at startup to prime the cost model (/health says 'warming' meanwhile)")
+    knobs.add_argument("--config", default=None, metavar="FILE",
+                       help="a TOML file of these flags (names with - or _); flags on the command line win")
     add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add("--access-log", action=argparse.BooleanOptionalAction, default=True)
@@ -69,38 +115,45 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     names = {field.name for field in dataclasses.fields(ServeConfig)}
     values = {name: value for name, value in vars(args).items() if name in names}
+    values["call_defaults"] = dict(values.get("call_defaults") or ())
+    values["lora_modules"] = parse_lora_modules(values.get("lora_modules") or [])
     if values.get("max_queue") == 0:
         values["max_queue"] = None
     return ServeConfig(**values)
 
 
-def run(config: ServeConfig, *, log_level: str = "info", access_log: bool = True, sockets: list | None = None) -> None:
-    """Serve `config` until SIGTERM / SIGINT (blocking)."""
+def run(config: ServeConfig, *, model: Any = None, log_level: str = "info", access_log: bool = True,
+        sockets: list | None = None) -> None:
+    """Serve `config` until SIGTERM / SIGINT (blocking), with the CLI's graceful shutdown; `model`: a
+    `serve_pipeline(...)` you built (closed at shutdown), else the one `config` names.
+
+    >>> run(config, model=serve_pipeline(pipe, config, call_defaults={"num_inference_steps": 8}))"""
     import uvicorn
 
     from .app import create_app
 
-    app = create_app(config)
+    app = create_app(config, model=model, close_model=True if model is not None else None)
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             app.state.server_state.begin_shutdown()  # NOTE: before uvicorn stops reading: late requests get 503
             super().handle_exit(sig, frame)
 
+    # NOTE: log_config=None: uvicorn's loggers go through the root handler (request ids, --log-format)
     server = GracefulServer(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=log_level, access_log=access_log,
+        app, host=config.host, port=config.port, log_level=log_level, access_log=access_log, log_config=None,
         timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on"))
     server.run(sockets=sockets)
 
 
 def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_stepbatch.serve") -> None:
     parser = add_serve_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_with_config_file(parser, argv)
     try:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    configure_logging(args.log_level, args.log_format)  # NOTE: after the checks: a bad flag changes nothing
     run(config, log_level=args.log_level, access_log=args.access_log)
 
 

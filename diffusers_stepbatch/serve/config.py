@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 API_KEY_ENV = "DIFFUSERS_STEPBATCH_API_KEY"
 TOY_MODEL = "toy"
@@ -32,6 +33,10 @@ class ServeConfig:
         video_dir, video_retention_s, max_video_jobs: where video jobs keep their files (None: a temporary
             folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
             frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
+        preset, call_defaults, max_steps: docs/reference/presets.md ("auto", "none" or a Hub id), over it
+            (`--call-default`), the step cap (None: the preset's, else the scheduler's `num_train_timesteps`).
+        lora_modules, lora_dir, max_loras: LoRA adapters by name (`serve/lora_adapters.py`).
+        quantize, offload, compile, compile_backend, attention_backend, vae_tiling, warmup: `launch_knobs.py`.
     """
 
     model: str = TOY_MODEL
@@ -68,6 +73,19 @@ class ServeConfig:
     video_fps: int = 16
     max_video_frames: int = 257
     video_preview_every: int = 0
+    preset: str = "auto"
+    call_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_steps: int | None = None
+    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    lora_dir: str | None = None
+    max_loras: int = 8
+    quantize: str | None = None
+    offload: str | None = None
+    compile: bool = False
+    compile_backend: str = "inductor"
+    attention_backend: str | None = None
+    vae_tiling: bool = False
+    warmup: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -82,10 +100,18 @@ class ServeConfig:
             raise ValueError(f"video_retention_s={self.video_retention_s} must be > 0")
         if self.video_preview_every < 0:
             raise ValueError(f"video_preview_every={self.video_preview_every} must be >= 0 (0: automatic)")
-        for name in ("max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels", "max_video_jobs",
+        for name in ("max_loras", "max_body_bytes", "max_prompt_chars", "max_input_images", "max_image_pixels", "max_video_jobs",
                      "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.offload not in (None, "model", "sequential", "group"):
+            raise ValueError(f"offload={self.offload!r} is not one of 'model', 'sequential', 'group'")
+        if self.quantize not in (None, "qint8", "qint4", "qfloat8"):
+            raise ValueError(f"quantize={self.quantize!r} is not one of 'qint8', 'qint4', 'qfloat8'")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 1")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         elif self.api_key == "":

@@ -18,6 +18,7 @@ from typing import Any
 import PIL.Image
 
 from .encoding import encode_image, preview_image, size_of
+from .extra_fields import extra_arguments
 from .model import ServingModel
 from .protocol import ImageEditRequest, ImageOptions, bad_request, check_request, parse_size
 
@@ -167,6 +168,9 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
             raise bad_request(f"{name}={value!r} is not an argument of {pipe_name}; leave it out", name,
                               code="unsupported_parameter")
         kwargs[name] = value
+    kwargs.update(extra_arguments(body.model_extra, type(sb.pipe), set(type(body).model_fields)))
+    kwargs.update(lora_arguments(model, body.lora, body.model))
+    check_steps(model, kwargs.get("num_inference_steps"))
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     import torch
 
@@ -178,6 +182,27 @@ def _plan(model: ServingModel, sb: Any, body: ImageOptions, width: int, height: 
         compression=body.output_compression, partial_images=body.partial_images or 0, seed=seed, user=body.user,
         stream=body.stream,
     )
+
+
+def lora_arguments(model: ServingModel, lora: Any, requested: str | None = None) -> dict[str, Any]:
+    """`adapters=` for the request's `lora` ({} is the base model: the pipe's active adapters never apply); a
+    request for an adapter's name as its `model` (vLLM's way) gets that adapter at weight 1."""
+    if lora is None and requested is not None and requested != model.name:
+        lora = {requested: 1.0}
+    if model.lora is None:
+        if lora:
+            raise bad_request(f"lora: {model.name} serves no LoRA adapters (start the server with --lora-modules or "
+                              f"--lora-dir)", "lora", code="lora_not_found")
+        return {}
+    return {"adapters": model.lora.weights(lora)}
+
+
+def check_steps(model: ServingModel, steps: Any) -> None:
+    """A 400 for more steps than the server's cap (`--max-steps`, the preset's), before queueing (fewer than 1
+    is the pipeline's own check)."""
+    if isinstance(steps, int) and steps > model.max_steps:
+        raise bad_request(f"num_inference_steps={steps}: this server runs at most {model.max_steps} steps "
+                          f"(--max-steps)", "num_inference_steps", code="invalid_value")
 
 
 def _default(sb: Any, argument: str) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import PIL.Image
 
 from .config import ServeConfig
-from .protocol import APIError, ImageEditRequest, ImageReference, bad_request
+from .protocol import APIError, ImageEditRequest, ImageReference, bad_request, fold_brackets
 
 INPUT_FORMATS = ("PNG", "JPEG", "WEBP")
 _REMOTE_TIMEOUT_S = 10.0
@@ -105,7 +105,7 @@ def _validated(fields: dict[str, str]) -> ImageEditRequest:
     from pydantic import ValidationError
 
     try:
-        return ImageEditRequest.model_validate(fields)
+        return ImageEditRequest.model_validate(fold_brackets(fields))
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None

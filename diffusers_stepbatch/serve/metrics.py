@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-ROUTES = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/images/generations", "/v1/images/edits",
+ROUTES = frozenset({"/", "/health", "/ready", "/live", "/metrics", "/v1/models", "/v1/images/generations", "/v1/images/edits",
                     "/v1/engine/live", "/v1/videos"})
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 MAX_IMAGES = 10
@@ -18,17 +18,44 @@ class APIError(Exception):
     """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+        self.extra = extra or {}  # more fields of the error object (a 500's `request_id`)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
 
 def bad_request(message: str, param: str | None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def lora_from_text(value: Any) -> Any:
+    """A multipart form's `lora` (a JSON string) as the object JSON bodies send."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("lora must be a JSON object of adapter name -> weight") from None
+    return value
+
+
+def fold_brackets(fields: dict[str, Any]) -> dict[str, Any]:
+    """A multipart form's `lora[pixel]=0.8` fields (how the openai client sends a nested object) as
+    `{"lora": {"pixel": "0.8"}}`."""
+    folded: dict[str, Any] = {}
+    for key, value in fields.items():
+        match = re.fullmatch(r"([A-Za-z_]\w*)\[([^\]]+)\]", key)
+        if match and match.group(1) != "image":
+            folded.setdefault(match.group(1), {})[match.group(2)] = value
+        else:
+            folded[key] = value
+    return folded
 
 
 class ErrorDetail(BaseModel):
@@ -45,9 +72,10 @@ class ErrorResponse(BaseModel):
 
 
 class ImageOptions(BaseModel):
-    """The fields generations and edits share."""
+    """The fields generations and edits share. Another field must be an argument of the pipeline's `__call__`
+    (it is passed on) or the request is a 400 (`extra_fields.extra_arguments`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     prompt: str = Field(description="What to draw (at most the server's --max-prompt-chars characters)")
     model: str | None = Field(None, description="The served model's name; another is a 404")
@@ -58,6 +86,8 @@ class ImageOptions(BaseModel):
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality, 0-100")
     quality: str | None = Field(None, description="Accepted and ignored")
     background: str | None = Field(None, description="Accepted and ignored")
+    moderation: str | None = Field(None, description="Accepted and ignored")
+    style: str | None = Field(None, description="Accepted and ignored")
     user: str | None = Field(None, description="An end-user id; the web page's live panel names requests by it")
     stream: bool = Field(False, description="Server-sent image_generation.* / image_edit.* events")
     partial_images: int | None = Field(None, ge=0, le=MAX_PARTIAL_IMAGES, description="Partial images to stream")
@@ -68,10 +98,16 @@ class ImageOptions(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63, description="Extra: a CPU torch.Generator seed")
     priority: int = Field(0, description="Extra: admission order under the 'priority' policy")
     deadline_s: float | None = Field(None, gt=0, description="Extra: seconds from now (SLO admission)")
+    lora: dict[str, float] | None = Field(None, description="Extra: LoRA adapters by name -> weight (/v1/models)")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_from_form(cls, value: Any) -> Any:
+        return lora_from_text(value)
 
 
 class ImageGenerationRequest(ImageOptions):
-    """`POST /v1/images/generations`. Unknown fields are ignored, as OpenAI's server does for other models'."""
+    """`POST /v1/images/generations`."""
 
 
 class ImageReference(BaseModel):

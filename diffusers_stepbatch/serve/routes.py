@@ -6,6 +6,7 @@ Each route reaches its server (config, model, metrics) through `request.app.stat
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -90,13 +91,31 @@ async def web_script() -> Response:
 
 @router.get("/health", responses={503: _ERRORS[503]})
 async def health(request: Request) -> JSONResponse:
-    """200 `{"status": "ok"}` once the model is loaded; 503 while loading, after a failed load, when stopping."""
+    """200 `{"status": "ok"}` once the model is loaded and its engine runs; 503 while loading, after a failed
+    load, when stopping, and once the engine thread has died (`"engine_dead"`)."""
+    return _probe(request, "ready")
+
+
+@router.get("/ready", responses={503: _ERRORS[503]})
+async def ready(request: Request) -> JSONResponse:
+    """Readiness (send traffic here): 200 as `/health`."""
+    return _probe(request, "ready")
+
+
+@router.get("/live", responses={503: _ERRORS[503]})
+async def live(request: Request) -> JSONResponse:
+    """Liveness (restart when 503): 200 while loading, ready or stopping; 503 after a failed load or once the
+    engine thread has died."""
+    return _probe(request, "live")
+
+
+def _probe(request: Request, kind: str) -> JSONResponse:
     server = server_of(request)
-    state = server.state
-    body = {"status": "ok" if state.phase == "ready" else state.phase, "model": server.config.model_name}
-    if state.error:
-        body["error"] = state.error
-    return JSONResponse(body, status_code=200 if state.phase == "ready" else 503)
+    status, is_live, is_ready = server.condition()
+    body = {"status": status, "model": server.config.model_name}
+    if server.state.error:
+        body["error"] = server.state.error
+    return JSONResponse(body, status_code=200 if (is_ready if kind == "ready" else is_live) else 503)
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
@@ -121,12 +140,28 @@ def _model_card(server: ServerContext) -> dict[str, Any]:
 async def list_models(request: Request) -> dict[str, Any]:
     """The served model, with our metadata: `pipeline`, `default_size`, `sizes` (the sizes it draws; others are a
     400) and `edits` (task -> pipeline serving `/v1/images/edits`)."""
-    return {"object": "list", "data": [_model_card(server_of(request))]}
+    server = server_of(request)
+    return {"object": "list", "data": [_model_card(server), *map(functools.partial(_adapter_card, server),
+                                                                    _adapters(server))]}
+
+
+def _adapters(server: ServerContext) -> list[str]:
+    model = server.state.model
+    return model.lora.names() if model is not None and model.lora is not None else []
+
+
+def _adapter_card(server: ServerContext, name: str) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists one: a model whose `parent` is the served model (`model=NAME` picks it)."""
+    model = server.state.model
+    return {"id": name, "object": "model", "created": model.created, "owned_by": "diffusers-stepbatch",
+            "parent": server.config.model_name}
 
 
 @v1.get("/models/{name:path}", responses={404: _ERRORS[404]})
 async def get_model(name: str, request: Request) -> dict[str, Any]:
     server = server_of(request)
+    if name in _adapters(server):
+        return _adapter_card(server, name)
     if name != server.config.model_name:
         raise APIError(404, f"model {name!r} does not exist; this server serves {server.config.model_name!r}",
                        param="model", code="model_not_found")
@@ -213,14 +248,23 @@ async def edits(request: Request) -> Any:
 async def _answer(server: ServerContext, generation: Generation, request: Request, on_end: Any = None) -> Any:
     """Run a planned request to its JSON answer or its stream of events; `end` runs once, when it is over."""
     served = server.state.model
+    lora = served.lora if "adapters" in generation.kwargs else None
+    if lora is not None:
+        await lora.admit(list(generation.kwargs["adapters"]))  # NOTE: may wait for an adapter to load
     watch = DisconnectWatch(request.receive)
     entry = server.live.start(generation)
     server.http_metrics.generations.inc()
+    started = time.perf_counter()
 
     def end(status: str) -> None:
         watch.close()
         server.http_metrics.generations.dec()
         server.live.finish(entry, status)
+        if lora is not None:
+            lora.release()
+        if status == "done":
+            endpoint = "edits" if generation.kind == "edit" else "generations"
+            server.request_metrics.observe(generation.sb, generation.request_ids, endpoint, served.name, started)
         if on_end is not None:
             on_end()
 

@@ -57,7 +57,19 @@ class SizeRange:
 
         return min(self.sizes(), key=distance)
 
+    def listed(self, most: int = 160) -> list[tuple[int, int]]:
+        """Accepted sizes to offer (the page's menu): all of them, or those on a coarser grid where there are more
+        than `most` (every accepted size is still taken)."""
+        step = self.multiple
+        while True:
+            first = -(-self.min_side // step) * step
+            sides = range(first, self.max_side + 1, step)
+            listed = [(w, h) for h in sides for w in sides if self.accepts(w, h)]
+            if len(listed) <= most or len(sides) <= 2:
+                return listed
+            step *= 2
+
     def card(self) -> dict[str, Any]:
         """The `/v1/models` metadata."""
         return {"min_side": self.min_side, "max_side": self.max_side, "multiple": self.multiple,
-                "max_aspect_ratio": self.max_aspect, "sizes": [f"{w}x{h}" for w, h in self.sizes()]}
+                "max_aspect_ratio": self.max_aspect, "sizes": [f"{w}x{h}" for w, h in self.listed()]}

@@ -13,7 +13,7 @@ from .protocol import APIError
 
 
 class ServerState:
-    """Where the server is in its life: "loading" -> "ready" (or "failed") -> "stopping"."""
+    """Where the server is in its life: "loading" -> ("warming" ->) "ready" (or "failed") -> "stopping"."""
 
     def __init__(self):
         self.phase = "loading"
@@ -35,16 +35,28 @@ class ServerContext:
     http_metrics: HTTPMetrics
     live: LiveRequests = field(default_factory=LiveRequests)
     videos: Any = None  # the video jobs (`video_jobs.VideoJobs`), made by the first videos request
+    request_metrics: Any = None  # `request_metrics.RequestMetrics`: per-request histograms
+
+    def condition(self) -> tuple[str, bool, bool]:
+        """(status, live, ready): "ok" once loaded and the engine thread runs; "engine_dead" once it died."""
+        state = self.state
+        if state.phase == "ready" and state.model is not None and not state.model.engine_alive():
+            return "engine_dead", False, False
+        return ("ok" if state.phase == "ready" else state.phase), state.phase != "failed", state.phase == "ready"
 
     def ready_model(self, requested: str | None) -> ServingModel:
-        """The served model, or a 503 (not ready) / 404 (another model's name)."""
+        """The served model, or a 503 (not ready) / 404 (another model's name). A LoRA adapter's name (as vLLM
+        lists adapters) is the served model with that adapter."""
         state, config = self.state, self.config
-        if state.phase != "ready" or state.model is None:
+        status, _, ready = self.condition()
+        if not ready or state.model is None:
             reason = {"loading": "the model is still loading", "stopping": "the server is shutting down",
-                      "failed": f"the model failed to load ({state.error})"}.get(state.phase, state.phase)
-            raise APIError(503, f"{reason}; retry later", type="server_error", code=f"server_{state.phase}",
+                      "failed": f"the model failed to load ({state.error})",
+                      "engine_dead": "the engine stopped", "warming": "the server is warming up"}.get(status, status)
+            raise APIError(503, f"{reason}; retry later", type="server_error", code=f"server_{status}",
                            headers={"Retry-After": str(max(1, config.retry_after_s))})
-        if requested is not None and requested != state.model.name:
+        adapters = state.model.lora.names() if state.model.lora is not None else ()
+        if requested is not None and requested != state.model.name and requested not in adapters:
             raise APIError(404, f"model={requested!r} does not exist; this server serves {state.model.name!r}",
                            param="model", code="model_not_found")
         return state.model

@@ -12,11 +12,13 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .config import ServeConfig
+from .extra_fields import extra_arguments
+from .generation import check_steps, lora_arguments
 from .model import ServingModel
-from .protocol import ImageReference, bad_request, parse_size
+from .protocol import ImageReference, bad_request, lora_from_text, parse_size
 
 # Pipeline argument -> the request field a client sets it with (the `param` of a 400 about that argument).
 VIDEO_FIELD_OF_ARGUMENT = {"prompt": "prompt", "height": "size", "width": "size", "num_frames": "num_frames",
@@ -28,9 +30,10 @@ _EXTRA_ARGUMENTS = ("negative_prompt", "num_inference_steps", "guidance_scale", 
 
 class VideoCreateRequest(BaseModel):
     """`POST /v1/videos`: a multipart form (OpenAI's client sends one; `input_reference` a file) or this JSON
-    (`input_reference` an image reference). Unknown fields are ignored."""
+    (`input_reference` an image reference). Another field must be an argument of the pipeline's `__call__`
+    (passed on), else a 400."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     prompt: str = Field(description="What the video shows (at most the server's --max-prompt-chars characters)")
     model: str | None = Field(None, description="The served model's name; another is a 404")
@@ -46,6 +49,12 @@ class VideoCreateRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63, description="Extra: a CPU torch.Generator seed")
     priority: int = Field(0, description="Extra: admission order under the 'priority' policy")
     user: str | None = Field(None, description="An end-user id; the web page's live panel names requests by it")
+    lora: dict[str, float] | None = Field(None, description="Extra: LoRA adapters by name -> weight (/v1/models)")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_from_form(cls, value: Any) -> Any:
+        return lora_from_text(value)
 
 
 @dataclass
@@ -107,6 +116,9 @@ def plan_video(model: ServingModel, body: VideoCreateRequest, image: Any, config
             raise bad_request(f"{name}={value!r} is not an argument of {pipe_name}; leave it out", name,
                               code="unsupported_parameter")
         kwargs[name] = value
+    kwargs.update(extra_arguments(body.model_extra, type(model.sb.pipe), set(VideoCreateRequest.model_fields)))
+    kwargs.update(lora_arguments(model, body.lora, body.model))
+    check_steps(model, kwargs.get("num_inference_steps"))
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     import torch
 
@@ -194,4 +206,5 @@ def video_card(model: ServingModel) -> dict[str, Any]:
     return {"pipeline": type(model.sb.pipe).__name__, "kind": "video", "default_size": f"{width}x{height}",
             "sizes": None, "edits": {},
             "video": {"image_to_video": model.image_to_video, "size_multiple": size_multiple(model),
-                      "frame_multiple": frame_multiple(model), "default_frames": default_frames(model)}}
+                      "frame_multiple": frame_multiple(model), "default_frames": default_frames(model)},
+            **model.defaults_card()}

@@ -20,7 +20,7 @@ from .errors import engine_error
 from .inputs import _fetch as fetch_reference
 from .inputs import decode_image
 from .model import ServingModel
-from .protocol import APIError, ErrorResponse, bad_request
+from .protocol import APIError, ErrorResponse, bad_request, fold_brackets
 from .routes import authorize
 from .state import ServerContext
 from .video_jobs import SPRITESHEET_FILE, TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE, VideoJobs
@@ -110,7 +110,7 @@ async def _read_body(request: Request, server: ServerContext) -> tuple[VideoCrea
 
 def _validated(fields: dict[str, str]) -> VideoCreateRequest:
     try:
-        return VideoCreateRequest.model_validate(fields)
+        return VideoCreateRequest.model_validate(fold_brackets(fields))
     except ValidationError as exc:
         raise _first_error(exc) from None
 
@@ -133,6 +133,9 @@ async def create_video(request: Request) -> JSONResponse:
     served = _video_model(server, body.model)
     plan = plan_video(served, body, image, server.config)
     jobs = video_jobs(server)
+    lora = served.lora if "adapters" in plan.kwargs else None
+    if lora is not None:
+        await lora.admit(list(plan.kwargs["adapters"]))  # NOTE: until submitted; the engine's queue holds it then
     try:
         job = await run_in_threadpool(jobs.create, served, plan)  # NOTE: planning an I2V call preprocesses the image
     except APIError:
@@ -143,6 +146,9 @@ async def create_video(request: Request) -> JSONResponse:
         if error.status == 400 and argument in VIDEO_FIELD_OF_ARGUMENT:  # NOTE: `image` is `input_reference` here
             error.param = VIDEO_FIELD_OF_ARGUMENT[argument]
         raise error from exc
+    finally:
+        if lora is not None:
+            lora.release()
     return JSONResponse(job.to_object())
 
 

@@ -1,5 +1,6 @@
-// The web page: generate and edit through the server's OpenAI API (streamed partial images), a gallery of this
-// tab's results, and a live panel of the engine (GET /v1/engine/live). Plain JS, no build step, no CDN.
+// The web page: generate and edit through the server's OpenAI API (streamed partial images), a gallery of the
+// results (kept in the browser's storage; download, "edit this"), and a live panel of the engine
+// (GET /v1/engine/live). Plain JS, no build step, no CDN.
 "use strict";
 const $ = (id) => document.getElementById(id);
 const TAB = "tab-" + Math.random().toString(16).slice(2, 6);  // sent as `user`: the live panel names forwards by it
@@ -11,6 +12,8 @@ window.liveMaxUsers = 0;    // the most tabs / users seen in one forward
 let mode = "generate";
 let sizes = null;           // the model's size range from /v1/models (null: any size)
 let defaultSize = "64x64";
+const GALLERY_KEY = "stepbatch-gallery";
+const GALLERY_MOST = 24;    // NOTE: data URLs in localStorage (about 5 MB): the newest only
 
 function headers(extra = {}) {
   const h = { ...extra };
@@ -32,6 +35,15 @@ async function loadModel() {
       (edits.length ? `Edits: ${edits.join(", ")}. ` : "No edits. ") +
       "Requests from every tab and user share the engine's denoising batches.";
     if (!edits.length) $("mode-edit").disabled = true;
+    const takes = new Set(card.arguments || []);
+    for (const element of document.querySelectorAll("[data-argument]")) element.hidden = !takes.has(element.dataset.argument);
+    const defaults = card.call_defaults || {};
+    if (defaults.num_inference_steps) $("steps").value = defaults.num_inference_steps;
+    if (defaults.guidance_scale !== undefined) $("guidance").placeholder = `model default (${defaults.guidance_scale})`;
+    if (defaults.true_cfg_scale !== undefined) $("true-cfg").placeholder = `model default (${defaults.true_cfg_scale})`;
+    const adapters = (card.lora && card.lora.adapters) || [];
+    for (const name of adapters) $("lora").add(new Option(name, name));
+    for (const element of document.querySelectorAll(".lora-field")) element.hidden = !adapters.length;
     fillSizes();
   } catch (error) { /* the page still works with the defaults */ }
 }
@@ -51,6 +63,7 @@ function setMode(next) {
   $("mode-edit").setAttribute("aria-pressed", String(mode === "edit"));
   $("edit-area").classList.toggle("on", mode === "edit");
   $("submit").textContent = mode === "edit" ? "Edit" : "Generate";
+  for (const element of document.querySelectorAll(".edit-field")) element.hidden = mode !== "edit";
   fillSizes();
 }
 
@@ -122,6 +135,12 @@ async function buildRequest() {
   const params = { prompt: $("prompt").value, size: $("size").value, num_inference_steps: Number(field("steps")),
                    stream: true, partial_images: Number(field("partials")), user: TAB, model: $("model").textContent };
   if (field("seed") !== "") params.seed = Number(field("seed"));
+  const shown = (id) => !$(id).hidden && field(id) !== "";
+  if (shown("negative")) params.negative_prompt = field("negative");
+  if (shown("guidance")) params.guidance_scale = Number(field("guidance"));
+  if (shown("true-cfg")) params.true_cfg_scale = Number(field("true-cfg"));
+  if (shown("n") && Number(field("n")) > 1) params.n = Number(field("n"));
+  if (!$("lora-row").hidden && $("lora").value) params.lora = { [$("lora").value]: Number(field("lora-weight")) };
   if (mode === "generate") {
     return { url: "/v1/images/generations", params,
              init: { method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(params) } };
@@ -132,22 +151,79 @@ async function buildRequest() {
   form.append("image", $("edit-image").files[0]);
   if (uploadedMask) form.append("mask", uploadedMask);
   else if (painted) form.append("mask", await maskBlob(), "mask.png");
-  for (const [key, value] of Object.entries(params)) form.append(key, String(value));
+  for (const [key, value] of Object.entries(params)) {
+    form.append(key, typeof value === "object" ? JSON.stringify(value) : String(value));
+  }
   params.mask = uploadedMask ? "uploaded" : painted ? "drawn" : "none";
   return { url: "/v1/images/edits", params, init: { method: "POST", headers: headers(), body: form } };
 }
 
-function addCard(params) {
-  const card = document.createElement("div");
-  card.className = "card";
+function describe(params) {
   const details = [mode, params.size, `${params.num_inference_steps} steps`, `seed ${params.seed ?? "random"}`];
+  if (params.negative_prompt) details.push(`not "${params.negative_prompt}"`);
+  if (params.guidance_scale !== undefined) details.push(`guidance ${params.guidance_scale}`);
+  if (params.true_cfg_scale !== undefined) details.push(`true CFG ${params.true_cfg_scale}`);
+  if (params.lora) details.push(`LoRA ${Object.entries(params.lora).map(([k, v]) => `${k} ${v}`).join(", ")}`);
   if (params.strength !== undefined) details.push(`strength ${params.strength}`);
   if (params.mask) details.push(`mask ${params.mask}`);
-  card.innerHTML = `<img alt=""><progress max="1" value="0"></progress><div class="prompt"></div><div class="meta"></div>`;
-  card.querySelector(".prompt").textContent = params.prompt;
-  card.querySelector(".meta").textContent = details.join(" · ");
+  return details.join(" · ");
+}
+
+function addCard(prompt, meta) {
+  const card = document.createElement("div");
+  card.className = "card";
+  card.innerHTML = `<img alt=""><progress max="1" value="0"></progress><div class="prompt"></div><div class="meta"></div>` +
+    `<div class="actions" hidden><a class="download">download</a><button type="button" class="edit-this">edit this</button></div>`;
+  card.querySelector(".prompt").textContent = prompt;
+  card.querySelector(".meta").textContent = meta;
+  card.querySelector(".edit-this").addEventListener("click", () => editFrom(card.querySelector("img").src));
   $("gallery").prepend(card);
   return card;
+}
+
+// A finished card: its download link and "edit this" action, and its place in the stored gallery.
+function finishCard(card, store = true) {
+  const source = card.querySelector("img").src;
+  const link = card.querySelector(".download");
+  link.href = source;
+  link.download = `stepbatch-${Date.now()}.${source.slice(11, source.indexOf(";"))}`;
+  card.querySelector(".actions").hidden = false;
+  card.querySelector("progress").hidden = true;
+  if (store) storeCard({ src: source, prompt: card.querySelector(".prompt").textContent,
+                         meta: card.querySelector(".meta").textContent, ratio: card.style.getPropertyValue("--ratio") });
+}
+
+function storedCards() {
+  try { return JSON.parse(localStorage.getItem(GALLERY_KEY)) || []; } catch (error) { return []; }
+}
+
+function storeCard(entry) {
+  const cards = [...storedCards(), entry].slice(-GALLERY_MOST);
+  while (cards.length) {
+    try { localStorage.setItem(GALLERY_KEY, JSON.stringify(cards)); return; }
+    catch (error) { cards.shift(); }  // NOTE: over the browser's quota: drop the oldest
+  }
+}
+
+function restoreGallery() {
+  for (const entry of storedCards()) {
+    const card = addCard(entry.prompt, entry.meta);
+    card.querySelector("img").src = entry.src;
+    if (entry.ratio) card.style.setProperty("--ratio", entry.ratio);
+    finishCard(card, false);
+  }
+}
+
+// "edit this": a gallery image becomes the edit's input image.
+async function editFrom(source) {
+  const blob = await (await fetch(source)).blob();
+  const file = new File([blob], "gallery.png", { type: blob.type });
+  const files = new DataTransfer();
+  files.items.add(file);
+  $("edit-image").files = files.files;
+  setMode("edit");
+  await loadImage(file);
+  $("prompt").focus();
 }
 
 async function submit(event) {
@@ -158,7 +234,10 @@ async function submit(event) {
   let card = null;
   try {
     const request = await buildRequest();
-    card = addCard(request.params);
+    const meta = describe(request.params);
+    const cards = [addCard(request.params.prompt, meta)];
+    card = cards[0];
+    let done = 0;
     const started = performance.now();
     $("status").textContent = "queued...";
     const response = await fetch(request.url, request.init);
@@ -168,6 +247,9 @@ async function submit(event) {
     }
     const total = request.params.partial_images + 1;
     await readEvents(response, (data) => {
+      const index = data.image_index || 0;
+      while (cards.length <= index) cards.push(addCard(request.params.prompt, meta));
+      card = cards[index];
       const image = card.querySelector("img");
       if (data.type.endsWith(".partial_image") || data.type.endsWith(".completed")) {
         image.src = `data:image/${data.output_format};base64,${data.b64_json}`;
@@ -182,7 +264,9 @@ async function submit(event) {
         const seconds = ((performance.now() - started) / 1000).toFixed(1);
         card.querySelector("progress").value = 1;
         card.querySelector(".meta").textContent += ` · ${data.size} · ${seconds} s`;
-        window.completed = true;
+        finishCard(card);
+        done += 1;
+        window.completed = done === (request.params.n || 1);
         window.completedCount += 1;
         $("status").textContent = `done: ${data.size}, ${data.usage.output_tokens} image tokens`;
       } else if (data.type === "error") {
@@ -260,6 +344,8 @@ function drawLive(live) {
 $("mode-generate").addEventListener("click", () => setMode("generate"));
 $("mode-edit").addEventListener("click", () => setMode("edit"));
 $("form").addEventListener("submit", submit);
+for (const element of document.querySelectorAll(".edit-field")) element.hidden = true;
+restoreGallery();
 setupDrawing();
 loadModel();
 pollLive();
