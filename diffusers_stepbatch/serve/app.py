@@ -27,6 +27,7 @@ from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
 from .video_routes import page_router as video_page_router
 from .video_routes import router as video_router
+from .video_routes import video_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +48,15 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
 
     config = config or ServeConfig()
     registry = CollectorRegistry()
-    server = ServerContext(config=config, state=ServerState(), registry=registry, http_metrics=HTTPMetrics(registry))
+    server = ServerContext(config=config, state=ServerState(), registry=registry, http_metrics=HTTPMetrics(registry),
+                           replica=replica)
     state = server.state
 
     def attach(loaded: ServingModel) -> None:
         loaded.sb.register_prometheus(registry)
         state.model = loaded
+        if loaded.makes_videos:  # NOTE: stored jobs (a restart, a dead replica's) run without waiting for a client
+            video_jobs(server).start(loaded)
         if state.phase == "loading":
             state.phase = "ready"
 
@@ -73,7 +77,7 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         yield
         state.begin_shutdown()
         if server.videos is not None:
-            await asyncio.to_thread(server.videos.close)  # NOTE: cancels running video jobs, deletes their files
+            await asyncio.to_thread(server.videos.close)  # NOTE: cancels running video jobs; finished ones stay
         if loading is not None:
             await loading  # NOTE: a load can't be interrupted; close what it made
         if state.model is not None and (loading is not None if close_model is None else close_model):

@@ -32,6 +32,12 @@ class ServeConfig:
         video_dir, video_retention_s, max_video_jobs: where video jobs keep their files (None: a temporary
             folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
             frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
+        state_dir, jobs_db: where video jobs are kept: a SQLite database in `state_dir` (default: `video_dir`,
+            else a temporary folder removed at exit) or any SQLAlchemy URL (PostgreSQL for replicas, which then
+            share one `video_dir`); resume: run jobs that were running when a server stopped again from step 0
+            (False: fail them); job_lease_s: how long a replica's claim on a job lasts without renewal (another
+            replica takes the job after that); jobs_poll_s: the heartbeat (lease renewal, cancels from other
+            replicas, jobs to take over); replica_name: this server among replicas (default: host:port).
     """
 
     model: str = TOY_MODEL
@@ -67,6 +73,13 @@ class ServeConfig:
     video_fps: int = 16
     max_video_frames: int = 257
     video_preview_every: int = 0
+    # durable jobs and replicas (docs/guides/serving.md, "Jobs, storage and replicas")
+    state_dir: str | None = None
+    jobs_db: str | None = None
+    resume: bool = True
+    job_lease_s: float = 30.0
+    jobs_poll_s: float = 0.5
+    replica_name: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -85,6 +98,14 @@ class ServeConfig:
                      "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.state_dir is None and self.video_dir is not None:
+            self.state_dir = self.video_dir  # NOTE: the jobs database sits beside the videos it describes
+        if self.jobs_db is not None and self.video_dir is None and self.state_dir is None:
+            raise ValueError(f"jobs_db={self.jobs_db!r} needs a video_dir (or state_dir) every server using that "
+                             f"database reads: the videos of its jobs live there")
+        if not 0 < self.jobs_poll_s < self.job_lease_s:
+            raise ValueError(f"jobs_poll_s={self.jobs_poll_s} must be > 0 and below job_lease_s={self.job_lease_s} "
+                             f"(leases are renewed every poll)")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         elif self.api_key == "":
