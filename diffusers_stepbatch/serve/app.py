@@ -25,6 +25,7 @@ from .model import ServingModel, load_model
 from .protocol import APIError
 from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
+from .tenants import Tenants
 from .video_routes import page_router as video_page_router
 from .video_routes import router as video_router
 from .video_routes import video_jobs
@@ -49,7 +50,7 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     config = config or ServeConfig()
     registry = CollectorRegistry()
     server = ServerContext(config=config, state=ServerState(), registry=registry, http_metrics=HTTPMetrics(registry),
-                           replica=replica)
+                           replica=replica, tenants=Tenants.from_config(config))
     state = server.state
 
     def attach(loaded: ServingModel) -> None:

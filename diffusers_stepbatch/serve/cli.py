@@ -59,6 +59,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--max-video-frames", type=int, default=defaults.max_video_frames, help="most frames in one video")
     add("--video-preview-every", type=int, default=defaults.video_preview_every,
         help="a preview every this many steps on a video job's events (0: about ten per job)")
+    add("--api-keys", default=None, metavar="FILE", help="a TOML file of keys, each a tenant with its own limits "
+        "(requests per minute, concurrency, priority cap, sizes); replaces --api-key")
     jobs = parser.add_argument_group("video jobs and replicas")
     jobs.add_argument("--state-dir", default=None, help="where the server keeps its jobs database (SQLite; default: "
                       "--video-dir, else a temporary folder removed at exit)")

@@ -32,6 +32,7 @@ class ServeConfig:
         video_dir, video_retention_s, max_video_jobs: where video jobs keep their files (None: a temporary
             folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
             frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
+        api_keys: a TOML file of keys, each a tenant with its limits (`serve.tenants`); replaces `api_key`.
         state_dir, jobs_db: where video jobs are kept: a SQLite database in `state_dir` (default: `video_dir`,
             else a temporary folder removed at exit) or any SQLAlchemy URL (PostgreSQL for replicas, which then
             share one `video_dir`); resume: run jobs that were running when a server stopped again from step 0
@@ -73,6 +74,8 @@ class ServeConfig:
     video_fps: int = 16
     max_video_frames: int = 257
     video_preview_every: int = 0
+    # tenants (docs/guides/serving.md, "Tenants and keys")
+    api_keys: str | None = None
     # durable jobs and replicas (docs/guides/serving.md, "Jobs, storage and replicas")
     state_dir: str | None = None
     jobs_db: str | None = None
@@ -106,6 +109,13 @@ class ServeConfig:
         if not 0 < self.jobs_poll_s < self.job_lease_s:
             raise ValueError(f"jobs_poll_s={self.jobs_poll_s} must be > 0 and below job_lease_s={self.job_lease_s} "
                              f"(leases are renewed every poll)")
+        if self.api_keys is not None:
+            from .tenants import load_api_keys
+
+            try:
+                load_api_keys(self.api_keys)  # NOTE: a bad file fails the launch, not the first request
+            except OSError as exc:
+                raise ValueError(f"api_keys={self.api_keys!r}: {exc.strerror or exc}") from None
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         elif self.api_key == "":

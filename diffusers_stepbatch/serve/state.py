@@ -36,6 +36,7 @@ class ServerContext:
     live: LiveRequests = field(default_factory=LiveRequests)
     videos: Any = None  # the video jobs (`video_jobs.VideoJobs`), made by the first videos request
     replica: str | None = None  # this server among replicas (Ray Serve's replica name)
+    tenants: Any = None  # `tenants.Tenants` from --api-keys / --api-key; None: an open server
 
     def ready_model(self, requested: str | None) -> ServingModel:
         """The served model, or a 503 (not ready) / 404 (another model's name)."""

@@ -143,7 +143,7 @@ class VideoJobs:
                               has_reference=image is not None, lease_owner=self.replica,
                               lease_expires_at=now + self.config.job_lease_s, attempt=1, cancel_requested=False)
             try:
-                run = self._run(job_id, 1, plan, served)
+                run = self._run(job_id, 1, plan, served, tenant)
             except BaseException:
                 self.store.delete(job_id, finished_only=False)
                 shutil.rmtree(directory, ignore_errors=True)
@@ -161,7 +161,7 @@ class VideoJobs:
                                headers={"Retry-After": str(max(1, self.config.retry_after_s))})
             self._remove(oldest)
 
-    def _run(self, job_id: str, attempt: int, plan: VideoPlan, served: Any) -> LocalRun:
+    def _run(self, job_id: str, attempt: int, plan: VideoPlan, served: Any, tenant: str | None) -> LocalRun:
         """Submit one attempt to the engine (raises what `submit` raises)."""
         run = LocalRun(id=job_id, attempt=attempt, plan=plan, sb=served.sb, num_steps=plan.num_steps)
         previewer = _previewer(served.sb.pipe)
@@ -189,7 +189,7 @@ class VideoJobs:
         run.handle, run.request_id = handle, handle.request_id
         if self.live is not None:
             run.live_entry = self.live.start(SimpleNamespace(
-                user=plan.user, kind="video", task="image-to-video" if "image" in plan.kwargs else "text-to-video",
+                user=plan.user, tenant=tenant, kind="video", task="image-to-video" if "image" in plan.kwargs else "text-to-video",
                 width=plan.width, height=plan.height, num_steps=plan.num_steps, request_ids=[handle.request_id]))
         with self._lock:
             self._runs[job_id] = run
@@ -211,7 +211,7 @@ class VideoJobs:
                 with Image.open(self.root / job.id / REFERENCE_FILE) as opened:
                     image = opened.convert("RGB")
             plan = plan_video(self._served, VideoCreateRequest.model_validate(job.request), image, self.config)
-            self._run(job.id, attempt, plan, self._served)
+            self._run(job.id, attempt, plan, self._served, job.tenant)
         except Exception as exc:  # the server's settings changed since, or its input is gone: fail it, go on
             logger.exception("resuming %s failed", job.id)
             message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"

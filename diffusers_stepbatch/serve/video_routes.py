@@ -21,7 +21,8 @@ from .inputs import _fetch as fetch_reference
 from .inputs import decode_image
 from .model import ServingModel
 from .protocol import APIError, ErrorResponse, bad_request
-from .routes import authorize
+from .routes import authorize, key_of
+from .tenants import capped_priority, check_shape, owner_filter
 from .state import ServerContext
 from .video_jobs import SPRITESHEET_FILE, TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE, VideoJobs
 from .video_request import VIDEO_FIELD_OF_ARGUMENT, VideoCreateRequest, plan_video
@@ -133,8 +134,15 @@ async def create_video(request: Request) -> JSONResponse:
     served = _video_model(server, body.model)
     plan = plan_video(served, body, image, server.config)
     jobs = video_jobs(server)
+    key = key_of(request)
+    if key is not None:  # NOTE: the key's limits, its priority cap, and its tenant as the job's `user` and owner
+        check_shape(key, plan.width, plan.height, plan.num_steps, plan.num_frames)
+        server.tenants.take_request(key)
+        server.tenants.check_video_jobs(key, await run_in_threadpool(jobs.store.count, True, key.tenant))
+        plan.priority, plan.user = capped_priority(key, plan.priority), key.tenant
+    tenant = None if key is None else key.tenant
     try:  # NOTE: in a thread: submitting an I2V call preprocesses the image, and the job is a database write
-        job = await run_in_threadpool(jobs.create, served, plan, stored_request(body, plan), image)
+        job = await run_in_threadpool(jobs.create, served, plan, stored_request(body, plan), image, tenant)
     except APIError:
         raise
     except Exception as exc:
@@ -150,7 +158,8 @@ def stored_request(body: VideoCreateRequest, plan: Any) -> dict[str, Any]:
     """What the job store keeps to run the job again: the body with its seed, frames and size as planned (the
     input image is stored beside it as a file)."""
     request = body.model_dump(exclude_none=True, exclude={"input_reference", "seconds"})
-    request.update(seed=plan.seed, num_frames=plan.num_frames, size=plan.size, priority=plan.priority)
+    request.update(seed=plan.seed, num_frames=plan.num_frames, size=plan.size, priority=plan.priority,
+                   user=plan.user)
     return request
 
 
@@ -158,14 +167,15 @@ def stored_request(body: VideoCreateRequest, plan: Any) -> dict[str, Any]:
 async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                       order: str = Query("desc", pattern="^(asc|desc)$")) -> dict[str, Any]:
     """The server's video jobs (until they expire), newest first by default; `after` is the last id seen."""
-    return await run_in_threadpool(video_jobs(_server(request)).page, limit, after, order)
+    return await run_in_threadpool(video_jobs(_server(request)).page, limit, after, order,
+                                   owner_filter(key_of(request)))
 
 
 @router.get("/videos/{video_id}", responses={404: _ERRORS[404]})
 async def retrieve_video(video_id: str, request: Request) -> JSONResponse:
     """The video object: `status`, `progress` (0-100), `error` for a failed job."""
     jobs = video_jobs(_server(request))
-    job = await run_in_threadpool(jobs.get, video_id)
+    job = await run_in_threadpool(jobs.get, video_id, owner_filter(key_of(request)))
     headers = {} if job.finished else {"openai-poll-after-ms": _POLL_AFTER_MS}
     return JSONResponse(jobs.object(job), headers=headers)
 
@@ -174,7 +184,7 @@ async def retrieve_video(video_id: str, request: Request) -> JSONResponse:
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
     """A finished job: deleted with its files (`deleted: true`). A queued or running one: cancelled between two
     denoising steps (`deleted: false, cancelled: true`); it stays listed as `failed` (code "cancelled")."""
-    return await run_in_threadpool(video_jobs(_server(request)).delete, video_id)
+    return await run_in_threadpool(video_jobs(_server(request)).delete, video_id, owner_filter(key_of(request)))
 
 
 @router.get("/videos/{video_id}/content", response_class=FileResponse,
@@ -189,7 +199,7 @@ async def video_content(video_id: str, request: Request, variant: str = "video")
     if variant not in files:
         raise bad_request(f"variant={variant!r} is not served; use 'video' (the MP4), 'thumbnail' or 'spritesheet'",
                           "variant", code="unsupported_parameter")
-    job = await run_in_threadpool(jobs.get, video_id)
+    job = await run_in_threadpool(jobs.get, video_id, owner_filter(key_of(request)))
     name, media_type = files[variant]
     return FileResponse(jobs.file(job, name), media_type=media_type, filename=f"{job.id}.{name.rsplit('.', 1)[1]}")
 
@@ -201,7 +211,7 @@ async def video_events(video_id: str, request: Request) -> StreamingResponse:
     predicted video at latent resolution), then `video.completed` or `video.failed` with the video object.
     Leaving the stream leaves the job running."""
     jobs = video_jobs(_server(request))
-    job = await run_in_threadpool(jobs.get, video_id)
+    job = await run_in_threadpool(jobs.get, video_id, owner_filter(key_of(request)))
     return StreamingResponse(_sse(jobs.events(job)), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
