@@ -12,13 +12,18 @@ exactly one replica holds a job at a time, and only the holder of the current at
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
+logger = logging.getLogger(__name__)
+
 FINISHED = ("completed", "failed")
+CANCEL_CHANNEL = "stepbatch_video_cancel"
 UNFINISHED = ("queued", "in_progress")
 
 metadata = sa.MetaData()
@@ -203,18 +208,43 @@ class JobStore:
             return connection.execute(query).rowcount == 1
 
     def request_cancel(self, job_id: str) -> bool:
-        """Flag an unfinished job for cancelling (its holder reads the flag between steps); False if finished."""
+        """Flag an unfinished job for cancelling; False if it is finished. On PostgreSQL the flag is also a
+        notification, so the replica running the job aborts it at once (its next step boundary)."""
         query = (JOBS.update().where(JOBS.c.id == job_id, JOBS.c.status.in_(UNFINISHED))
                  .values(cancel_requested=True))
         with self.engine.begin() as connection:
-            return connection.execute(query).rowcount == 1
+            flagged = connection.execute(query).rowcount == 1
+            if flagged and self.notifies:
+                connection.execute(sa.select(sa.func.pg_notify(CANCEL_CHANNEL, job_id)))  # sent on commit
+        return flagged
+
+    @property
+    def notifies(self) -> bool:
+        return self.engine.dialect.name == "postgresql"
+
+    def listen_cancels(self, on_cancel: Callable[[str], None], stop: threading.Event) -> None:
+        """Call `on_cancel(job_id)` for every cancel made through any replica, until `stop` is set (PostgreSQL's
+        LISTEN; blocking: run it in a thread). Reconnects after a lost connection."""
+        import psycopg
+
+        dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        while not stop.is_set():
+            try:
+                with psycopg.connect(dsn, autocommit=True) as connection:
+                    connection.execute(f"LISTEN {CANCEL_CHANNEL}")
+                    while not stop.is_set():
+                        for notice in connection.notifies(timeout=0.5):
+                            on_cancel(notice.payload)
+            except psycopg.Error:
+                logger.warning("listening for cancels failed; retrying", exc_info=True)
+                stop.wait(1.0)
 
     def claim(self, job: JobRecord, owner: str, lease_s: float, now: float) -> int | None:
         """Take `job` for a new attempt if it is still as `job` read it; the attempt number, or None if another
         replica took it first (the conditional UPDATE is what makes the claim exclusive)."""
         query = (JOBS.update()
                  .where(JOBS.c.id == job.id, JOBS.c.attempt == job.attempt, JOBS.c.status.in_(UNFINISHED))
-                 .values(lease_owner=owner, lease_expires_at=now + lease_s, attempt=job.attempt + 1))
+                 .values(lease_owner=owner, lease_expires_at=now + lease_s, attempt=job.attempt + 1, step=0))
         with self.engine.begin() as connection:
             return job.attempt + 1 if connection.execute(query).rowcount == 1 else None
 

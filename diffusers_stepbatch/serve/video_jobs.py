@@ -123,6 +123,17 @@ class VideoJobs:
         self._served = served
         self._heartbeat = threading.Thread(target=self._beat_loop, name="stepbatch-video-heartbeat", daemon=True)
         self._heartbeat.start()
+        if self.store.notifies:  # NOTE: a cancel through another replica arrives now, not at the next heartbeat
+            threading.Thread(target=self.store.listen_cancels, args=(self._cancel_local, self._closed),
+                             name="stepbatch-video-cancels", daemon=True).start()
+
+    def _cancel_local(self, job_id: str) -> None:
+        with self._lock:
+            run = self._runs.get(job_id)
+            if run is None or run.ended or run.cancel_requested:
+                return
+            run.cancel_requested = True
+        run.handle.abort()  # between two steps; its done callback marks it failed
 
     # ------------------------------------------------------------------------------------------ create
     def create(self, served: Any, plan: VideoPlan, request: dict[str, Any], image: Any,
@@ -276,8 +287,8 @@ class VideoJobs:
         return {"finished_at": now, "expires_at": now + self.config.video_retention_s}
 
     def _fail(self, run: LocalRun, code: str, message: str, kind: str = "invalid_request_error") -> None:
-        held = self.store.finish(run.id, self.replica, run.attempt, status="failed", error=_error(code, message, kind),
-                                 **self._finished_values())
+        held = self.store.finish(run.id, self.replica, run.attempt, status="failed", step=run.step,
+                                 error=_error(code, message, kind), **self._finished_values())
         self._end(run, "failed" if held else None)
 
     def _end(self, run: LocalRun, status: str | None) -> None:
@@ -335,9 +346,8 @@ class VideoJobs:
                                run.attempt)
                 run.lease_lost = True
                 run.handle.abort()
-            elif run.id in cancelled and not run.cancel_requested:
-                run.cancel_requested = True
-                run.handle.abort()  # between two steps; its done callback marks it failed
+            elif run.id in cancelled:
+                self._cancel_local(run.id)
         if self._closing:
             return
         for job in self.store.claimable(time.time(), adopt):
@@ -435,12 +445,8 @@ class VideoJobs:
         delete a finished one and its files."""
         job = self.get(video_id, tenant)
         if not job.finished and self.store.request_cancel(job.id):
-            with self._lock:
-                run = self._runs.get(job.id)
-                if run is not None and not run.ended:
-                    run.cancel_requested = True
-                    run.handle.abort()  # between two steps; its done callback marks it failed
-            # NOTE: a job another replica runs stops at its next heartbeat, between two of its steps
+            self._cancel_local(job.id)
+            # NOTE: a job another replica runs stops at the notification (PostgreSQL) or its next heartbeat
             return {"id": job.id, "object": "video.deleted", "deleted": False, "cancelled": True,
                     "status": self.object(job)["status"]}
         self._remove(self.get(video_id, tenant))
