@@ -61,6 +61,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="a preview every this many steps on a video job's events (0: about ten per job)")
     add("--api-keys", default=None, metavar="FILE", help="a TOML file of keys, each a tenant with its own limits "
         "(requests per minute, concurrency, priority cap, sizes); replaces --api-key")
+    add("--fair-share", action=argparse.BooleanOptionalAction, default=defaults.fair_share,
+        help="share denoising rows between tenants by their keys' weights (deficit round robin), the --policy "
+             "ordering requests within a tenant")
     jobs = parser.add_argument_group("video jobs and replicas")
     jobs.add_argument("--state-dir", default=None, help="where the server keeps its jobs database (SQLite; default: "
                       "--video-dir, else a temporary folder removed at exit)")

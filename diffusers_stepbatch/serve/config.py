@@ -33,6 +33,8 @@ class ServeConfig:
             folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
             frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
         api_keys: a TOML file of keys, each a tenant with its limits (`serve.tenants`); replaces `api_key`.
+        fair_share: share denoising rows between tenants by their keys' weights (deficit round robin), the
+            policy ordering requests within a tenant; without keys there is one tenant and nothing changes.
         state_dir, jobs_db: where video jobs are kept: a SQLite database in `state_dir` (default: `video_dir`,
             else a temporary folder removed at exit) or any SQLAlchemy URL (PostgreSQL for replicas, which then
             share one `video_dir`); resume: run jobs that were running when a server stopped again from step 0
@@ -76,6 +78,7 @@ class ServeConfig:
     video_preview_every: int = 0
     # tenants (docs/guides/serving.md, "Tenants and keys")
     api_keys: str | None = None
+    fair_share: bool = True
     # durable jobs and replicas (docs/guides/serving.md, "Jobs, storage and replicas")
     state_dir: str | None = None
     jobs_db: str | None = None
@@ -121,6 +124,15 @@ class ServeConfig:
         elif self.api_key == "":
             self.api_key = None
         self.scheduler_config()  # validates the scheduler fields now, with SchedulerConfig's own messages
+
+    @property
+    def tenant_weights(self) -> dict[str, float] | None:
+        """Each tenant's weight from `api_keys` (the engine's fair share)."""
+        if self.api_keys is None:
+            return None
+        from .tenants import Tenants, load_api_keys
+
+        return Tenants(load_api_keys(self.api_keys)).weights()
 
     @property
     def model_name(self) -> str:

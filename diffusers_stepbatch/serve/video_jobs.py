@@ -195,7 +195,7 @@ class VideoJobs:
                     pass
             return {}
 
-        handle = served.sb.submit(priority=plan.priority, callback_on_step_end=on_step_end,
+        handle = served.sb.submit(priority=plan.priority, tenant=tenant, callback_on_step_end=on_step_end,
                                   callback_on_step_end_tensor_inputs=["latents"], **plan.kwargs)
         run.handle, run.request_id = handle, handle.request_id
         if self.live is not None:
