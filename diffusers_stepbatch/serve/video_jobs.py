@@ -264,7 +264,9 @@ class VideoJobs:
         try:
             target.mkdir(parents=True, exist_ok=True)
             frames = to_uint8(output.frames[0])
-            write_mp4(frames, target / VIDEO_FILE, run.plan.fps)
+            audio = getattr(output, "audio", None)  # NOTE: LTX-2's waveforms [batch, channels, samples]
+            write_mp4(frames, target / VIDEO_FILE, run.plan.fps, audio=None if audio is None else audio[0],
+                      audio_sample_rate=_audio_sample_rate(run.sb.pipe))
             write_thumbnail(frames, target / THUMBNAIL_FILE)
             write_spritesheet(frames, target / SPRITESHEET_FILE)
         except Exception as exc:  # the job fails, the server goes on
@@ -490,6 +492,13 @@ class VideoJobs:
         self.store.close()
         if self._owns_state:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+def _audio_sample_rate(pipe: Any) -> int | None:
+    """The rate of a pipeline's audio waveforms: its vocoder's output rate (LTX-2), else what it declares."""
+    vocoder = getattr(pipe, "vocoder", None)
+    rate = getattr(getattr(vocoder, "config", None), "output_sampling_rate", None)
+    return rate or getattr(pipe, "audio_sampling_rate", None)
 
 
 def _previewer(pipe: Any) -> VideoPreviewer | None:

@@ -159,7 +159,7 @@ def stored_request(body: VideoCreateRequest, plan: Any) -> dict[str, Any]:
     input image is stored beside it as a file)."""
     request = body.model_dump(exclude_none=True, exclude={"input_reference", "seconds"})
     request.update(seed=plan.seed, num_frames=plan.num_frames, size=plan.size, priority=plan.priority,
-                   user=plan.user)
+                   user=plan.user, fps=plan.fps)
     return request
 
 
