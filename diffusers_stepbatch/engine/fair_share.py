@@ -1,12 +1,7 @@
 """`FairShare`: deficit round robin over tenants, deciding whose waiting request is admitted next.
 
-Each tenant with waiting requests is visited in turn; a visit adds `weight x quantum` to its deficit, and the
-tenant's next request (in the scheduler's own policy order) is admitted once the deficit covers its cost, its
-rows times its remaining steps: what it will take of the denoising batches. So under contention tenants get
-row-steps in proportion to their weights, whatever the size of another tenant's burst; a tenant whose queue
-empties starts its next backlog from a zero deficit (DRR's rule: no credit saved while idle).
-
-Pure Python, no torch: the scheduler calls `pick` for the next candidate and `charge` when it admits it.
+A visit adds `weight x quantum` to a tenant's deficit; its next request (in the policy's order) is admitted once
+the deficit covers its cost, rows x remaining steps. A tenant whose queue empties keeps no credit (DRR's rule).
 
 >>> share = FairShare({"alice": 1.0, "bob": 2.0})
 >>> nxt = share.pick({"alice": [r1, r2], "bob": [r3]}); share.charge(nxt)

@@ -32,15 +32,9 @@ class ServeConfig:
         video_dir, video_retention_s, max_video_jobs: where video jobs keep their files (None: a temporary
             folder), how long a finished one is kept, how many are kept; video_fps, max_video_frames: the MP4s'
             frame rate (`seconds * fps + 1` frames) and longest video; video_preview_every: steps between previews.
-        api_keys: a TOML file of keys, each a tenant with its limits (`serve.tenants`); replaces `api_key`.
-        fair_share: share denoising rows between tenants by their keys' weights (deficit round robin), the
-            policy ordering requests within a tenant; without keys there is one tenant and nothing changes.
-        state_dir, jobs_db: where video jobs are kept: a SQLite database in `state_dir` (default: `video_dir`,
-            else a temporary folder removed at exit) or any SQLAlchemy URL (PostgreSQL for replicas, which then
-            share one `video_dir`); resume: run jobs that were running when a server stopped again from step 0
-            (False: fail them); job_lease_s: how long a replica's claim on a job lasts without renewal (another
-            replica takes the job after that); jobs_poll_s: the heartbeat (lease renewal, cancels from other
-            replicas, jobs to take over); replica_name: this server among replicas (default: host:port).
+        api_keys, fair_share: a TOML file of tenant keys (`serve.tenants`); share rows by their weights.
+        state_dir, jobs_db, resume, job_lease_s, jobs_poll_s, replica_name: the video jobs' database (SQLite in
+            `state_dir`, or a URL), restarts and replicas (docs/reference/server.md).
     """
 
     model: str = TOY_MODEL

@@ -4,19 +4,8 @@
 [[keys]]
 key = "sk-alice"
 tenant = "alice"
-requests_per_minute = 120      # POSTs that create work (generations, edits, videos); 429 beyond
-max_concurrent_requests = 4    # image requests in flight; 429 beyond
-max_concurrent_video_jobs = 2  # unfinished video jobs; 429 beyond
-max_priority = 0               # a request's `priority` is capped to this
-max_pixels = 1048576           # width * height; 400 beyond (retrying can't help)
-max_frames = 81
-max_steps = 50
-weight = 1.0                   # share of denoising rows under contention (fair share between tenants)
-
-[[keys]]
-key = "sk-ops"
-tenant = "ops"
-admin = true                   # sees and manages every tenant's jobs
+requests_per_minute = 120      # also max_concurrent_requests, max_concurrent_video_jobs (429 beyond),
+max_priority = 0               # max_pixels, max_frames, max_steps (400 beyond), weight, admin
 ```
 
 The tenant, not the body, says who a request is: `user` is set to the tenant's name. Another tenant's job is a
