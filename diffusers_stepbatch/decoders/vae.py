@@ -8,6 +8,7 @@ import torch
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
+from ..models.row_kernels import solo_kernels
 
 
 def vae_decode_item(vae, latents: torch.Tensor, *, to_vae_placement: bool = False) -> WorkItem:
@@ -20,7 +21,8 @@ def vae_decode_item(vae, latents: torch.Tensor, *, to_vae_placement: bool = Fals
     key = named_key(program="vae.decode", **{"latent size": tuple(latents.shape[1:]), "latent dtype": latents.dtype,
                                              "device": str(latents.device)})
     decode = _vae_decode_placed if to_vae_placement else _vae_decode
-    return WorkItem("decode", key, {"latents": latents}, functools.partial(decode, vae), rows=latents.shape[0])
+    return WorkItem("decode", key, {"latents": latents}, functools.partial(decode, vae), rows=latents.shape[0],
+                    row_kernels=functools.partial(solo_kernels, vae))
 
 
 def _vae_decode(vae, latents):

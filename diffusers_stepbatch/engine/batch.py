@@ -7,7 +7,9 @@ them. Items of other shapes with equal `pack.key` may share one packed call (`ru
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +23,9 @@ class WorkItem:
     """One model call a request needs: `run(**batched inputs)` of `kind` ("encode", "denoise", ...), batched with
     items of equal `key`. `inputs` are tensors (rows along dim 0), lists (an entry per row) or None; outputs have
     rows along dim 0. `step`: the denoising step (None outside the loop); `pack`: how it may share a call with other
-    shapes; `immediate`: cheap arithmetic (the scheduler update) run in the same engine step as the call before."""
+    shapes; `immediate`: cheap arithmetic (the scheduler update) run in the same engine step as the call before;
+    `row_kernels(rows per item)`: a context in which a merged call computes each item's rows as its solo call would
+    (`functools.partial(solo_kernels, model)`)."""
 
     kind: str
     key: Hashable
@@ -31,6 +35,7 @@ class WorkItem:
     step: int | None = None
     pack: Packable | None = None
     immediate: bool = False
+    row_kernels: Callable[[Sequence[int]], AbstractContextManager] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class InputBatch:
     run: Callable[..., Any]
     inputs: dict[str, RowInput]
     bounds: list[tuple[int, int]] = field(default_factory=list)
+    row_kernels: Callable[[Sequence[int]], AbstractContextManager] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -81,16 +87,25 @@ def make_batch(items: Sequence[WorkItem]) -> InputBatch:
         start += item.rows
     names = items[0].inputs.keys()
     inputs = {name: _concat([item.inputs[name] for item in items]) for name in names}
-    return InputBatch(key=items[0].key, run=items[0].run, inputs=inputs, bounds=bounds)
+    return InputBatch(key=items[0].key, run=items[0].run, inputs=inputs, bounds=bounds,
+                      row_kernels=items[0].row_kernels)
+
+
+def _solo_kernels(batches: Sequence[InputBatch]) -> AbstractContextManager:
+    rows = [end - begin for batch in batches for begin, end in batch.bounds]
+    row_kernels = batches[0].row_kernels
+    return row_kernels(rows) if row_kernels is not None and len(rows) > 1 else contextlib.nullcontext()
 
 
 def run_batch(batch: InputBatch) -> Any:
-    return batch.run(**batch.inputs)
+    with _solo_kernels([batch]):
+        return batch.run(**batch.inputs)
 
 
 def run_packed(pack: Packable, contexts: Sequence[Any], batches: Sequence[InputBatch]) -> list[Any]:
-    """One packed call over several shapes' batches; returns one output per batch."""
-    outputs = pack.run([(context, batch.inputs) for context, batch in zip(contexts, batches)])
+    """One packed call over several shapes' batches (their rows in order); returns one output per batch."""
+    with _solo_kernels(batches):
+        outputs = pack.run([(context, batch.inputs) for context, batch in zip(contexts, batches)])
     if len(outputs) != len(batches):
         raise RuntimeError(f"a packed call returned {len(outputs)} outputs for {len(batches)} shapes")
     return list(outputs)

@@ -280,7 +280,7 @@ def _conv_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: int, inp
     conv = type(layer)._conv_forward
     if input.shape[0] != total:
         return conv(layer, input, weight, bias)
-    paths = {count: _conv_path(layer, count, input, weight, bias) for count in set(rows)}
+    paths = {count: _conv_path(layer, count, total, input, weight, bias) for count in set(rows)}
     taken = set(paths.values())
     if taken == {"together"}:
         return conv(layer, input, weight, bias)
@@ -305,16 +305,18 @@ def _conv_forward(layer: torch.nn.Module, rows: tuple[int, ...], total: int, inp
     return _gathered(pieces, total)
 
 
-def _conv_path(layer: torch.nn.Module, count: int, input: torch.Tensor, weight: torch.Tensor,
+def _conv_path(layer: torch.nn.Module, count: int, total: int, input: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> str:
-    """How a request of `count` rows gets its solo call's bits in a merged call (measured once per shape)."""
+    """How a request of `count` rows gets its solo call's bits in a merged call of `total` rows (measured once per
+    shape and total: oneDNN picks its kernel by the batch too)."""
     key = (type(layer), layer.stride, layer.padding, layer.dilation, layer.groups, layer.padding_mode,
-           tuple(weight.shape), bias is not None, count, tuple(input.shape[1:]), input.dtype)
+           tuple(weight.shape), bias is not None, count, total, tuple(input.shape[1:]), input.dtype)
     if key not in _conv_paths:
         conv = type(layer)._conv_forward
         with torch.no_grad():
-            # NOTE: enough blocks for 8k values: on a few channels the two kernels agree for most inputs
-            blocks = max(3, min(256, -(-8192 // input[:count].numel())))
+            # NOTE: the merged call's own rows, and enough blocks for 8k values: on a few channels the two kernels
+            # agree for most inputs
+            blocks = max(3, -(-total // count), min(256, -(-8192 // input[:count].numel())))
             x = torch.randn(blocks * count, *input.shape[1:], generator=torch.Generator().manual_seed(0))
             x = x.to(input.dtype)
             alone = torch.cat([conv(layer, part, weight, bias) for part in x.split(count)])

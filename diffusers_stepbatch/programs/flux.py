@@ -44,6 +44,7 @@ from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
 from ..models.packing.attention import check_can_run as check_packed_attention_runs
 from ..models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
+from ..models.row_kernels import solo_kernels
 from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -255,6 +256,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     # NOTE: the update after each forward (CFG combine + Euler step) runs batched with every other request's
     # update of the engine step where the scheduler allows it (programs/fused_update.py).
     fused = FusedEuler.for_scheduler(view.scheduler, latents, options.buffers, workspace)
+    solo = functools.partial(solo_kernels, pipe.transformer)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
             if call.pid is not None and i == call.pid.exit_step:
@@ -283,7 +285,8 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
                     "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
                 }
                 run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
-                outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack)))
+                outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack,
+                                               row_kernels=solo)))
             noise_pred, uncond, scale = outputs[0], None, None
             if call.do_true_cfg:
                 noise_pred, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
