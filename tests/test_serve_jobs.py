@@ -132,3 +132,31 @@ def test_a_claim_is_exclusive_and_only_the_holder_finishes(tmp_path):
     assert not store.finish("video_a", "r1", 1, status="completed")
     assert store.finish("video_a", "r2", 2, status="completed")
     assert store.get("video_a").status == "completed" and store.get("video_a", tenant="alice") is None
+
+
+def test_outputs_go_to_an_fsspec_store(tmp_path):
+    """`--video-dir memory://...`: the files live in fsspec's in-memory filesystem, served from there."""
+    import fsspec
+
+    from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
+
+    from .serve_helpers import ServerThread
+
+    model = load_model(ServeConfig(model="tiny-wan"))
+    memory = fsspec.filesystem("memory")
+    try:
+        config = ServeConfig(video_dir="memory://stepbatch-videos", state_dir=str(tmp_path / "state"), video_fps=4)
+        with ServerThread(create_app(config, model=model)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            video = client.videos.create(prompt="in memory", size="32x32", extra_body={**SHORT, "seed": 1})
+            assert finished(client, video.id).status == "completed"
+            stored = memory.cat_file(f"/stepbatch-videos/{video.id}/attempt-1/video.mp4")
+            assert client.videos.download_content(video.id).read() == stored and stored[4:8] == b"ftyp"
+            thumbnail = client.videos.download_content(video.id, variant="thumbnail").read()
+            assert thumbnail[:4] == b"RIFF"
+            assert client.videos.delete(video.id).deleted
+            assert not memory.exists(f"/stepbatch-videos/{video.id}")
+    finally:
+        model.close()
+        if memory.exists("/stepbatch-videos"):
+            memory.rm("/stepbatch-videos", recursive=True)

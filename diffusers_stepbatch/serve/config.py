@@ -98,7 +98,7 @@ class ServeConfig:
                      "video_fps", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.state_dir is None and self.video_dir is not None:
+        if self.state_dir is None and self.video_dir is not None and "://" not in self.video_dir:
             self.state_dir = self.video_dir  # NOTE: the jobs database sits beside the videos it describes
         if self.jobs_db is not None and self.video_dir is None and self.state_dir is None:
             raise ValueError(f"jobs_db={self.jobs_db!r} needs a video_dir (or state_dir) every server using that "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import io
 import logging
 import secrets
 import shutil
@@ -31,6 +32,7 @@ from ..video_preview import VideoPreviewer, video_rgb_projection
 from .config import ServeConfig
 from .job_store import JobRecord, JobStore
 from .protocol import APIError
+from .video_files import VideoFiles
 from .video_encoding import gif_bytes, to_uint8, write_mp4, write_spritesheet, write_thumbnail
 from .video_request import VideoPlan
 
@@ -102,8 +104,8 @@ class VideoJobs:
         self._owns_state = config.state_dir is None and config.jobs_db is None
         state = Path(tempfile.mkdtemp(prefix="stepbatch-jobs-") if self._owns_state else config.state_dir or ".")
         self.state_dir = state
-        self.root = Path(config.video_dir) if config.video_dir else state / "videos"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.files = VideoFiles(config.video_dir or state / "videos")
+        self.root = self.files.root  # NOTE: a Path for a local folder, the store's path for an fsspec URL
         if config.state_dir is not None:
             Path(config.state_dir).mkdir(parents=True, exist_ok=True)
         self.store = JobStore(config.jobs_db or f"sqlite:///{state / 'jobs.sqlite'}")
@@ -141,10 +143,10 @@ class VideoJobs:
         """Store and queue a planned job; bad input raises here (nothing is kept), as `submit` does."""
         self._make_room()
         job_id = f"video_{secrets.token_hex(12)}"
-        directory = self.root / job_id
-        directory.mkdir()
         if image is not None:
-            image.save(directory / REFERENCE_FILE)
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            self.files.write(f"{job_id}/{REFERENCE_FILE}", buffer.getvalue())
         now = time.time()
         summary = {"prompt": plan.prompt, "width": plan.width, "height": plan.height, "num_frames": plan.num_frames,
                    "fps": plan.fps, "seed": plan.seed}
@@ -157,7 +159,7 @@ class VideoJobs:
                 run = self._run(job_id, 1, plan, served, tenant)
             except BaseException:
                 self.store.delete(job_id, finished_only=False)
-                shutil.rmtree(directory, ignore_errors=True)
+                self.files.remove(job_id)
                 raise
         return video_object(self.store.get(job_id), run)
 
@@ -200,7 +202,8 @@ class VideoJobs:
         run.handle, run.request_id = handle, handle.request_id
         if self.live is not None:
             run.live_entry = self.live.start(SimpleNamespace(
-                user=plan.user, tenant=tenant, kind="video", task="image-to-video" if "image" in plan.kwargs else "text-to-video",
+                user=plan.user, tenant=tenant, kind="video",
+                task="image-to-video" if "image" in plan.kwargs else "text-to-video",
                 width=plan.width, height=plan.height, num_steps=plan.num_steps, request_ids=[handle.request_id]))
         with self._lock:
             self._runs[job_id] = run
@@ -219,7 +222,7 @@ class VideoJobs:
         try:
             image = None
             if job.has_reference:
-                with Image.open(self.root / job.id / REFERENCE_FILE) as opened:
+                with Image.open(io.BytesIO(self.files.read(f"{job.id}/{REFERENCE_FILE}"))) as opened:
                     image = opened.convert("RGB")
             plan = plan_video(self._served, VideoCreateRequest.model_validate(job.request), image, self.config)
             self._run(job.id, attempt, plan, self._served, job.tenant)
@@ -260,7 +263,7 @@ class VideoJobs:
     def _write_files(self, run: LocalRun, output: Any) -> None:
         concurrent.futures.wait(run.previews_pending)  # NOTE: a job's previews reach its listeners before its end
         folder = f"{run.id}/attempt-{run.attempt}"  # NOTE: per attempt: a replica that lost the job writes aside
-        target = self.root / folder
+        target = self.files.local_path(folder) or Path(tempfile.mkdtemp(prefix="stepbatch-video-"))
         try:
             target.mkdir(parents=True, exist_ok=True)
             frames = to_uint8(output.frames[0])
@@ -269,19 +272,22 @@ class VideoJobs:
                       audio_sample_rate=_audio_sample_rate(run.sb.pipe))
             write_thumbnail(frames, target / THUMBNAIL_FILE)
             write_spritesheet(frames, target / SPRITESHEET_FILE)
+            if self.files.remote:
+                self.files.put_folder(target, folder)
         except Exception as exc:  # the job fails, the server goes on
             logger.exception("writing %s failed", run.id)
             shutil.rmtree(target, ignore_errors=True)
+            self.files.remove(folder)
             self._fail(run, "encoding_failed", f"writing the MP4 failed: {type(exc).__name__}: {exc}", "server_error")
             return
         if run.cancel_requested:
-            shutil.rmtree(target, ignore_errors=True)
+            self.files.remove(folder)
             self._fail(run, "cancelled", "the job was cancelled by DELETE /v1/videos/{id}")
         elif self.store.finish(run.id, self.replica, run.attempt, status="completed", step=run.num_steps,
                                output=folder, **self._finished_values()):
             self._end(run, "done")
         else:  # NOTE: another replica holds it now (this one lost its lease): its attempt is the one kept
-            shutil.rmtree(target, ignore_errors=True)
+            self.files.remove(folder)
             self._end(run, None)
 
     def _finished_values(self) -> dict[str, float]:
@@ -454,16 +460,18 @@ class VideoJobs:
         self._remove(self.get(video_id, tenant))
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
-    def file(self, job: JobRecord, name: str) -> Path:
+    def content(self, job: JobRecord, name: str) -> Path | bytes:
+        """A completed job's file: a local path, or its bytes from a remote store."""
         if job.status != "completed":
             raise APIError(409, f"video {job.id} is {self.object(job)['status']}; its content is there once it is "
                                 f"completed", param="video_id", code="video_not_ready")
-        return self.root / job.output / name
+        relative = f"{job.output}/{name}"
+        return self.files.local_path(relative) or self.files.read(relative)
 
     # ------------------------------------------------------------------------------------ retention
     def _remove(self, job: JobRecord) -> None:
         if self.store.delete(job.id):
-            shutil.rmtree(self.root / job.id, ignore_errors=True)
+            self.files.remove(job.id)
 
     def _sweep(self, now: float) -> None:
         for job in self.store.expired(now):
@@ -489,6 +497,9 @@ class VideoJobs:
         for run in runs:
             if not run.ended:
                 self.store.release(run.id, self.replica, run.attempt)
+        if self._owns_state and self.files.remote:  # NOTE: jobs that die with the server leave no files behind
+            for job in self.store.page(None, 10**9, None, False)[0]:
+                self.files.remove(job.id)
         self.store.close()
         if self._owns_state:
             shutil.rmtree(self.state_dir, ignore_errors=True)

@@ -201,7 +201,12 @@ async def video_content(video_id: str, request: Request, variant: str = "video")
                           "variant", code="unsupported_parameter")
     job = await run_in_threadpool(jobs.get, video_id, owner_filter(key_of(request)))
     name, media_type = files[variant]
-    return FileResponse(jobs.file(job, name), media_type=media_type, filename=f"{job.id}.{name.rsplit('.', 1)[1]}")
+    filename = f"{job.id}.{name.rsplit('.', 1)[1]}"
+    found = await run_in_threadpool(jobs.content, job, name)
+    if isinstance(found, bytes):  # an fsspec store
+        disposition = f'attachment; filename="{filename}"'
+        return Response(found, media_type=media_type, headers={"Content-Disposition": disposition})
+    return FileResponse(found, media_type=media_type, filename=filename)
 
 
 @router.get("/videos/{video_id}/events", response_class=StreamingResponse,
