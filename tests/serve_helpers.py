@@ -165,7 +165,7 @@ class ServerProcess:
         return self._log.read()
 
     def __enter__(self) -> Self:
-        return self.start()
+        return self if self.process is not None and self.process.poll() is None else self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()

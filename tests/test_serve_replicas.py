@@ -44,6 +44,15 @@ def replica_args(database: str, videos, *extra: str) -> tuple[str, ...]:
             *extra)
 
 
+def events(url: str, video_id: str) -> list[dict]:
+    import json
+
+    import httpx
+
+    with httpx.stream("GET", f"{url}/v1/videos/{video_id}/events", timeout=60) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+
+
 def finished(c, video_id: str, timeout: float = 120.0):
     video = wait_for(lambda: (v := c.videos.retrieve(video_id)).status in ("completed", "failed") and v,
                      timeout=timeout, interval=0.1)
@@ -81,6 +90,9 @@ def test_two_replicas_share_jobs_and_a_cancel_stops_the_other_within_a_step(post
                                                                             "num_inference_steps": 300})
             assert {made_on_b.id, long.id} <= {v.id for v in a.videos.list().data} == \
                 {v.id for v in b.videos.list().data}
+            stream = events(url_a, made_on_b.id)  # followed through the replica that doesn't run it
+            assert stream[-1]["type"] == "video.completed" and stream[-1]["video"]["progress"] == 100
+            assert all(e["type"] == "video.progress" for e in stream[:-1])
             assert finished(a, made_on_b.id).status == "completed"
             assert a.videos.download_content(made_on_b.id).read() == b.videos.download_content(made_on_b.id).read()
             run = apps[0].state.server.videos._runs[long.id]
@@ -106,7 +118,10 @@ def test_two_replicas_share_jobs_and_a_cancel_stops_the_other_within_a_step(post
 
 def test_a_killed_replicas_job_is_finished_by_the_other_within_its_lease(postgres, tmp_path):
     database, videos = fresh_database(postgres, "kill"), tmp_path / "videos"
-    with ServerProcess(*replica_args(database, videos)) as a, ServerProcess(*replica_args(database, videos)) as b:
+    a, b = ServerProcess(*replica_args(database, videos)), ServerProcess(*replica_args(database, videos))
+    with concurrent.futures.ThreadPoolExecutor(2) as starting:
+        list(starting.map(ServerProcess.start, (a, b)))
+    with a, b:
         client_a, client_b = a.client(), b.client()
         job = client_a.videos.create(prompt="orphan", size="16x16",
                                      extra_body={"num_frames": 5, "num_inference_steps": 600, "seed": 3})
