@@ -124,7 +124,8 @@ def test_a_claim_is_exclusive_and_only_the_holder_finishes(tmp_path):
     store = JobStore(f"sqlite:///{tmp_path / 'jobs.sqlite'}")
     now = time.time()
     store.insert(**_row("video_a", status="in_progress", lease_owner="r1", lease_expires_at=now - 1))
-    job = store.claimable(now)[0]
+    assert store.claimable(now, model="another-model") == []  # left to a server of its own model
+    job = store.claimable(now, model="m")[0]
     assert store.claim(job, "r2", 30, now) == 2
     assert store.claim(job, "r3", 30, now) is None  # it read the same row, but r2 was first
     assert store.claimable(now) == []  # r2's lease is fresh

@@ -179,13 +179,15 @@ class JobStore:
         with self.engine.connect() as connection:
             return [_record(row) for row in connection.execute(query)]
 
-    def claimable(self, now: float, adopt: str | None = None) -> list[JobRecord]:
+    def claimable(self, now: float, adopt: str | None = None, model: str | None = None) -> list[JobRecord]:
         """Unfinished jobs nobody holds (leases expired or released) and, with `adopt`, those that replica
-        held (it restarted under the same name: its old leases are its own)."""
+        held (it restarted under the same name: its old leases are its own); with `model`, that model's only."""
         free = sa.or_(JOBS.c.lease_owner.is_(None), JOBS.c.lease_expires_at < now)
         if adopt is not None:
             free = sa.or_(free, JOBS.c.lease_owner == adopt)
         query = sa.select(JOBS).where(JOBS.c.status.in_(UNFINISHED), free).order_by(JOBS.c.created_at, JOBS.c.id)
+        if model is not None:  # NOTE: a server of another model leaves them to a server of theirs
+            query = query.where(JOBS.c.model == model)
         with self.engine.connect() as connection:
             return [_record(row) for row in connection.execute(query)]
 

@@ -358,7 +358,7 @@ class VideoJobs:
                 self._cancel_local(run.id)
         if self._closing:
             return
-        for job in self.store.claimable(time.time(), adopt):
+        for job in self.store.claimable(time.time(), adopt, self._served.name):
             with self._lock:
                 if job.id in self._runs:
                     continue
