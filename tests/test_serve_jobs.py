@@ -51,6 +51,8 @@ def test_a_restart_keeps_finished_jobs_runs_queued_ones_and_resumes_running_ones
                   for i in range(2)]
         assert [client.videos.retrieve(v.id).status for v in queued] == ["queued", "queued"]  # behind `running`
         assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+    videos = tmp_path / "state" / "videos"
+    assert list((videos / done.id).glob("attempt-*/video.mp4"))  # shutdown deleted nothing finished
     with ServerProcess(*SERVER, *state) as server:
         client = server.client()
         after = client.videos.retrieve(done.id)
@@ -83,14 +85,13 @@ def test_a_restart_keeps_finished_jobs_runs_queued_ones_and_resumes_running_ones
         assert mp4(client, done.id) == kept
 
 
-def test_shutdown_deletes_nothing_finished_under_a_video_dir(tmp_path):
-    videos = tmp_path / "videos"
-    with ServerProcess(*SERVER, "--video-dir", str(videos)) as server:
-        client = server.client()
-        video = client.videos.create(prompt="stays", size="32x32", extra_body={**SHORT, "seed": 5})
-        assert finished(client, video.id).status == "completed"
-    assert list((videos / video.id).glob("attempt-*/video.mp4"))  # the MP4 outlives the server
-    assert (videos / "jobs.sqlite").exists()  # and the database beside it says what it is
+def test_the_jobs_database_sits_beside_the_video_dir(tmp_path):
+    from diffusers_stepbatch.serve import ServeConfig
+
+    assert ServeConfig(video_dir=str(tmp_path)).state_dir == str(tmp_path)
+    assert ServeConfig(video_dir="memory://videos").state_dir is None  # not a folder: a temporary database
+    with pytest.raises(ValueError, match="needs a video_dir"):
+        ServeConfig(jobs_db="postgresql+psycopg://db/jobs")
 
 
 # ------------------------------------------------------------------------------------------ the store
