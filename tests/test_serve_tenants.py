@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -199,3 +200,22 @@ def test_a_bad_keys_file_fails_the_launch_naming_the_entry(tmp_path):
     path.write_text('[[keys]]\nkey = "sk-a"\ntenant = "a"\n[[keys]]\nkey = "sk-a"\ntenant = "b"\n')
     with pytest.raises(ValueError, match=r"keys\[1\] repeats a key"):
         load_api_keys(path)
+
+
+def test_retry_after_of_a_concurrency_limit_is_when_the_tenants_first_request_ends():
+    from diffusers_stepbatch.serve.tenants import Tenants, TenantKey
+
+    def running(tenant, remaining):
+        return SimpleNamespace(tenant=tenant, remaining_steps=remaining)
+
+    scheduler = SimpleNamespace(step_seconds=0.5, running=[running("alice", 12), running("bob", 1),
+                                                           running("alice", 7)])
+    sb = SimpleNamespace(engine=SimpleNamespace(scheduler=scheduler))
+    tenants = Tenants([TenantKey(key="sk-a", tenant="alice", max_concurrent_video_jobs=1)], retry_after_s=2)
+    with pytest.raises(Exception) as caught:
+        tenants.check_video_jobs(tenants.keys[0], 1, sb)
+    assert caught.value.headers["Retry-After"] == "4"  # 7 steps at 0.5 s, rounded up; bob's request isn't hers
+    scheduler.running = [running("bob", 1)]
+    with pytest.raises(Exception) as caught:
+        tenants.check_video_jobs(tenants.keys[0], 1, sb)
+    assert caught.value.headers["Retry-After"] == "2"  # none of hers runs yet: the server's hint

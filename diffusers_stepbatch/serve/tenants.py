@@ -153,7 +153,7 @@ class Tenants:
                             "requests_per_minute", wait)
             tenant.tokens -= 1
 
-    def start_request(self, key: TenantKey) -> None:
+    def start_request(self, key: TenantKey, sb: Any = None) -> None:
         """One image request in flight more (429 over `max_concurrent_requests`); `end_request` when it ends."""
         with self._lock:
             tenant = self._tenants[key.tenant]
@@ -161,19 +161,27 @@ class Tenants:
             if limit is not None and tenant.in_flight >= limit:
                 raise _over(f"tenant {key.tenant!r} has {tenant.in_flight} requests in flight, its "
                             f"max_concurrent_requests={limit}; retry when one has finished",
-                            "max_concurrent_requests", self.retry_after_s)
+                            "max_concurrent_requests", self.until_one_ends(sb, key.tenant))
             tenant.in_flight += 1
 
     def end_request(self, key: TenantKey) -> None:
         with self._lock:
             self._tenants[key.tenant].in_flight -= 1
 
-    def check_video_jobs(self, key: TenantKey, unfinished: int) -> None:
+    def check_video_jobs(self, key: TenantKey, unfinished: int, sb: Any = None) -> None:
         limit = key.max_concurrent_video_jobs
         if limit is not None and unfinished >= limit:
             raise _over(f"tenant {key.tenant!r} has {unfinished} video jobs queued or running, its "
                         f"max_concurrent_video_jobs={limit}; retry when one has finished",
-                        "max_concurrent_video_jobs", self.retry_after_s)
+                        "max_concurrent_video_jobs", self.until_one_ends(sb, key.tenant))
+
+    def until_one_ends(self, sb: Any, tenant: str) -> float:
+        """Seconds until the tenant's first running request in `sb`'s engine ends (its remaining steps at the
+        engine's recent step time), when a concurrency limit frees a slot; else the server's retry hint."""
+        scheduler = getattr(getattr(sb, "engine", None), "scheduler", None)
+        step_s = getattr(scheduler, "step_seconds", None)
+        steps = [r.remaining_steps for r in list(getattr(scheduler, "running", ())) if r.tenant == tenant]
+        return math.ceil(min(steps) * step_s) if steps and step_s else self.retry_after_s
 
 
 def check_shape(key: TenantKey | None, width: int, height: int, steps: int, frames: int | None = None) -> None:
@@ -214,7 +222,7 @@ def admit(tenants: Tenants | None, key: TenantKey | None, generation: Any) -> An
         return lambda: None
     check_shape(key, generation.width, generation.height, generation.num_steps)
     tenants.take_request(key)
-    tenants.start_request(key)
+    tenants.start_request(key, generation.sb)
     generation.priority = capped_priority(key, generation.priority)
     generation.user = generation.tenant = key.tenant
     released = threading.Event()

@@ -138,7 +138,8 @@ async def create_video(request: Request) -> JSONResponse:
     if key is not None:  # NOTE: the key's limits, its priority cap, and its tenant as the job's `user` and owner
         check_shape(key, plan.width, plan.height, plan.num_steps, plan.num_frames)
         server.tenants.take_request(key)
-        server.tenants.check_video_jobs(key, await run_in_threadpool(jobs.store.count, True, key.tenant))
+        unfinished = await run_in_threadpool(jobs.store.count, True, key.tenant)
+        server.tenants.check_video_jobs(key, unfinished, served.sb)
         plan.priority, plan.user = capped_priority(key, plan.priority), key.tenant
     tenant = None if key is None else key.tenant
     try:  # NOTE: in a thread: submitting an I2V call preprocesses the image, and the job is a database write
