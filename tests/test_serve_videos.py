@@ -241,12 +241,14 @@ def test_concurrent_jobs_share_denoising_forwards_and_stay_exact(client, url, pl
         assert_same_video(content(client, video.id), want)
 
 
-def test_a_client_that_leaves_does_not_lose_the_job(client, url):
+def test_a_client_that_leaves_does_not_lose_the_job(client, url, app):
     video = client.videos.create(prompt="patience", extra_body={"num_frames": 5, "num_inference_steps": 100})
     with httpx.stream("GET", f"{url}/v1/videos/{video.id}/events", timeout=60) as response:
         first = json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[6:])
     # the connection closed mid-stream, after one event
     assert first["type"] == "video.progress" and first["step"] < 100
+    run = app.state.server.videos._runs.get(video.id)
+    assert run is None or wait_for(lambda: not run.listeners, timeout=10)  # its stream let go of the job
     left_at = client.videos.retrieve(video.id)
     assert left_at.status != "completed"
     done = finished(client, video.id)

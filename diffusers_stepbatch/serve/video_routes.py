@@ -240,6 +240,7 @@ async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
             if event["type"] in TERMINAL_EVENTS:
                 return
     finally:
-        if pending is not None:
+        if pending is not None:  # NOTE: the generator can only be closed once its pending step has ended
             pending.cancel()
+            await asyncio.wait({pending})
         await events.aclose()
