@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .video_encoding import to_uint8, write_mp4, write_spritesheet, write_thumbnail
+
 
 def is_url(location: str) -> bool:
     return "://" in location and not location.startswith("file://")
@@ -69,3 +71,24 @@ class VideoFiles:
             shutil.rmtree(self.root / relative, ignore_errors=True)
         elif self.fs.exists(self._remote(relative)):
             self.fs.rm(self._remote(relative), recursive=True)
+
+
+def write_outputs(output: Any, folder: Path, fps: float, pipe: Any) -> None:
+    """A finished job's files into `folder`: the MP4 (with the pipeline's audio, if it makes any), its thumbnail
+    and its spritesheet. Names as `video_run.VIDEO_FILE`, ..."""
+    from .video_run import SPRITESHEET_FILE, THUMBNAIL_FILE, VIDEO_FILE
+
+    folder.mkdir(parents=True, exist_ok=True)
+    frames = to_uint8(output.frames[0])
+    audio = getattr(output, "audio", None)  # NOTE: LTX-2's waveforms [batch, channels, samples]
+    write_mp4(frames, folder / VIDEO_FILE, fps, audio=None if audio is None else audio[0],
+              audio_sample_rate=_audio_sample_rate(pipe))
+    write_thumbnail(frames, folder / THUMBNAIL_FILE)
+    write_spritesheet(frames, folder / SPRITESHEET_FILE)
+
+
+def _audio_sample_rate(pipe: Any) -> int | None:
+    """The rate of a pipeline's audio waveforms: its vocoder's output rate (LTX-2), else what it declares."""
+    vocoder = getattr(pipe, "vocoder", None)
+    rate = getattr(getattr(vocoder, "config", None), "output_sampling_rate", None)
+    return rate or getattr(pipe, "audio_sampling_rate", None)

@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,67 +31,14 @@ from ..video_preview import VideoPreviewer, video_rgb_projection
 from .config import ServeConfig
 from .job_store import JobRecord, JobStore
 from .protocol import APIError
-from .video_files import VideoFiles
-from .video_encoding import gif_bytes, to_uint8, write_mp4, write_spritesheet, write_thumbnail
+from .video_encoding import gif_bytes
+from .video_files import VideoFiles, write_outputs
+from .video_run import REFERENCE_FILE, TERMINAL_EVENTS, LocalRun, job_error, polled_events, progress_event, video_object
 from .video_request import VideoPlan
 
 logger = logging.getLogger(__name__)
 
-VIDEO_FILE, THUMBNAIL_FILE, SPRITESHEET_FILE, REFERENCE_FILE = ("video.mp4", "thumbnail.webp", "spritesheet.jpg",
-                                                                "input_reference.png")
-TERMINAL_EVENTS = ("video.completed", "video.failed")
-_STEPS_SHARE = 95  # NOTE: progress reaches 95 % with the last step; decoding and encoding take it to 100
 _SWEEP_EVERY_S = 5.0
-
-
-@dataclass(eq=False)
-class LocalRun:
-    """One attempt at a job, in this replica's engine: what the step callback and the events stream see."""
-
-    id: str
-    attempt: int
-    plan: VideoPlan
-    sb: Any
-    status: str = "queued"
-    step: int = 0
-    num_steps: int = 0
-    handle: Any = None
-    request_id: int | None = None
-    cancel_requested: bool = False
-    lease_lost: bool = False
-    ended: bool = False
-    preview: dict[str, Any] | None = None  # the latest preview event
-    previews_pending: list[concurrent.futures.Future] = field(default_factory=list)
-    live_entry: Any = None
-    listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
-
-    def refreshed(self) -> LocalRun:
-        """A queued run the engine has admitted is `in_progress` before its first step ends."""
-        if self.status == "queued" and any(r.request_id == self.request_id for r in self.sb.engine.scheduler.running):
-            self.status = "in_progress"
-        return self
-
-
-def video_object(job: JobRecord, run: LocalRun | None = None) -> dict[str, Any]:
-    """OpenAI's video object, with our extras (`num_frames`, `fps`, `seed`, `num_inference_steps`); a run of
-    this replica gives fresher progress than its row (written every heartbeat)."""
-    status, step, num_steps = job.status, job.step, job.num_steps
-    if run is not None and not job.finished and not run.ended:
-        run.refreshed()
-        status, step, num_steps = run.status, run.step, run.num_steps or num_steps
-    summary = job.summary
-    progress = 100 if status == "completed" else _STEPS_SHARE * step // max(num_steps, 1)
-    return {"id": job.id, "object": "video", "model": job.model, "status": status, "progress": progress,
-            "created_at": int(job.created_at), "completed_at": _whole(job.finished_at),
-            "expires_at": _whole(job.expires_at), "prompt": summary["prompt"],
-            "seconds": f"{(summary['num_frames'] - 1) / summary['fps']:g}",
-            "size": f"{summary['width']}x{summary['height']}", "remixed_from_video_id": None, "error": job.error,
-            "num_frames": summary["num_frames"], "fps": summary["fps"], "seed": summary["seed"],
-            "num_inference_steps": num_steps}
-
-
-def _whole(value: float | None) -> int | None:
-    return None if value is None else int(value)
 
 
 class VideoJobs:
@@ -188,7 +134,7 @@ class VideoJobs:
                 if run.ended or run.cancel_requested:  # NOTE: the engine drops it before the next step
                     return {}
                 run.status, run.step, run.num_steps = "in_progress", index + 1, total
-                self._publish(run, _progress_event(job_id, run.status, run.step, run.num_steps))
+                self._publish(run, progress_event(job_id, run.status, run.step, run.num_steps))
             if raw is not None:
                 try:
                     run.previews_pending.append(self._previews.submit(self._make_preview, run, previewer, raw,
@@ -230,7 +176,7 @@ class VideoJobs:
             logger.exception("resuming %s failed", job.id)
             message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
             self.store.finish(job.id, self.replica, attempt, status="failed", **self._finished_values(),
-                              error=_error("resume_failed", f"running the job again failed: {message}"))
+                              error=job_error("resume_failed", f"running the job again failed: {message}"))
         else:
             logger.info("%s: attempt %d on %s (was %s)", job.id, attempt, self.replica, job.status)
 
@@ -265,13 +211,7 @@ class VideoJobs:
         folder = f"{run.id}/attempt-{run.attempt}"  # NOTE: per attempt: a replica that lost the job writes aside
         target = self.files.local_path(folder) or Path(tempfile.mkdtemp(prefix="stepbatch-video-"))
         try:
-            target.mkdir(parents=True, exist_ok=True)
-            frames = to_uint8(output.frames[0])
-            audio = getattr(output, "audio", None)  # NOTE: LTX-2's waveforms [batch, channels, samples]
-            write_mp4(frames, target / VIDEO_FILE, run.plan.fps, audio=None if audio is None else audio[0],
-                      audio_sample_rate=_audio_sample_rate(run.sb.pipe))
-            write_thumbnail(frames, target / THUMBNAIL_FILE)
-            write_spritesheet(frames, target / SPRITESHEET_FILE)
+            write_outputs(output, target, run.plan.fps, run.sb.pipe)
             if self.files.remote:
                 self.files.put_folder(target, folder)
         except Exception as exc:  # the job fails, the server goes on
@@ -296,7 +236,7 @@ class VideoJobs:
 
     def _fail(self, run: LocalRun, code: str, message: str, kind: str = "invalid_request_error") -> None:
         held = self.store.finish(run.id, self.replica, run.attempt, status="failed", step=run.step,
-                                 error=_error(code, message, kind), **self._finished_values())
+                                 error=job_error(code, message, kind), **self._finished_values())
         self._end(run, "failed" if held else None)
 
     def _end(self, run: LocalRun, status: str | None) -> None:
@@ -363,10 +303,10 @@ class VideoJobs:
                 if job.id in self._runs:
                     continue
             if job.cancel_requested:
-                self.store.fail_unheld(job, status="failed", **self._finished_values(), error=_error(
+                self.store.fail_unheld(job, status="failed", **self._finished_values(), error=job_error(
                     "cancelled", "the job was cancelled by DELETE /v1/videos/{id}"))
             elif job.status == "in_progress" and not self.config.resume:
-                self.store.fail_unheld(job, status="failed", **self._finished_values(), error=_error(
+                self.store.fail_unheld(job, status="failed", **self._finished_values(), error=job_error(
                     "interrupted", "the server running this job stopped before it finished, and --no-resume is "
                                    "set; create the job again", "server_error"))
             else:
@@ -387,14 +327,14 @@ class VideoJobs:
         with self._lock:
             run = self._runs.get(job.id)
             if run is not None and not run.ended:
-                queue.put_nowait(_progress_event(job.id, run.refreshed().status, run.step, run.num_steps))
+                queue.put_nowait(progress_event(job.id, run.refreshed().status, run.step, run.num_steps))
                 if run.preview is not None:
                     queue.put_nowait(run.preview)
                 run.listeners.append((asyncio.get_running_loop(), queue))
             else:
                 run = None
         if run is None:
-            async for event in self._polled_events(job):
+            async for event in polled_events(self.store, job, self.config.jobs_poll_s):
                 yield event
             return
         try:
@@ -406,24 +346,6 @@ class VideoJobs:
         finally:
             with self._lock:
                 run.listeners = [entry for entry in run.listeners if entry[1] is not queue]
-
-    async def _polled_events(self, job: JobRecord) -> AsyncIterator[dict[str, Any]]:
-        from starlette.concurrency import run_in_threadpool
-
-        seen = None
-        while True:
-            if job is None:
-                return
-            if job.finished:
-                kind = "video.completed" if job.status == "completed" else "video.failed"
-                yield {"type": kind, "video": video_object(job)}
-                return
-            state = (job.status, job.step, job.num_steps)
-            if state != seen:
-                seen = state
-                yield _progress_event(job.id, *state)
-            await asyncio.sleep(self.config.jobs_poll_s)
-            job = await run_in_threadpool(self.store.get, job.id)
 
     # ------------------------------------------------------------------------------------- queries
     def get(self, video_id: str, tenant: str | None = None) -> JobRecord:
@@ -505,22 +427,6 @@ class VideoJobs:
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-def _audio_sample_rate(pipe: Any) -> int | None:
-    """The rate of a pipeline's audio waveforms: its vocoder's output rate (LTX-2), else what it declares."""
-    vocoder = getattr(pipe, "vocoder", None)
-    rate = getattr(getattr(vocoder, "config", None), "output_sampling_rate", None)
-    return rate or getattr(pipe, "audio_sampling_rate", None)
-
-
 def _previewer(pipe: Any) -> VideoPreviewer | None:
     projection = video_rgb_projection(pipe)
     return None if projection is None else VideoPreviewer(pipe, projection)
-
-
-def _progress_event(job_id: str, status: str, step: int, num_steps: int) -> dict[str, Any]:
-    return {"type": "video.progress", "video_id": job_id, "status": status,
-            "progress": _STEPS_SHARE * step // max(num_steps, 1), "step": step, "num_steps": num_steps}
-
-
-def _error(code: str, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"code": code, "message": message, "type": kind, "param": None}

@@ -24,7 +24,8 @@ from .protocol import APIError, ErrorResponse, bad_request
 from .routes import authorize, key_of
 from .tenants import capped_priority, check_shape, owner_filter
 from .state import ServerContext
-from .video_jobs import SPRITESHEET_FILE, TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE, VideoJobs
+from .video_jobs import VideoJobs
+from .video_run import SPRITESHEET_FILE, TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE
 from .video_request import VIDEO_FIELD_OF_ARGUMENT, VideoCreateRequest, plan_video
 
 _KEEP_ALIVE_S = 15.0
