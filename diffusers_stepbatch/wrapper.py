@@ -75,6 +75,8 @@ class StepBatched:
             measured to pay; False runs one call per size.
         packed_attention: attention inside a packed call: "auto", "recover_scatter", "flex" or "varlen" (CUDA);
             same outputs (docs/guides/mixed-resolutions.md).
+        exact: every request's model calls run as its own calls, so its output is its solo run's bit for bit on
+            any path and device; replaces the scheduler config's `exact` (docs/conformance.md says what it costs).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class StepBatched:
         pid_exit_step: int | float | None = None,
         mixed_resolution: bool = True,
         packed_attention: str = "auto",
+        exact: bool | None = None,
         _owner: StepBatched | None = None,
     ):
         plan = program_for(pipe)
@@ -128,6 +131,8 @@ class StepBatched:
         config = scheduler or SchedulerConfig()
         if max_batch_size is not None:
             config = dataclasses.replace(config, max_batch_size=max_batch_size)
+        if exact is not None:
+            config = dataclasses.replace(config, exact=exact)
         if not isinstance(mixed_resolution, bool):
             raise ValueError(f"mixed_resolution={mixed_resolution!r} must be True or False")
         self.engine = EngineCore(config, mixed_shapes=mixed_resolution, on_idle=_freeing_models_of(pipe))

@@ -1,4 +1,8 @@
-"""Batched VAE decode as a work item: decodes of several requests with the same latent size share a call."""
+"""Batched VAE decode as a work item: decodes of several requests with the same latent size share a call.
+
+On the CPU each request decodes alone: a merged decode rounds some images apart from their solo decode (torch picks
+a norm's kernel by a layout that a one-image tensor leaves ambiguous), and a CPU VAE gains little from batching.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import torch
 
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
-from ..models.row_kernels import solo_kernels
 
 
 def vae_decode_item(vae, latents: torch.Tensor, *, to_vae_placement: bool = False) -> WorkItem:
@@ -20,9 +23,16 @@ def vae_decode_item(vae, latents: torch.Tensor, *, to_vae_placement: bool = Fals
     """
     key = named_key(program="vae.decode", **{"latent size": tuple(latents.shape[1:]), "latent dtype": latents.dtype,
                                              "device": str(latents.device)})
+    key += decode_alone_on_cpu(latents)
     decode = _vae_decode_placed if to_vae_placement else _vae_decode
-    return WorkItem("decode", key, {"latents": latents}, functools.partial(decode, vae), rows=latents.shape[0],
-                    row_kernels=functools.partial(solo_kernels, vae))
+    return WorkItem("decode", key, {"latents": latents}, functools.partial(decode, vae), rows=latents.shape[0])
+
+
+def decode_alone_on_cpu(latents: torch.Tensor) -> tuple:
+    """A key field that keeps a CPU decode to its own request (empty elsewhere)."""
+    if latents.device.type != "cpu":
+        return ()
+    return named_key(**{"each request's own decode on the CPU (bit-identical images)": id(latents)})
 
 
 def _vae_decode(vae, latents):

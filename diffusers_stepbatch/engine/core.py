@@ -304,6 +304,8 @@ class EngineCore:
 
     def _plan_calls(self, groups: dict[Any, list[Request]]) -> list[list[Request] | _PackedCall]:
         """Per group one call (or the cost model's split); groups of several shapes that can pack may share one."""
+        if self.config.exact:
+            return [[request] for members in groups.values() for request in members]
         calls: list[list[Request] | _PackedCall] = []
         packable: dict[Any, list[Any]] = defaultdict(list)
         for group_key, members in groups.items():
@@ -334,7 +336,8 @@ class EngineCore:
             if not groups:
                 return
             for members in groups.values():
-                self._execute(members)
+                for call in ([[request] for request in members] if self.config.exact else [members]):
+                    self._execute(call)
 
     def _chunk(self, group_key: Any, members: list[Request]) -> list[list[Request]]:
         """One forward for the group, or several when the cost model measured that to be faster."""

@@ -42,6 +42,8 @@ class SchedulerConfig:
         burst_wait_s: with nothing running, wait for calls still being prepared (a burst) so they start in one
             batch: until none is left, their rows fill a batch, or none was submitted for this long. 0: no wait.
         burst_settle_s: and until none arrived for this long (at most `burst_wait_s`; 0: no settle time).
+        exact: run every request's model calls as calls of its own (still interleaved step by step), so that each
+            output is its solo run's, bit for bit, also where a merged call rounds apart (docs/conformance.md).
         fair_share: deficit round robin over the requests' tenants (`submit(tenant=...)`) decides whose request
             is admitted next, each tenant getting row-steps in proportion to its weight in `tenant_weights`
             (default 1); the policy (and `max_wait_s`) orders requests within a tenant.
@@ -57,6 +59,7 @@ class SchedulerConfig:
     max_pixels: int | None = 8192 * 8192
     burst_wait_s: float = 0.05
     burst_settle_s: float = 0.005
+    exact: bool = False
     fair_share: bool = False
     tenant_weights: dict[str, float] | None = None
 
@@ -77,6 +80,8 @@ class SchedulerConfig:
             seconds = getattr(self, name)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
                 raise ValueError(f"{name}={seconds!r} must be a number of seconds >= 0")
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"exact={self.exact!r} must be True or False")
         if self.max_pixels is not None and (not isinstance(self.max_pixels, int) or self.max_pixels < 1):
             raise ValueError(f"max_pixels={self.max_pixels!r} must be a positive int (pixels) or None")
 

@@ -30,7 +30,7 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,6 @@ def activations(model: torch.nn.Module) -> list[torch.nn.Module]:
 def convolutions(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's 1-3d convolutions (subclasses too: their `_conv_forward` is what runs the kernel)."""
     return _layers(model)[2]
-
 
 def _layers(model: torch.nn.Module) -> tuple[list, list, list]:
     signature = tuple(getattr(model, "peft_config", None) or ())
@@ -140,10 +139,28 @@ def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
             vars(layer).pop("_conv_forward", None)
 
 
+def row_kernels_of(*models: torch.nn.Module | None) -> Callable[[Sequence[int]], contextlib.AbstractContextManager]:
+    """`WorkItem.row_kernels` for a call that runs these models (None entries skipped): `solo_kernels` on each."""
+    present = [model for model in models if model is not None]
+    return functools.partial(_solo_kernels_on, present)
+
+
+@contextlib.contextmanager
+def _solo_kernels_on(models: list[torch.nn.Module], rows: Sequence[int]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(solo_kernels(model, rows))
+        yield
+
+
 def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, input: torch.Tensor) -> torch.Tensor:
     x = input  # NOTE: named as in `nn.Linear.forward`: some models pass it by keyword
     if x.dim() < 2 or x.shape[0] != total or x.numel() == 0:
         return F.linear(x, layer.weight, layer.bias)
+    if not x.is_contiguous():
+        # NOTE: a request's strided rows (a transposed view) go to the GEMM as they lie, while the merged tensor is
+        # first copied into rows: two kernels. Each request's own view takes its solo path.
+        return torch.cat([F.linear(block, layer.weight, layer.bias) for block in x.split(rows)])
     features = x.shape[-1]
     per_row = x.numel() // (total * features)  # the GEMM rows one batch row brings
     limit = invariant_rows(layer)

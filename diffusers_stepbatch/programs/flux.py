@@ -44,7 +44,7 @@ from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
 from ..models.packing.attention import check_can_run as check_packed_attention_runs
 from ..models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
-from ..models.row_kernels import solo_kernels
+from ..models.row_kernels import row_kernels_of
 from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -256,7 +256,7 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     # NOTE: the update after each forward (CFG combine + Euler step) runs batched with every other request's
     # update of the engine step where the scheduler allows it (programs/fused_update.py).
     fused = FusedEuler.for_scheduler(view.scheduler, latents, options.buffers, workspace)
-    solo = functools.partial(solo_kernels, pipe.transformer)
+    solo = row_kernels_of(pipe.transformer)
     with view.progress_bar(total=num_inference_steps) as progress_bar:
         for i, t in enumerate(timesteps):
             if call.pid is not None and i == call.pid.exit_step:
@@ -356,7 +356,8 @@ def _encode(pipe, args, do_true_cfg, per_prompt, device, lora_scale, cache):
 
         def make_item(pairs):
             inputs = {"prompt": [p for p, _ in pairs], "prompt_2": [p2 for _, p2 in pairs]}
-            return WorkItem("encode", key, inputs, run, rows=len(pairs))
+            return WorkItem("encode", key, inputs, run, rows=len(pairs),
+                            row_kernels=row_kernels_of(pipe.text_encoder, pipe.text_encoder_2))
 
         namespace = None
         encoders = [pipe.text_encoder, pipe.text_encoder_2]

@@ -45,6 +45,7 @@ from ..models.qwenimage.packing import (
     qwenimage_packing_unsupported,
 )
 from ..models.qwenimage.teacache import teacache_call
+from ..models.row_kernels import row_kernels_of
 from ..models.packing.support import extra_attention_kwargs, packing_refused
 from .cache_hooks import hooked_denoiser
 from .callbacks import run_step_callback
@@ -243,7 +244,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
             if hooked is not None:
                 yield from hooked.take_turn()
             noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
-                                        pack=pack)
+                                        pack=pack, row_kernels=row_kernels_of(pipe.transformer))
             if call.do_true_cfg:
                 noise_pred, negative_pred = noise_pred.chunk(2)
                 combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)
@@ -297,7 +298,8 @@ def _encode(pipe, args, texts, device):
         return [(None, None)] * len(texts)
     run = functools.partial(_encode_text, pipe, device)
     key = ("qwenimage.encode", text_encoder_state([pipe.text_encoder]), str(device))
-    embeds, mask = yield WorkItem("encode", key, {"prompt": prompts}, run, rows=len(prompts))
+    embeds, mask = yield WorkItem("encode", key, {"prompt": prompts}, run, rows=len(prompts),
+                                  row_kernels=row_kernels_of(pipe.text_encoder))
     encoded, start = [], 0
     for size in sizes:
         if size == 0:

@@ -18,6 +18,7 @@ from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retri
 from ..adapters.ip_adapter import bind_scale_setter, ip_image_embeds, plan_ip_adapter
 from ..adapters.state import text_lora_scale
 from ..engine.batch import WorkItem
+from ..models.row_kernels import row_kernels_of
 from ..module_scan import execution_device
 from .options import PlanContext
 from .pipeline_checks import run_check_inputs
@@ -78,12 +79,14 @@ def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
         texts = as_list(args["prompt"])
         key = ("sd.encode", args["clip_skip"], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
-        embeds = yield WorkItem("encode", key, {"prompt": texts}, run, rows=len(texts))
+        embeds = yield WorkItem("encode", key, {"prompt": texts}, run, rows=len(texts),
+                                row_kernels=row_kernels_of(pipe.text_encoder))
     if call.do_cfg and negative is None:
         texts = as_list(args["negative_prompt"]) or [""] * call.num_prompts
         key = ("sd.encode.negative", embeds.shape[1], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_negative, pipe, device, embeds.shape[1], lora_scale)
-        negative = yield WorkItem("encode", key, {"negative_prompt": texts}, run, rows=len(texts))
+        negative = yield WorkItem("encode", key, {"negative_prompt": texts}, run, rows=len(texts),
+                                  row_kernels=row_kernels_of(pipe.text_encoder))
     embeds, negative = view.encode_prompt(None, device, call.num_images // call.num_prompts, call.do_cfg,
                                           prompt_embeds=embeds, negative_prompt_embeds=negative)
 

@@ -41,6 +41,7 @@ from ..models.packing.attention import check_can_run as check_packed_attention_r
 from ..models.packing.layout import PackedLayout
 from ..models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ..models.packing.support import extra_attention_kwargs, packing_refused
+from ..models.row_kernels import row_kernels_of
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .options import PlanContext
@@ -235,7 +236,8 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 "lora": [call.adapters] * len(skips),
                 **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
             }
-            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack)
+            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack,
+                                    row_kernels=row_kernels_of(pipe.transformer))
             noise_pred, noise_uncond, scale = output, None, None
             if do_cfg:
                 noise_uncond, noise_pred = output[:images], output[images:2 * images]
@@ -312,7 +314,9 @@ def _encode(pipe, call: SD3Call, per_prompt: int, device, lora_scale):
                   enumerate(("prompt", "prompt_2", "prompt_3"))}
         run = functools.partial(_encode_text, pipe, device, args["max_sequence_length"], clip_skip, lora_scale)
         key = ("sd3.encode", args["max_sequence_length"], clip_skip, lora_scale, text_adapters, str(device))
-        out_embeds, out_pooled = yield WorkItem("encode", key, inputs, run, rows=len(inputs["prompt"]))
+        out_embeds, out_pooled = yield WorkItem("encode", key, inputs, run, rows=len(inputs["prompt"]),
+                                                row_kernels=row_kernels_of(pipe.text_encoder, pipe.text_encoder_2,
+                                                                           pipe.text_encoder_3))
         start = 0
         for branch in group:
             end = start + len(branch.texts[0])

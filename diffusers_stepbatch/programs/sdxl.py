@@ -30,10 +30,11 @@ from ..adapters.ip_adapter import (
 )
 from ..adapters.ip_masks import batched_masks, mask_key, mask_rows, without_masks
 from ..adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
-from ..decoders.vae import vae_decode_item
+from ..decoders.vae import decode_alone_on_cpu, vae_decode_item
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 from ..module_scan import execution_device
+from ..models.row_kernels import row_kernels_of
 from .callbacks import run_step_callback
 from .fused_update import FusedEuler
 from .pid_exit import PiDExit, pid_exit_decode, plan_pid_exit
@@ -159,20 +160,21 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
     # and casts exactly as it does (it encodes nothing more: every text already has its embeddings).
     given = {name: args[name] for name in ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
                                            "negative_pooled_prompt_embeds")}
+    encoders = row_kernels_of(pipe.text_encoder, pipe.text_encoder_2)
     if given["prompt_embeds"] is None:
         texts = as_list(args["prompt"])
         run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
         inputs = {"prompt": texts, "prompt_2": as_list(args["prompt_2"] or args["prompt"])}
         key = ("sdxl.encode", args["clip_skip"], lora_scale, text_adapters, str(device))
         given["prompt_embeds"], given["pooled_prompt_embeds"] = yield WorkItem("encode", key, inputs, run,
-                                                                              rows=len(texts))
+                                                                              rows=len(texts), row_kernels=encoders)
     if call.do_cfg and _negatives_to_encode(pipe, args):
         length = given["prompt_embeds"].shape[1]
         run = functools.partial(_encode_negative, pipe, device, length, lora_scale)
         inputs = {name: _negative_texts(args, name, call.num_prompts) for name in ("negative_prompt",
                                                                                    "negative_prompt_2")}
         key = ("sdxl.encode.negative", length, lora_scale, text_adapters, str(device))
-        negative = yield WorkItem("encode", key, inputs, run, rows=call.num_prompts)
+        negative = yield WorkItem("encode", key, inputs, run, rows=call.num_prompts, row_kernels=encoders)
         given["negative_prompt_embeds"], given["negative_pooled_prompt_embeds"] = negative
     embeds, negative_embeds, pooled, negative_pooled = view.encode_prompt(
         prompt=None, device=device, num_images_per_prompt=call.num_images // call.num_prompts,
@@ -234,7 +236,7 @@ def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipelin
     else:
         latents = latents / vae.config.scaling_factor
     if vae.dtype == torch.float16 and vae.config.force_upcast:
-        key = ("sdxl.decode.upcast", tuple(latents.shape[1:]), str(latents.device))
+        key = ("sdxl.decode.upcast", tuple(latents.shape[1:]), str(latents.device)) + decode_alone_on_cpu(latents)
         image = yield WorkItem("decode", key, {"latents": latents}, functools.partial(_decode_upcast, view),
                                rows=latents.shape[0])
     else:
@@ -351,7 +353,8 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
             first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
             inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
-            noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i)
+            noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i,
+                                        row_kernels=row_kernels_of(pipe.unet))
             noise_uncond = scale = None
             if do_cfg:
                 noise_uncond, noise_pred = noise_pred.chunk(2)

@@ -37,6 +37,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--on-unmeetable-deadline", default=defaults.on_unmeetable_deadline, choices=("reject", "queue"))
     add("--step-time-target-s", type=float, default=None)
     add("--cost-aware", action=argparse.BooleanOptionalAction, default=defaults.cost_aware)
+    add("--exact", action="store_true", help="each request's model calls run alone: its solo run's bytes on any path")
     add("--burst-wait-s", type=float, default=defaults.burst_wait_s,
         help="an idle engine waits this long for calls being prepared, to start a burst in one batch (0: never)")
     add("--burst-settle-s", type=float, default=defaults.burst_settle_s,

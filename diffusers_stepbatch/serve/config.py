@@ -23,7 +23,7 @@ class ServeConfig:
         api_key: Bearer key required on `/v1/*`; None reads `DIFFUSERS_STEPBATCH_API_KEY`, "" disables it.
         served_model_name: the `model` clients name (default: "toy-shapes" or the model id).
         max_batch_size, policy, max_wait_s, max_queue, on_unmeetable_deadline, step_time_target_s,
-            cost_aware, burst_wait_s, burst_settle_s: the engine's `SchedulerConfig`.
+            cost_aware, burst_wait_s, burst_settle_s, exact: the engine's `SchedulerConfig`.
         teacache: a TeaCache threshold (None: exact steps).
         decoder, pid_exit_step: decode with PiD (`StepBatched(decoder=..., pid_exit_step=...)`).
         shutdown_timeout_s, retry_after_s: seconds in-flight requests get after SIGTERM; a 429's `Retry-After`.
@@ -51,6 +51,7 @@ class ServeConfig:
     on_unmeetable_deadline: str = "reject"
     step_time_target_s: float | None = None
     cost_aware: bool = True
+    exact: bool = False
     burst_wait_s: float = 0.05
     burst_settle_s: float = 0.005
     teacache: float | None = None
