@@ -166,8 +166,7 @@ class StepBatched:
         """Validate a call and queue it; returns a `concurrent.futures.Future` with `abort()`.
 
         `priority`: higher first under the "priority" policy; `deadline`: seconds from now (SLO admission);
-        `tenant`: who asks, for `SchedulerConfig(fair_share=True)`;
-        `adapters=`: this request's LoRA adapters ({name: weight}). Bad input raises here, in the caller.
+        `tenant`: who asks (`fair_share`); `adapters=`: LoRA adapters ({name: weight}). Bad input raises here.
         """
         _check_request_options(priority, deadline)
         if tenant is not None and not isinstance(tenant, str):

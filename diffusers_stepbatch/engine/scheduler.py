@@ -44,9 +44,8 @@ class SchedulerConfig:
         burst_settle_s: and until none arrived for this long (at most `burst_wait_s`; 0: no settle time).
         exact: run every request's model calls as calls of its own (still interleaved step by step), so that each
             output is its solo run's, bit for bit, also where a merged call rounds apart (docs/conformance.md).
-        fair_share: deficit round robin over the requests' tenants (`submit(tenant=...)`) decides whose request
-            is admitted next, each tenant getting row-steps in proportion to its weight in `tenant_weights`
-            (default 1); the policy (and `max_wait_s`) orders requests within a tenant.
+        fair_share, tenant_weights: deficit round robin over tenants (`submit(tenant=)`, weights default 1) picks
+            whose request is admitted next; the policy orders requests within a tenant (`engine/fair_share.py`).
     """
 
     max_batch_size: int = 8
