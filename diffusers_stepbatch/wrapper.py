@@ -163,10 +163,9 @@ class StepBatched:
 
     def submit(self, *args: Any, priority: int = 0, deadline: float | None = None, tenant: str | None = None,
                **kwargs: Any) -> RequestHandle:
-        """Validate a call and queue it; returns a `concurrent.futures.Future` with `abort()`.
+        """Validate a call (bad input raises here) and queue it; returns a `concurrent.futures.Future` with `abort()`.
 
-        `priority`: higher first under the "priority" policy; `deadline`: seconds from now (SLO admission);
-        `tenant`: who asks (`fair_share`); `adapters=`: LoRA adapters ({name: weight}). Bad input raises here.
+        `priority` (higher first), `deadline` (seconds from now), `tenant` (fair share), `adapters=` ({name: w}).
         """
         _check_request_options(priority, deadline)
         if tenant is not None and not isinstance(tenant, str):

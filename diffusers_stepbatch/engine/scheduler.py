@@ -139,7 +139,6 @@ class StepScheduler:
         return aged + rest  # both keep arrival order among equals
 
     def _fair_order(self, now: float) -> Iterator[Request]:
-        """Candidates one at a time: the tenant whose DRR turn it is, its requests in the policy's order."""
         queues: dict[str | None, list[Request]] = {}
         for request in self.waiting:
             queues.setdefault(request.tenant, []).append(request)
