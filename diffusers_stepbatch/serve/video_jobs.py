@@ -133,8 +133,14 @@ class VideoJobs:
             with self._lock:
                 if run.ended or run.cancel_requested:  # NOTE: the engine drops it before the next step
                     return {}
+                started = run.step == 0
                 run.status, run.step, run.num_steps = "in_progress", index + 1, total
                 self._publish(run, progress_event(job_id, run.status, run.step, run.num_steps))
+            if started:  # NOTE: stored at once, off the engine thread: a restart must know it was running
+                try:
+                    self._pool.submit(self._store_progress, run)
+                except RuntimeError:  # shutting down
+                    pass
             if raw is not None:
                 try:
                     run.previews_pending.append(self._previews.submit(self._make_preview, run, previewer, raw,
@@ -155,6 +161,10 @@ class VideoJobs:
             self._runs[job_id] = run
         handle.add_done_callback(lambda done: self._on_done(run, done))
         return run
+
+    def _store_progress(self, run: LocalRun) -> None:
+        values = {"status": run.status, "step": run.step, "num_steps": run.num_steps}
+        self.store.renew([(run.id, run.attempt, values)], self.replica, self.config.job_lease_s, time.time())
 
     def _resume(self, job: JobRecord) -> None:
         """Run a stored job again from step 0 with its stored request and seed (the same video)."""
