@@ -5,6 +5,7 @@
     python benchmarks/serve.py --requests 200 --rounds 4
     python benchmarks/serve.py --mix edits         # half inpainting edits (POST /v1/images/edits), half generations
     python benchmarks/serve.py --mix lora          # 64 requests over 8 LoRA adapters ("lora": {name: weight})
+    python benchmarks/serve.py --mix tenants       # a tenant's burst vs another's lone requests: fair share vs fcfs
 
 The toy-shapes model, a closed loop of `--concurrency` clients and a mixed workload (sizes, steps, seeds drawn
 once, the same for every side). Sides, interleaved round by round so that the machine's load hits them alike:
@@ -324,8 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sides", nargs="+", default=["server", "in-process", "lock"],
                         choices=["server", "in-process", "lock"])
     parser.add_argument("--smoke", action="store_true", help="24 requests, 8 clients, 2-4 steps: for CI")
-    parser.add_argument("--mix", choices=["generations", "edits", "lora"], default="generations",
-                        help="edits: every other request is an inpainting edit; lora: each names one of 8 adapters")
+    parser.add_argument("--mix", choices=["generations", "edits", "lora", "tenants"], default="generations",
+                        help="edits: every other request is an inpainting edit; lora: each names one of 8 adapters; "
+                             "tenants: benchmarks/serve_tenants.py")
+    parser.add_argument("--burst", type=int, default=200, help="--mix tenants: requests in the burst")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="default: results/serve.json (serve_edits.json)")
     parser.add_argument("--lock-server", type=int, default=None, help=argparse.SUPPRESS)  # the baseline process
@@ -336,6 +339,12 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.requests is None:
         args.requests = 64 if args.mix == "lora" else 500
+    if args.mix == "tenants":
+        from serve_tenants import main as tenants_main
+
+        if args.rounds == parser.get_default("rounds"):
+            args.rounds = 2
+        return tenants_main(args)
     steps = (2, 3, 4) if args.smoke else STEPS
     if args.smoke:
         args.requests, args.concurrency, args.rounds, args.warmup = 24, 8, 1, 4

@@ -161,18 +161,21 @@ class StepBatched:
         finally:  # as after a plain call, this thread reads the call's state (`sb.num_timesteps`, ...)
             self._calls.view = handle.pipeline_view
 
-    def submit(self, *args: Any, priority: int = 0, deadline: float | None = None, **kwargs: Any) -> RequestHandle:
-        """Validate a call and queue it; returns a `concurrent.futures.Future` with `abort()`.
+    def submit(self, *args: Any, priority: int = 0, deadline: float | None = None, tenant: str | None = None,
+               **kwargs: Any) -> RequestHandle:
+        """Validate a call (bad input raises here) and queue it; returns a `concurrent.futures.Future` with `abort()`.
 
-        `priority`: higher first under the "priority" policy; `deadline`: seconds from now (SLO admission);
-        `adapters=`: this request's LoRA adapters ({name: weight}). Bad input raises here, in the caller.
+        `priority` (higher first), `deadline` (seconds from now), `tenant` (fair share), `adapters=` ({name: w}).
         """
         _check_request_options(priority, deadline)
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant={tenant!r} must be a str (a tenant's name) or None")
         if self.engine.in_engine_thread():
             raise RuntimeError("StepBatched cannot be called from its own engine thread (e.g. from a step callback)")
         with self.engine.preparing():  # NOTE: an idle engine waits for this call to start it with the others
             with scan_scope():  # NOTE: planning and the prologue read what each model looks like in one walk
                 request = self._make_request(args, kwargs, priority, deadline)
+                request.tenant = tenant
                 if request.starts_in_caller:
                     start_in_caller(request)
             try:
@@ -231,7 +234,7 @@ class StepBatched:
         return await asyncio.wrap_future(self.submit(*args, priority=priority, deadline=deadline, **kwargs))
 
     def stream(self, *args: Any, preview_every: int = 4, priority: int = 0, deadline: float | None = None,
-               **kwargs: Any) -> Iterator[Any]:
+               tenant: str | None = None, **kwargs: Any) -> Iterator[Any]:
         """Yield a `StreamPreview` every `preview_every` steps, then the pipeline's output.
 
         A preview is the predicted clean latent shown through a linear latent-to-RGB map (`.images`).
@@ -240,7 +243,7 @@ class StepBatched:
         >>> for item in sb.stream("a cat", num_inference_steps=28, preview_every=7):
         ...     show(item.images[0])
         """
-        return stream_call(self, args, kwargs, preview_every, priority=priority, deadline=deadline)
+        return stream_call(self, args, kwargs, preview_every, priority=priority, deadline=deadline, tenant=tenant)
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         try:

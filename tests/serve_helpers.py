@@ -93,3 +93,79 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.02):
 
 def pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+class ServerProcess:
+    """`diffusers-stepbatch serve` in a subprocess on a free loopback port: `start()` waits until it is healthy,
+    `stop(signal)` ends it (SIGTERM: gracefully; SIGKILL: a crash); `log()` is what it printed."""
+
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 120.0):
+        import os
+        import sys
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.command = [sys.executable, "-m", "diffusers_stepbatch.serve", "--port", str(self.port),
+                        "--no-access-log", "--log-level", "warning", *args]
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
+                        **(env or {}))
+        self.startup_timeout = startup_timeout
+        self.process = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key: str = "unused"):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def start(self) -> Self:
+        import subprocess
+        import tempfile
+
+        import httpx
+
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        text=True)
+
+        def healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        if not wait_for(healthy, timeout=self.startup_timeout, interval=0.2):
+            self.stop()
+            raise RuntimeError(f"the server did not become healthy:\n{self.log()}")
+        return self
+
+    def stop(self, sig: int | None = None, timeout: float = 60.0) -> int | None:
+        import signal
+
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM if sig is None else sig)
+        try:
+            return self.process.wait(timeout)
+        except Exception:
+            self.process.kill()
+            return self.process.wait(10)
+
+    def log(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read()
+
+    def __enter__(self) -> Self:
+        return self if self.process is not None and self.process.poll() is None else self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

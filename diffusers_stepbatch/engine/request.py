@@ -90,6 +90,7 @@ class Request:
     tokens_per_row: int = 1
     priority: int = 0
     deadline: float | None = None
+    tenant: str | None = None  # who asked (fair share between tenants); None: nobody in particular
     starts_in_caller: bool = False  # the program's prologue may run in the caller's thread (`start_in_caller`)
     status: RequestStatus = RequestStatus.WAITING
     pending: WorkItem | None = None

@@ -8,8 +8,10 @@ a request waiting longer than `max_wait_s` goes first, so nothing starves.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from .fair_share import FairShare
 from .request import Request, RequestStatus
 
 POLICIES = ("fcfs", "sjf", "priority")
@@ -42,6 +44,8 @@ class SchedulerConfig:
         burst_settle_s: and until none arrived for this long (at most `burst_wait_s`; 0: no settle time).
         exact: run every request's model calls as calls of its own (still interleaved step by step), so that each
             output is its solo run's, bit for bit, also where a merged call rounds apart (docs/conformance.md).
+        fair_share, tenant_weights: deficit round robin over tenants (`submit(tenant=)`, weights default 1) picks
+            whose request is admitted next; the policy orders requests within a tenant (`engine/fair_share.py`).
     """
 
     max_batch_size: int = 8
@@ -55,6 +59,8 @@ class SchedulerConfig:
     burst_wait_s: float = 0.05
     burst_settle_s: float = 0.005
     exact: bool = False
+    fair_share: bool = False
+    tenant_weights: dict[str, float] | None = None
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -101,6 +107,7 @@ class StepScheduler:
         self.running: list[Request] = []
         self.row_budget = self.config.max_batch_size  # lowered by the engine under a step-time target
         self.step_seconds: float | None = None  # the engine's recent seconds per engine step, for deadlines
+        self.fair_share = FairShare(self.config.tenant_weights) if self.config.fair_share else None
 
     @property
     def max_batch_size(self) -> int:
@@ -121,14 +128,24 @@ class StepScheduler:
         """Remaining work: steps x per-step cost, the per-step cost taken as rows x image tokens."""
         return request.remaining_steps * request.num_rows * request.tokens_per_row
 
-    def _order(self, now: float) -> list[Request]:
-        aged = [r for r in self.waiting if now - r.arrival_time >= self.config.max_wait_s]
-        rest = [r for r in self.waiting if now - r.arrival_time < self.config.max_wait_s]
+    def _order(self, now: float, waiting: Iterable[Request] | None = None) -> list[Request]:
+        waiting = self.waiting if waiting is None else waiting
+        aged = [r for r in waiting if now - r.arrival_time >= self.config.max_wait_s]
+        rest = [r for r in waiting if now - r.arrival_time < self.config.max_wait_s]
         if self.config.policy == "sjf":
             rest.sort(key=lambda r: (self.job_cost(r), r.arrival_time))
         elif self.config.policy == "priority":
             rest.sort(key=lambda r: (-r.priority, r.arrival_time))
         return aged + rest  # both keep arrival order among equals
+
+    def _fair_order(self, now: float) -> Iterator[Request]:
+        queues: dict[str | None, list[Request]] = {}
+        for request in self.waiting:
+            queues.setdefault(request.tenant, []).append(request)
+        queues = {tenant: self._order(now, queue) for tenant, queue in queues.items()}
+        while (candidate := self.fair_share.pick(queues)) is not None:
+            yield candidate
+            queues[candidate.tenant].remove(candidate)
 
     def _misses_deadline(self, request: Request, now: float, must_wait: bool) -> bool:
         if request.deadline is None:
@@ -145,7 +162,7 @@ class StepScheduler:
         budget = max(1, min(self.row_budget, self.config.max_batch_size))
         rows = self.running_rows
         strict = self.config.policy == "fcfs"
-        for candidate in self._order(now):
+        for candidate in self._order(now) if self.fair_share is None else self._fair_order(now):
             fits = rows + candidate.num_rows <= budget or not self.running
             if self.config.on_unmeetable_deadline == "reject" and self._misses_deadline(candidate, now, not fits):
                 self.waiting.remove(candidate)
@@ -157,6 +174,8 @@ class StepScheduler:
                     break  # keep arrival order: nothing overtakes the head of the line
                 continue  # backfill: a smaller request further back may fit
             self.waiting.remove(candidate)
+            if self.fair_share is not None:
+                self.fair_share.charge(candidate)
             candidate.status = RequestStatus.RUNNING
             self.running.append(candidate)
             plan.admitted.append(candidate)

@@ -28,8 +28,10 @@ from .request_id import RequestIdMiddleware
 from .request_metrics import RequestMetrics, register_gauges
 from .routes import COMPONENT_SCHEMAS, router
 from .state import ServerContext, ServerState
+from .tenants import Tenants
 from .video_routes import page_router as video_page_router
 from .video_routes import router as video_router
+from .video_routes import video_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
 
     config = config or ServeConfig()
     registry = CollectorRegistry()
-    server = ServerContext(config=config, state=ServerState(), registry=registry, http_metrics=HTTPMetrics(registry))
+    server = ServerContext(config=config, state=ServerState(), registry=registry, http_metrics=HTTPMetrics(registry),
+                           replica=replica, tenants=Tenants.from_config(config))
     state = server.state
     server.request_metrics = RequestMetrics(registry)
     register_gauges(registry, lambda: state.model, lambda: server.videos)
@@ -58,6 +61,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
     def attach(loaded: ServingModel) -> None:
         loaded.sb.register_prometheus(registry)
         state.model = loaded
+        if loaded.makes_videos:  # NOTE: stored jobs (a restart, a dead replica's) run without waiting for a client
+            video_jobs(server).start(loaded)
         if state.phase == "loading":
             state.phase = "ready"
 
@@ -86,7 +91,7 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         yield
         state.begin_shutdown()
         if server.videos is not None:
-            await asyncio.to_thread(server.videos.close)  # NOTE: cancels running video jobs, deletes their files
+            await asyncio.to_thread(server.videos.close)  # NOTE: cancels running video jobs; finished ones stay
         if loading is not None:
             await loading  # NOTE: a load can't be interrupted; close what it made
         if state.model is not None and (model is None if close_model is None else close_model):

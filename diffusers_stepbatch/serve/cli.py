@@ -106,6 +106,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="requests run at startup to prime the cost model (/health says 'warming' meanwhile)")
     knobs.add_argument("--config", default=None, metavar="FILE",
                        help="a TOML file of these flags (names with - or _); flags on the command line win")
+    add("--api-keys", default=None, metavar="FILE", help="a TOML file of keys, each a tenant with its own limits "
+        "(requests per minute, concurrency, priority cap, sizes); replaces --api-key")
+    add("--fair-share", action=argparse.BooleanOptionalAction, default=defaults.fair_share,
+        help="share denoising rows between tenants by their keys' weights (deficit round robin), the --policy "
+             "ordering requests within a tenant")
+    jobs = parser.add_argument_group("video jobs and replicas")
+    jobs.add_argument("--state-dir", default=None, help="where the server keeps its jobs database (SQLite; default: "
+                      "--video-dir, else a temporary folder removed at exit)")
+    jobs.add_argument("--jobs-db", default=None, metavar="URL", help="a SQLAlchemy database URL for the jobs "
+                      "instead (postgresql+psycopg://...: servers on one database share their jobs)")
+    jobs.add_argument("--resume", action=argparse.BooleanOptionalAction, default=defaults.resume,
+                      help="after a restart, run jobs that were running again from step 0 (--no-resume: fail them)")
+    jobs.add_argument("--job-lease-s", type=float, default=defaults.job_lease_s,
+                      help="seconds a replica's claim on a job lasts unrenewed; then another replica takes the job")
+    jobs.add_argument("--jobs-poll-s", type=float, default=defaults.jobs_poll_s,
+                      help="heartbeat: lease renewal, cancels made through other replicas, jobs to take over")
+    jobs.add_argument("--replica-name", default=None, help="this server among replicas (default: host:port)")
     add("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, dest="shutdown_timeout_s")
     add("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add("--access-log", action=argparse.BooleanOptionalAction, default=True)

@@ -37,6 +37,9 @@ class ServeConfig:
             (`--call-default`), the step cap (None: the preset's, else the scheduler's `num_train_timesteps`).
         lora_modules, lora_dir, max_loras: LoRA adapters by name (`serve/lora_adapters.py`).
         quantize, offload, compile, compile_backend, attention_backend, vae_tiling, warmup: `launch_knobs.py`.
+        api_keys, fair_share: a TOML file of tenant keys (`serve.tenants`); share rows by their weights.
+        state_dir, jobs_db, resume, job_lease_s, jobs_poll_s, replica_name: the video jobs' database (SQLite in
+            `state_dir`, or a URL), restarts and replicas (docs/reference/server.md).
     """
 
     model: str = TOY_MODEL
@@ -86,6 +89,16 @@ class ServeConfig:
     attention_backend: str | None = None
     vae_tiling: bool = False
     warmup: int = 0
+    # tenants (docs/guides/serving.md, "Tenants and keys")
+    api_keys: str | None = None
+    fair_share: bool = True
+    # durable jobs and replicas (docs/guides/serving.md, "Jobs, storage and replicas")
+    state_dir: str | None = None
+    jobs_db: str | None = None
+    resume: bool = True
+    job_lease_s: float = 30.0
+    jobs_poll_s: float = 0.5
+    replica_name: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -112,11 +125,35 @@ class ServeConfig:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps={self.max_steps} must be >= 1")
+        if self.state_dir is None and self.video_dir is not None and "://" not in self.video_dir:
+            self.state_dir = self.video_dir  # NOTE: the jobs database sits beside the videos it describes
+        if self.jobs_db is not None and self.video_dir is None and self.state_dir is None:
+            raise ValueError(f"jobs_db={self.jobs_db!r} needs a video_dir (or state_dir) every server using that "
+                             f"database reads: the videos of its jobs live there")
+        if not 0 < self.jobs_poll_s < self.job_lease_s:
+            raise ValueError(f"jobs_poll_s={self.jobs_poll_s} must be > 0 and below job_lease_s={self.job_lease_s} "
+                             f"(leases are renewed every poll)")
+        if self.api_keys is not None:
+            from .tenants import load_api_keys
+
+            try:
+                load_api_keys(self.api_keys)  # NOTE: a bad file fails the launch, not the first request
+            except OSError as exc:
+                raise ValueError(f"api_keys={self.api_keys!r}: {exc.strerror or exc}") from None
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         elif self.api_key == "":
             self.api_key = None
         self.scheduler_config()  # validates the scheduler fields now, with SchedulerConfig's own messages
+
+    @property
+    def tenant_weights(self) -> dict[str, float] | None:
+        """Each tenant's weight from `api_keys` (the engine's fair share)."""
+        if self.api_keys is None:
+            return None
+        from .tenants import Tenants, load_api_keys
+
+        return Tenants(load_api_keys(self.api_keys)).weights()
 
     @property
     def model_name(self) -> str:

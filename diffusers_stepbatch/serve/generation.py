@@ -66,6 +66,7 @@ class Generation:
     kind: str = "generation"
     task: str = "generate"
     user: str | None = None
+    tenant: str | None = None  # the key's tenant (fair share, the live panel's privacy); None: an open server
     stream: bool = False
     overlay: tuple[Any, Any] | None = None  # (mask, original): an inpainting edit keeps the unmasked pixels
     request_ids: list[int] = field(default_factory=list)  # the engine requests it submitted (the live panel)
@@ -257,7 +258,8 @@ class DisconnectWatch:
 async def generate(model: ServingModel, generation: Generation, watch: DisconnectWatch) -> list[Any]:
     """Run one request to its PIL images; a disconnect (or a cancelled task) aborts it in the engine."""
     # NOTE: submit only validates and plans (no model call): inline, a thread hop per request cost more here
-    handle = generation.sb.submit(priority=generation.priority, deadline=generation.deadline, **generation.kwargs)
+    handle = generation.sb.submit(priority=generation.priority, deadline=generation.deadline,
+                                  tenant=generation.tenant, **generation.kwargs)
     generation.request_ids.append(handle.request_id)
     try:
         output = await watch.race(asyncio.wrap_future(handle))
@@ -312,7 +314,7 @@ class StreamPump:
 async def open_stream(model: ServingModel, generation: Generation) -> StreamPump:
     """Submit a streaming request (bad input raises here, before anything is sent) and start its pump."""
     iterator = generation.sb.stream(preview_every=1, priority=generation.priority, deadline=generation.deadline,
-                               **generation.kwargs)
+                                    tenant=generation.tenant, **generation.kwargs)
     generation.request_ids.append(iterator.request_id)
     return StreamPump(iterator, asyncio.get_running_loop())
 

@@ -9,7 +9,6 @@ import asyncio
 import functools
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -40,6 +39,7 @@ from .inputs import read_form, read_references
 from .protocol import APIError, ErrorResponse, ImageEditRequest, ImageGenerationRequest, bad_request
 from .state import ServerContext
 from .video_request import video_card
+from .tenants import admit, owner_filter
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,19 @@ def server_of(request: Request) -> ServerContext:
 
 
 def authorize(request: Request) -> None:
-    config = server_of(request).config
-    if config.api_key is None:
+    """Who asks: `request.state.key` is the caller's `TenantKey` (None on an open server); 401 for a bad key."""
+    tenants = server_of(request).tenants
+    request.state.key = None
+    if tenants is None:
         return
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), config.api_key):
-        raise APIError(401, "Incorrect API key provided: pass `Authorization: Bearer <key>` with the server's "
-                            "--api-key", code="invalid_api_key")
+    request.state.key = tenants.authenticate(request.headers.get("authorization", ""))
+    if request.state.key is None:
+        raise APIError(401, "Incorrect API key provided: pass `Authorization: Bearer <key>` with a key of the "
+                            "server's --api-key / --api-keys", code="invalid_api_key")
+
+
+def key_of(request: Request) -> Any:
+    return getattr(request.state, "key", None)
 
 
 router = APIRouter()
@@ -175,7 +181,7 @@ async def engine_live(request: Request, seconds: float = Query(10.0, gt=0, le=12
     image requests."""
     server = server_of(request)
     model = server.ready_model(None)
-    return server.live.snapshot(model.sb, seconds)
+    return server.live.snapshot(model.sb, seconds, viewer=owner_filter(key_of(request)))
 
 
 @v1.post("/images/generations", responses={**_IMAGE_RESPONSE, **{s: _ERRORS[s] for s in (400, 404, 413, 429, 503,
@@ -185,7 +191,7 @@ async def generations(body: ImageGenerationRequest, request: Request) -> Any:
     server = server_of(request)
     served = server.ready_model(body.model)
     generation = plan_generation(served, body, server.config.max_prompt_chars)
-    return await _answer(server, generation, request)
+    return await _answer(server, generation, request, on_end=admit(server.tenants, key_of(request), generation))
 
 
 def _component_schemas() -> dict[str, Any]:
@@ -241,8 +247,14 @@ async def edits(request: Request) -> Any:
         raise APIError(415, f"Content-Type {content_type or 'none'!r}: send multipart/form-data (OpenAI's form) or "
                             f"application/json", code="unsupported_media_type")
     generation = plan_edit(served, body, inputs, config.max_prompt_chars)
+    release = admit(server.tenants, key_of(request), generation)
     served.edit_started()  # NOTE: from now on generations go where they can share forwards with this edit
-    return await _answer(server, generation, request, on_end=served.edit_finished)
+
+    def on_end() -> None:
+        served.edit_finished()
+        release()
+
+    return await _answer(server, generation, request, on_end=on_end)
 
 
 async def _answer(server: ServerContext, generation: Generation, request: Request, on_end: Any = None) -> Any:

@@ -36,6 +36,8 @@ class ServerContext:
     live: LiveRequests = field(default_factory=LiveRequests)
     videos: Any = None  # the video jobs (`video_jobs.VideoJobs`), made by the first videos request
     request_metrics: Any = None  # `request_metrics.RequestMetrics`: per-request histograms
+    replica: str | None = None  # this server among replicas (Ray Serve's replica name)
+    tenants: Any = None  # `tenants.Tenants` from --api-keys / --api-key; None: an open server
 
     def condition(self) -> tuple[str, bool, bool]:
         """(status, live, ready): "ok" once loaded and the engine thread runs; "engine_dead" once it died."""

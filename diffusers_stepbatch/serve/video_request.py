@@ -47,6 +47,8 @@ class VideoCreateRequest(BaseModel):
     guidance_scale: float | None = Field(None, description="Extra: the pipeline's guidance_scale")
     guidance_scale_2: float | None = Field(None, description="Extra: Wan 2.2's low-noise expert guidance")
     seed: int | None = Field(None, ge=0, lt=2**63, description="Extra: a CPU torch.Generator seed")
+    fps: float | None = Field(None, gt=0, le=240, description="Extra: frames per second (default: the model's "
+                                                               "frame rate, else the server's --video-fps)")
     priority: int = Field(0, description="Extra: admission order under the 'priority' policy")
     user: str | None = Field(None, description="An end-user id; the web page's live panel names requests by it")
     lora: dict[str, float] | None = Field(None, description="Extra: LoRA adapters by name -> weight (/v1/models)")
@@ -67,7 +69,7 @@ class VideoPlan:
     height: int
     num_frames: int
     num_steps: int
-    fps: int
+    fps: float
     seed: int
     priority: int
     user: str | None
@@ -103,9 +105,12 @@ def plan_video(model: ServingModel, body: VideoCreateRequest, image: Any, config
                           f"send one (the first frame)", "input_reference", code="missing_required_parameter")
     width, height = parse_size(body.size, default_video_size(model))
     check_size(model, width, height, config)
-    num_frames = frames_of(model, body, config)
+    fps = body.fps or default_fps(model, config)
+    num_frames = frames_of(model, body, config, fps)
     kwargs = {k: v for k, v in model.call_defaults.items() if model.accepts(k)}
     kwargs.update(prompt=body.prompt, height=height, width=width, num_frames=num_frames, output_type="np")
+    if model.accepts("frame_rate"):  # NOTE: LTX(-2) condition on it (positions in time, the audio's length)
+        kwargs["frame_rate"] = fps
     if image is not None:
         kwargs["image"] = image
     for name in _EXTRA_ARGUMENTS:
@@ -126,7 +131,7 @@ def plan_video(model: ServingModel, body: VideoCreateRequest, image: Any, config
     kwargs["generator"] = torch.Generator().manual_seed(seed)
     steps = kwargs.get("num_inference_steps") or _default(model, "num_inference_steps") or 1
     return VideoPlan(kwargs=kwargs, prompt=body.prompt, width=width, height=height, num_frames=num_frames,
-                     num_steps=steps, fps=config.video_fps, seed=seed, priority=body.priority, user=body.user)
+                     num_steps=steps, fps=fps, seed=seed, priority=body.priority, user=body.user)
 
 
 def default_video_size(model: ServingModel) -> tuple[int, int]:
@@ -134,6 +139,14 @@ def default_video_size(model: ServingModel) -> tuple[int, int]:
     width = model.call_defaults.get("width") or _default(model, "width") or 832
     height = model.call_defaults.get("height") or _default(model, "height") or 480
     return width, height
+
+
+def default_fps(model: ServingModel, config: ServeConfig) -> float:
+    """A video's frame rate unless the request sets one: the model's (a pipeline with a `frame_rate` argument,
+    LTX-2: 24), else the server's `--video-fps`."""
+    if model.accepts("frame_rate"):
+        return float(model.call_defaults.get("frame_rate") or _default(model, "frame_rate") or config.video_fps)
+    return config.video_fps
 
 
 def default_frames(model: ServingModel) -> int:
@@ -166,9 +179,9 @@ def check_size(model: ServingModel, width: int, height: int, config: ServeConfig
                           f"is {config.max_image_pixels}", "size", code="unsupported_size")
 
 
-def frames_of(model: ServingModel, body: VideoCreateRequest, config: ServeConfig) -> int:
+def frames_of(model: ServingModel, body: VideoCreateRequest, config: ServeConfig, fps: float) -> int:
     """The frame count from `num_frames` or `seconds` (or the default), checked against the model's VAE."""
-    k, fps, most = frame_multiple(model), config.video_fps, config.max_video_frames
+    k, most = frame_multiple(model), config.max_video_frames
     if body.num_frames is not None and body.seconds is not None:
         raise bad_request(f"num_frames={body.num_frames} and seconds={body.seconds:g} both set; send one",
                           "num_frames")
@@ -176,11 +189,11 @@ def frames_of(model: ServingModel, body: VideoCreateRequest, config: ServeConfig
         frames = round(body.seconds * fps) + 1
         longest = (most - 1) / fps
         if frames > most:
-            raise bad_request(f"seconds={body.seconds:g} is {frames} frames at {fps} fps; the most this server "
+            raise bad_request(f"seconds={body.seconds:g} is {frames} frames at {fps:g} fps; the most this server "
                               f"makes is {most} frames ({longest:g} seconds)", "seconds", code="invalid_value")
         if (frames - 1) % k:
             below, above = (frames - 1) // k * k, ((frames - 1) // k + 1) * k
-            raise bad_request(f"seconds={body.seconds:g} is {frames} frames at {fps} fps; {model.name} takes "
+            raise bad_request(f"seconds={body.seconds:g} is {frames} frames at {fps:g} fps; {model.name} takes "
                               f"k * {k} + 1 frames: try seconds={below / fps:g} or {above / fps:g}",
                               "seconds", code="invalid_value")
         return frames

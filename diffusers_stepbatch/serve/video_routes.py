@@ -21,9 +21,11 @@ from .inputs import _fetch as fetch_reference
 from .inputs import decode_image
 from .model import ServingModel
 from .protocol import APIError, ErrorResponse, bad_request, fold_brackets
-from .routes import authorize
+from .routes import authorize, key_of
+from .tenants import capped_priority, check_shape, owner_filter
 from .state import ServerContext
-from .video_jobs import SPRITESHEET_FILE, TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE, VideoJobs
+from .video_jobs import VideoJobs
+from .video_run import SPRITESHEET_FILE, TERMINAL_EVENTS, THUMBNAIL_FILE, VIDEO_FILE
 from .video_request import VIDEO_FIELD_OF_ARGUMENT, VideoCreateRequest, plan_video
 
 _KEEP_ALIVE_S = 15.0
@@ -55,7 +57,7 @@ def _server(request: Request) -> ServerContext:
 def video_jobs(server: ServerContext) -> VideoJobs:
     """The server's job store, made on first use."""
     if server.videos is None:
-        server.videos = VideoJobs(server.config, server.live)
+        server.videos = VideoJobs(server.config, server.live, server.replica)
     return server.videos
 
 
@@ -133,11 +135,19 @@ async def create_video(request: Request) -> JSONResponse:
     served = _video_model(server, body.model)
     plan = plan_video(served, body, image, server.config)
     jobs = video_jobs(server)
+    key = key_of(request)
+    if key is not None:  # NOTE: the key's limits, its priority cap, and its tenant as the job's `user` and owner
+        check_shape(key, plan.width, plan.height, plan.num_steps, plan.num_frames)
+        server.tenants.take_request(key)
+        unfinished = await run_in_threadpool(jobs.store.count, True, key.tenant)
+        server.tenants.check_video_jobs(key, unfinished, served.sb)
+        plan.priority, plan.user = capped_priority(key, plan.priority), key.tenant
+    tenant = None if key is None else key.tenant
     lora = served.lora if "adapters" in plan.kwargs else None
     if lora is not None:
         await lora.admit(list(plan.kwargs["adapters"]))  # NOTE: until submitted; the engine's queue holds it then
-    try:
-        job = await run_in_threadpool(jobs.create, served, plan)  # NOTE: planning an I2V call preprocesses the image
+    try:  # NOTE: in a thread: submitting an I2V call preprocesses the image, and the job is a database write
+        job = await run_in_threadpool(jobs.create, served, plan, stored_request(body, plan), image, tenant)
     except APIError:
         raise
     except Exception as exc:
@@ -149,29 +159,40 @@ async def create_video(request: Request) -> JSONResponse:
     finally:
         if lora is not None:
             lora.release()
-    return JSONResponse(job.to_object())
+    return JSONResponse(job)
+
+
+def stored_request(body: VideoCreateRequest, plan: Any) -> dict[str, Any]:
+    """What the job store keeps to run the job again: the body with its seed, frames and size as planned (the
+    input image is stored beside it as a file)."""
+    request = body.model_dump(exclude_none=True, exclude={"input_reference", "seconds"})
+    request.update(seed=plan.seed, num_frames=plan.num_frames, size=plan.size, priority=plan.priority,
+                   user=plan.user, fps=plan.fps)
+    return request
 
 
 @router.get("/videos")
 async def list_videos(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None,
                       order: str = Query("desc", pattern="^(asc|desc)$")) -> dict[str, Any]:
     """The server's video jobs (until they expire), newest first by default; `after` is the last id seen."""
-    return video_jobs(_server(request)).page(limit, after, order)
+    return await run_in_threadpool(video_jobs(_server(request)).page, limit, after, order,
+                                   owner_filter(key_of(request)))
 
 
 @router.get("/videos/{video_id}", responses={404: _ERRORS[404]})
 async def retrieve_video(video_id: str, request: Request) -> JSONResponse:
     """The video object: `status`, `progress` (0-100), `error` for a failed job."""
-    job = video_jobs(_server(request)).get(video_id)
+    jobs = video_jobs(_server(request))
+    job = await run_in_threadpool(jobs.get, video_id, owner_filter(key_of(request)))
     headers = {} if job.finished else {"openai-poll-after-ms": _POLL_AFTER_MS}
-    return JSONResponse(job.to_object(), headers=headers)
+    return JSONResponse(jobs.object(job), headers=headers)
 
 
 @router.delete("/videos/{video_id}", responses={404: _ERRORS[404]})
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
     """A finished job: deleted with its files (`deleted: true`). A queued or running one: cancelled between two
     denoising steps (`deleted: false, cancelled: true`); it stays listed as `failed` (code "cancelled")."""
-    return video_jobs(_server(request)).delete(video_id)
+    return await run_in_threadpool(video_jobs(_server(request)).delete, video_id, owner_filter(key_of(request)))
 
 
 @router.get("/videos/{video_id}/content", response_class=FileResponse,
@@ -186,9 +207,14 @@ async def video_content(video_id: str, request: Request, variant: str = "video")
     if variant not in files:
         raise bad_request(f"variant={variant!r} is not served; use 'video' (the MP4), 'thumbnail' or 'spritesheet'",
                           "variant", code="unsupported_parameter")
-    job = jobs.get(video_id)
+    job = await run_in_threadpool(jobs.get, video_id, owner_filter(key_of(request)))
     name, media_type = files[variant]
-    return FileResponse(jobs.file(job, name), media_type=media_type, filename=f"{job.id}.{name.rsplit('.', 1)[1]}")
+    filename = f"{job.id}.{name.rsplit('.', 1)[1]}"
+    found = await run_in_threadpool(jobs.content, job, name)
+    if isinstance(found, bytes):  # an fsspec store
+        disposition = f'attachment; filename="{filename}"'
+        return Response(found, media_type=media_type, headers={"Content-Disposition": disposition})
+    return FileResponse(found, media_type=media_type, filename=filename)
 
 
 @router.get("/videos/{video_id}/events", response_class=StreamingResponse,
@@ -198,22 +224,30 @@ async def video_events(video_id: str, request: Request) -> StreamingResponse:
     predicted video at latent resolution), then `video.completed` or `video.failed` with the video object.
     Leaving the stream leaves the job running."""
     jobs = video_jobs(_server(request))
-    job = jobs.get(video_id)
-    queue = jobs.subscribe(job)
-    return StreamingResponse(_events(jobs, job, queue), media_type="text/event-stream",
+    job = await run_in_threadpool(jobs.get, video_id, owner_filter(key_of(request)))
+    return StreamingResponse(_sse(jobs.events(job)), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _events(jobs: VideoJobs, job: Any, queue: asyncio.Queue) -> AsyncIterator[str]:
+async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    pending = None
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), _KEEP_ALIVE_S)
-            except asyncio.TimeoutError:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=_KEEP_ALIVE_S)
+            if not done:
                 yield ": keep-alive\n\n"
                 continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
             yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
             if event["type"] in TERMINAL_EVENTS:
                 return
     finally:
-        jobs.unsubscribe(job, queue)
+        if pending is not None:  # NOTE: the generator can only be closed once its pending step has ended
+            pending.cancel()
+            await asyncio.wait({pending})
+        await events.aclose()
