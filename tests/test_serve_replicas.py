@@ -49,7 +49,8 @@ def events(url: str, video_id: str) -> list[dict]:
 
     import httpx
 
-    with httpx.stream("GET", f"{url}/v1/videos/{video_id}/events", timeout=60) as response:
+    with httpx.stream("GET", f"{url}/v1/videos/{video_id}/events", timeout=60,
+                      headers={"Authorization": "Bearer sk-carol"}) as response:
         return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
 
 
@@ -66,8 +67,10 @@ def test_two_replicas_share_jobs_and_a_cancel_stops_the_other_within_a_step(post
     from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
 
     database = fresh_database(postgres, "share")
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nkey = "sk-carol"\ntenant = "carol"\nrequests_per_minute = 2\n')
     config = dict(model="tiny-wan", jobs_db=database, video_dir=str(tmp_path / "videos"), video_fps=4,
-                  jobs_poll_s=5.0, job_lease_s=30.0)
+                  jobs_poll_s=5.0, job_lease_s=30.0, api_keys=str(keys))
     models = [load_model(ServeConfig(**config)) for _ in range(2)]
     transformer = models[0].sb.pipe.transformer
     plain_forward = transformer.forward
@@ -83,13 +86,17 @@ def test_two_replicas_share_jobs_and_a_cancel_stops_the_other_within_a_step(post
     apps = [create_app(ServeConfig(**config, replica_name=f"r{i}"), model=model) for i, model in enumerate(models)]
     try:
         with ServerThread(apps[0]) as url_a, ServerThread(apps[1]) as url_b:
-            a, b = (openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            a, b = (openai.OpenAI(base_url=f"{url}/v1", api_key="sk-carol", max_retries=0, timeout=60)
                     for url in (url_a, url_b))
             made_on_b = b.videos.create(prompt="made on b", size="32x32", extra_body={**SHORT, "seed": 7})
             long = a.videos.create(prompt="long", size="16x16", extra_body={"num_frames": 5,
                                                                             "num_inference_steps": 300})
             assert {made_on_b.id, long.id} <= {v.id for v in a.videos.list().data} == \
                 {v.id for v in b.videos.list().data}
+            with pytest.raises(openai.RateLimitError) as caught:  # the rate is the tenant's, on every replica
+                b.videos.create(prompt="a third in a minute", size="32x32", extra_body=SHORT)
+            assert caught.value.body["param"] == "requests_per_minute"
+            assert 25 <= int(caught.value.response.headers["Retry-After"]) <= 30
             stream = events(url_a, made_on_b.id)  # followed through the replica that doesn't run it
             assert stream[-1]["type"] == "video.completed" and stream[-1]["video"]["progress"] == 100
             assert all(e["type"] == "video.progress" for e in stream[:-1])

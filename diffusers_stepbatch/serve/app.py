@@ -92,6 +92,8 @@ def create_app(config: ServeConfig | None = None, *, model: ServingModel | None 
         state.begin_shutdown()
         if server.videos is not None:
             await asyncio.to_thread(server.videos.close)  # NOTE: cancels running video jobs; finished ones stay
+        if server.tenants is not None:
+            server.tenants.close()
         if loading is not None:
             await loading  # NOTE: a load can't be interrupted; close what it made
         if state.model is not None and (model is None if close_model is None else close_model):

@@ -52,13 +52,25 @@ JOBS = sa.Table(
 )
 
 
+RATES = sa.Table(  # each tenant's `requests_per_minute` bucket, shared by the servers on one database
+    "stepbatch_rate_buckets", metadata,
+    sa.Column("tenant", sa.String(200), primary_key=True),
+    sa.Column("tokens", sa.Float, nullable=False),
+    sa.Column("refilled", sa.Float, nullable=False),
+)
+
+
 def _create_v1(connection: sa.Connection) -> None:
     JOBS.create(connection, checkfirst=True)
 
 
+def _create_v2(connection: sa.Connection) -> None:
+    RATES.create(connection, checkfirst=True)
+
+
 # NOTE: append only. Migration i takes a database from version i to i + 1; a shipped one never changes, so a
 # database written by any older release upgrades in place and keeps its jobs.
-MIGRATIONS: tuple[Callable[[sa.Connection], None], ...] = (_create_v1,)
+MIGRATIONS: tuple[Callable[[sa.Connection], None], ...] = (_create_v1, _create_v2)
 
 
 def migrate(engine: sa.Engine, migrations: Sequence[Callable[[sa.Connection], None]] = MIGRATIONS) -> int:
@@ -280,6 +292,26 @@ class JobStore:
                  .values(lease_owner=None, lease_expires_at=None, **values))
         with self.engine.begin() as connection:
             return connection.execute(query).rowcount == 1
+
+    def take_token(self, tenant: str, capacity: float, per_second: float, now: float) -> float:
+        """Take a token from the tenant's bucket (row-locked): 0.0, or the seconds until one is there."""
+        for _ in range(2):  # NOTE: a second try if another server inserted the tenant's first row meanwhile
+            try:
+                with self.engine.begin() as connection:
+                    query = sa.select(RATES).where(RATES.c.tenant == tenant).with_for_update()
+                    row = connection.execute(query).first()
+                    tokens = capacity if row is None else min(capacity, row.tokens + (now - row.refilled) * per_second)
+                    if tokens < 1:
+                        return (1 - tokens) / per_second
+                    values = {"tokens": tokens - 1, "refilled": now}
+                    if row is None:
+                        connection.execute(RATES.insert().values(tenant=tenant, **values))
+                    else:
+                        connection.execute(RATES.update().where(RATES.c.tenant == tenant).values(**values))
+                    return 0.0
+            except sa.exc.IntegrityError:
+                continue
+        return 0.0
 
     def release(self, job_id: str, owner: str, attempt: int) -> None:
         """Give a job back unfinished (shutdown): its lease ends now, so a restart or another replica runs it."""

@@ -103,9 +103,10 @@ def load_api_keys(path: str | Path) -> list[TenantKey]:
 class Tenants:
     """The server's keys: `authenticate` a request, then `admit` it against its key's limits."""
 
-    def __init__(self, keys: list[TenantKey], retry_after_s: int = 1):
+    def __init__(self, keys: list[TenantKey], retry_after_s: int = 1, store: Any = None):
         self.keys = keys
         self.retry_after_s = retry_after_s
+        self.store = store  # a shared `JobStore`: rate buckets every replica on that database counts against
         self._tenants = {key.tenant: Tenant(key.tenant) for key in keys}
         self._lock = threading.Lock()
 
@@ -113,7 +114,13 @@ class Tenants:
     def from_config(cls, config: Any) -> Tenants | None:
         """`--api-keys FILE`, else `--api-key` as one tenant "default", else None (an open server)."""
         if config.api_keys:
-            return cls(load_api_keys(config.api_keys), config.retry_after_s)
+            keys = load_api_keys(config.api_keys)
+            store = None
+            if config.jobs_db and any(key.requests_per_minute for key in keys):  # NOTE: replicas share the rate
+                from .job_store import JobStore
+
+                store = JobStore(config.jobs_db)
+            return cls(keys, config.retry_after_s, store)
         if config.api_key:
             return cls([TenantKey(key=config.api_key, tenant="default")], config.retry_after_s)
         return None
@@ -129,6 +136,10 @@ class Tenants:
                 found = key
         return found
 
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
     def weights(self) -> dict[str, float]:
         """Each tenant's weight (its keys' largest)."""
         weights: dict[str, float] = {}
@@ -141,6 +152,12 @@ class Tenants:
         """Count one request that creates work against the key's `requests_per_minute` (429 over it)."""
         rate = key.requests_per_minute
         if rate is None:
+            return
+        if self.store is not None:
+            wait = self.store.take_token(key.tenant, rate, rate / 60, time.time())
+            if wait > 0:
+                raise _over(f"tenant {key.tenant!r} sent more than requests_per_minute={rate}; retry in "
+                            f"{math.ceil(wait)} s", "requests_per_minute", math.ceil(wait))
             return
         with self._lock:
             tenant = self._tenants[key.tenant]

@@ -138,7 +138,7 @@ async def create_video(request: Request) -> JSONResponse:
     key = key_of(request)
     if key is not None:  # NOTE: the key's limits, its priority cap, and its tenant as the job's `user` and owner
         check_shape(key, plan.width, plan.height, plan.num_steps, plan.num_frames)
-        server.tenants.take_request(key)
+        await run_in_threadpool(server.tenants.take_request, key)  # NOTE: a database row when replicas share it
         unfinished = await run_in_threadpool(jobs.store.count, True, key.tenant)
         server.tenants.check_video_jobs(key, unfinished, served.sb)
         plan.priority, plan.user = capped_priority(key, plan.priority), key.tenant
