@@ -7,6 +7,7 @@ import PIL.Image
 import pytest
 
 from diffusers_stepbatch import StepBatched
+from diffusers_stepbatch.decoders.vae import CPU_DECODES_APART
 from diffusers_stepbatch.engine.split_reasons import SAME_KEY, NamedKey, named_key, split_reasons
 from diffusers_stepbatch.testing import add_random_ip_adapter, tiny_flux_pipeline, tiny_sd_pipeline
 
@@ -64,7 +65,8 @@ def test_image_prompts_of_different_image_counts_split_and_say_why(steps):
     cases = [dict(base, seed=0, ip_adapter_image=image(0)),
              dict(base, seed=1, ip_adapter_image=[[image(1), image(2)]])]  # two images for the one adapter
     results, splits = run_together(pipe, cases)
-    assert splits == {f"denoise: {IP_SHAPES}": steps}  # one split per denoising step, nothing else kept them apart
+    # one split per denoising step, nothing else kept them apart but the rule that CPU decodes run per request
+    assert splits == {f"denoise: {IP_SHAPES}": steps, f"decode: {CPU_DECODES_APART}": 1}
     for kwargs, got in zip(cases, results):
         assert max_diff(got, pipe(**seeded(kwargs)).images) <= TOLERANCE
 
@@ -75,7 +77,9 @@ def test_requests_that_share_every_forward_report_no_splits():
     cases = [dict(base, seed=0, ip_adapter_image=image(0)), dict(base, seed=1, ip_adapter_image=image(1)),
              dict(base, seed=2, prompt="a blue square", guidance_scale=3.0)]
     _, splits = run_together(pipe, cases)
-    assert splits == {}
+    # the only calls apart: CPU decodes, by rule (the text-only request, with no image to encode, decodes a step
+    # before the two others, whose decodes share a round)
+    assert splits == {f"decode: {CPU_DECODES_APART}": 1}
 
 
 def test_sizes_that_cannot_pack_split_by_image_size():
@@ -85,7 +89,7 @@ def test_sizes_that_cannot_pack_split_by_image_size():
     cases = [dict(base, seed=0, height=32, width=32, ip_adapter_image=image(0)),
              dict(base, seed=1, height=32, width=48, ip_adapter_image=image(1))]
     results, splits = run_together(pipe, cases)
-    assert splits == {"denoise: image size": 2, "decode: latent size": 1}
+    assert splits == {"denoise: image size": 2, f"decode: latent size; {CPU_DECODES_APART}": 1}
     for kwargs, got in zip(cases, results):
         assert max_diff(got, pipe(**seeded(kwargs)).images) <= TOLERANCE
 

@@ -26,7 +26,7 @@ from .faults import RowCaps, check_row_count, is_out_of_memory
 from .metrics import EngineMetrics
 from .ownership import current_owner, set_owner
 from .request import Request, RequestStatus
-from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, StepScheduler
+from .scheduler import DeadlineUnmeetable, QueueFull, SchedulerConfig, SchedulerOutput, StepScheduler
 from .split_reasons import running
 from .timing import CallTimer
 
@@ -39,6 +39,14 @@ _IMMEDIATE_ROUNDS = 4
 
 class EngineClosedError(RuntimeError):
     """Raised when a request is submitted to an engine that was closed."""
+
+
+@dataclass
+class _StepClock:
+    """One engine step's start and the engine's own share of it (scheduling, grouping)."""
+
+    started: float
+    overhead: float = 0.0
 
 
 @dataclass
@@ -264,16 +272,37 @@ class EngineCore:
         return sum(request.num_rows for request in (*self._inbox, *self.scheduler.waiting))
 
     def step(self) -> None:
-        """One engine step: drop aborted requests, schedule, run each group of work items once."""
+        """One engine step: schedule (drop aborted requests, admit), execute each group of work items once, then
+        update the step-time estimates admission reads."""
+        with self._timed_step() as clock:
+            plan = self._schedule(clock)
+            groups, calls = self._batch(plan.running, clock)
+            for call in calls:
+                if isinstance(call, _PackedCall):
+                    self._execute_packed(call)
+                else:
+                    self._execute(call)
+            self._run_immediate(plan.running)
+            self._update(groups, clock)
+
+    @contextmanager
+    def _timed_step(self) -> Iterator[_StepClock]:
+        """The step's clock; after it, its time, its model calls' time and the engine's own share to the metrics."""
         self.timer.poll()  # device times of earlier calls that have finished since: to the cost models
+        clock = _StepClock(time.perf_counter())
+        self._step_model_seconds = 0.0  # what this step's model calls take (`_record_call`)
+        yield clock
+        self.metrics.record_overhead(clock.overhead)
+        self.metrics.record_engine_step(time.perf_counter() - clock.started, self._step_model_seconds)
+
+    def _schedule(self, clock: _StepClock) -> SchedulerOutput:
+        """Finish aborted and rejected requests, admit others and start their programs; the scheduler's plan."""
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
             if request.handle.cancelled():
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-        step_started = time.perf_counter()
-        self._step_model_seconds = 0.0  # what this step's model calls take (`_record_call`)
-        now = time.time()
+        started, now = time.perf_counter(), time.time()
         plan = self.scheduler.schedule(now)
-        scheduled = time.perf_counter()
+        clock.overhead += time.perf_counter() - started
         for request, reason in plan.rejected:
             self._finish(request, RequestStatus.FINISHED_ERROR, DeadlineUnmeetable(reason))
         for request in plan.admitted:
@@ -282,25 +311,26 @@ class EngineCore:
                 self._advance(request, None)
             elif request.pending is None:  # it finished while starting in its caller's thread
                 self._finish(request, RequestStatus.FINISHED_OK, request.early_result)
-        grouping = time.perf_counter()
+        return plan
+
+    def _batch(self, running: list[Request], clock: _StepClock) -> tuple[dict[Any, list[Request]], list]:
+        """Running requests' pending work items by (kind, key), and the calls they run as."""
+        started = time.perf_counter()
         groups: dict[Any, list[Request]] = defaultdict(list)
-        for request in plan.running:
+        for request in running:
             if request.pending is not None and not request.status.is_finished:
                 groups[(request.pending.kind, request.pending.key)].append(request)
         calls = self._plan_calls(groups)
         self.metrics.splits.observe(calls)  # stats()["splits"]: why calls of one program ran apart
-        self.metrics.record_overhead((scheduled - step_started) + (time.perf_counter() - grouping))
-        for call in calls:
-            if isinstance(call, _PackedCall):
-                self._execute_packed(call)
-            else:
-                self._execute(call)
-        self._run_immediate(plan.running)
+        clock.overhead += time.perf_counter() - started
+        return groups, calls
+
+    def _update(self, groups: dict[Any, list[Request]], clock: _StepClock) -> None:
+        """The step-time estimates, from this step's largest denoising group."""
         denoise_groups = [group_key for group_key in groups if group_key[0] == "denoise"]
         if denoise_groups:
             largest = max(denoise_groups, key=lambda group_key: sum(r.num_rows for r in groups[group_key]))
-            self._update_step_estimates(time.perf_counter() - step_started, largest)
-        self.metrics.record_engine_step(time.perf_counter() - step_started, self._step_model_seconds)
+            self._update_step_estimates(time.perf_counter() - clock.started, largest)
 
     def _plan_calls(self, groups: dict[Any, list[Request]]) -> list[list[Request] | _PackedCall]:
         """Per group one call (or the cost model's split); groups of several shapes that can pack may share one."""
