@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--packed-requests", type=int, default=64)
     parser.add_argument("--smoke", action="store_true", help="2 requests x 2 steps, one round, the small workload")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "exactness.json")
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.requests, args.steps, args.rounds, args.packed_requests = 2, 2, 1, 4
     torch.set_num_threads(1)
     started = time.perf_counter()
-    workloads = ["overhead-bound"] if args.smoke else list(WORKLOADS)
+    workloads = ["overhead-bound"] if args.smoke else args.workloads
     timing = [time_sides(name, args.requests, args.steps, args.rounds) for name in workloads]
     for result in timing:
         rates = result["images_per_s"]

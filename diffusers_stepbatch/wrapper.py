@@ -60,8 +60,7 @@ class StepBatched:
         max_batch_size: the most rows (images x CFG branches) in one denoising forward (default 8).
         scheduler: admission policy, queue bound, deadlines and cost-aware batching (`SchedulerConfig`);
             `max_batch_size`, when given, replaces its `max_batch_size`.
-        prompt_cache: a `PromptCache` (may be shared by several engines); by default a private one of 256 MiB;
-            None encodes every prompt.
+        prompt_cache: a `PromptCache` (may be shared); by default a private one of 256 MiB; None encodes all.
         teacache: a `TeaCacheConfig` to skip steps whose blocks barely change the output; a call may pass its
             own `teacache=` (a config, or None for exact steps).
         cfg_policy: a `CFGPolicy` deciding whether CFG branches share one forward; by default by free memory.
@@ -75,8 +74,7 @@ class StepBatched:
             measured to pay; False runs one call per size.
         packed_attention: attention inside a packed call: "auto", "recover_scatter", "flex" or "varlen" (CUDA);
             same outputs (docs/guides/mixed-resolutions.md).
-        exact: every request's model calls run as its own calls, so its output is its solo run's bit for bit on
-            any path and device; replaces the scheduler config's `exact` (docs/conformance.md says what it costs).
+        exact: replaces the scheduler config's `exact` (every request's model calls its own; docs/conformance.md).
     """
 
     def __init__(

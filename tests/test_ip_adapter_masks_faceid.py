@@ -10,6 +10,7 @@ import torch
 from diffusers.callbacks import IPAdapterScaleCutoffCallback
 from diffusers.image_processor import IPAdapterMaskProcessor
 
+from diffusers_stepbatch.decoders.vae import CPU_DECODES_APART
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 from diffusers_stepbatch.testing import add_random_ip_adapter, tiny_sd_pipeline, tiny_sdxl_pipeline
@@ -92,7 +93,8 @@ def test_requests_with_their_own_masks_share_forwards_and_equal_plain_runs(famil
     assert max(sizes) == 3 * 2  # the three one-image masked requests (CFG: 2 rows each) shared forwards
     steps = 3
     shapes = "ip_adapter: image embedding shapes (images per adapter)"
-    assert splits == {MASKS: steps, f"denoise: {shapes}; {MASKS.split(': ', 1)[1]}": steps}
+    assert splits == {MASKS: steps, f"denoise: {shapes}; {MASKS.split(': ', 1)[1]}": steps,
+                      f"decode: {CPU_DECODES_APART}": len(cases) - 1}
     unmasked = plain_run(pipe, dict(cases[0][0], cross_attention_kwargs=None), 1.0)
     assert max_diff(expected[0], unmasked) > 1e-3  # the mask matters
 
@@ -113,7 +115,7 @@ def test_faceid_embeddings_without_an_image_encoder_equal_plain_runs(family):
     results, sizes, splits = run_in_lockstep(pipe, cases)
     for (kwargs, scale), got, want in zip(cases, results, expected):
         assert max_diff(got, want) <= TOLERANCE, (sorted(kwargs), scale)
-    assert max(sizes) == 3 * 2 and splits == {}
+    assert max(sizes) == 3 * 2 and splits == {f"decode: {CPU_DECODES_APART}": len(cases) - 1}
     assert max_diff(expected[0], plain_run(pipe, cases[0][0], 0.0)) > 1e-3  # the face embeddings matter
     with StepBatched(pipe) as sb:
         with pytest.raises(ValueError, match="needs an image prompt"):

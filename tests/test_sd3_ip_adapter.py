@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers.callbacks import IPAdapterScaleCutoffCallback
 
+from diffusers_stepbatch.decoders.vae import CPU_DECODES_APART
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 from diffusers_stepbatch.testing import add_random_sd3_ip_adapter, tiny_sd3_pipeline
@@ -81,7 +82,7 @@ def test_image_prompt_requests_share_forwards_and_equal_plain_runs(steps):
         assert max_diff(got, want) <= TOLERANCE, (sorted(kwargs), scale)
     assert max(sizes) == 2 * 5 + 1  # every request, text-only included, in one forward
     assert max(images) >= 2  # the requests' images were encoded together
-    assert stats["splits"] == {}
+    assert stats["splits"] == {f"decode: {CPU_DECODES_APART}": 4}  # the 4 others' decodes, by rule
     assert max_diff(expected[0], plain_run(pipe, cases[0][0], 0.0)) > 1e-3  # the image prompt matters
 
 
@@ -104,7 +105,8 @@ def test_sizes_run_in_their_own_forwards_and_stay_exact():
     for got, want in zip(results, expected):
         assert max_diff(got, want) <= TOLERANCE
     assert stats["mixed"]["calls"] == 0  # packing refused: an IP-Adapter is loaded
-    assert stats["splits"] == {"denoise: latent size": 2 * 3, "decode: latent size": 2}  # 2 extra sizes, each step
+    # 2 extra sizes, each step; each decode alone on the CPU (and of another size)
+    assert stats["splits"] == {"denoise: latent size": 2 * 3, f"decode: latent size; {CPU_DECODES_APART}": 2}
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -13,6 +13,8 @@ import torch
 from ..engine.batch import WorkItem
 from ..engine.split_reasons import named_key
 
+CPU_DECODES_APART = "each request's own decode on the CPU (bit-identical images)"  # its `stats()["splits"]` field
+
 
 def vae_decode_item(vae, latents: torch.Tensor, *, to_vae_placement: bool = False) -> WorkItem:
     """A batched `vae.decode` of VAE-layout latents [B, C, h, w] (already unscaled); `to_vae_placement` moves them
@@ -32,7 +34,7 @@ def decode_alone_on_cpu(latents: torch.Tensor) -> tuple:
     """A key field that keeps a CPU decode to its own request (empty elsewhere)."""
     if latents.device.type != "cpu":
         return ()
-    return named_key(**{"each request's own decode on the CPU (bit-identical images)": id(latents)})
+    return named_key(**{CPU_DECODES_APART: id(latents)})
 
 
 def _vae_decode(vae, latents):

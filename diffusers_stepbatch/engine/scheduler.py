@@ -34,16 +34,14 @@ class SchedulerConfig:
         policy: "fcfs" (default), "sjf" (shortest job first) or "priority" (higher `priority=` first).
         max_wait_s: a request waiting longer than this is admitted first, whatever the policy.
         max_queue: the most waiting requests; `submit` raises `QueueFull` beyond it (None: unbounded).
-        on_unmeetable_deadline: a `deadline=` that can't be met: "reject" (the Future fails with
-            `DeadlineUnmeetable`) or "queue" (it runs anyway).
+        on_unmeetable_deadline: an unmeetable `deadline=`: "reject" (`DeadlineUnmeetable`) or "queue" (runs anyway).
         step_time_target_s: admit only as many rows as keep a measured forward under this (None: throughput).
         cost_aware: split a group into several forwards when that was measured to be faster.
         max_pixels: the largest `height` x `width` a call may ask for, refused at submit beyond (None: no limit).
         burst_wait_s: with nothing running, wait for calls still being prepared (a burst) so they start in one
             batch: until none is left, their rows fill a batch, or none was submitted for this long. 0: no wait.
         burst_settle_s: and until none arrived for this long (at most `burst_wait_s`; 0: no settle time).
-        exact: run every request's model calls as calls of its own (still interleaved step by step), so that each
-            output is its solo run's, bit for bit, also where a merged call rounds apart (docs/conformance.md).
+        exact: every request's model calls run as its own: its solo run's bits on any path (docs/conformance.md).
         fair_share, tenant_weights: deficit round robin over tenants (`submit(tenant=)`, weights default 1) picks
             whose request is admitted next; the policy orders requests within a tenant (`engine/fair_share.py`).
     """
