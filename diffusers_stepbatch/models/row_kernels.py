@@ -112,8 +112,8 @@ def solo_kernels(model: torch.nn.Module, rows: Sequence[int]) -> Iterator[None]:
     Not thread-safe: the model must not run elsewhere meanwhile (the engine thread owns it). Layers that already
     carry an instance `forward` (an accelerate hook) are left as they are.
     """
-    if len(rows) < 2 or not all(r > 0 for r in rows):
-        yield
+    if len(rows) < 2 or not all(r > 0 for r in rows) or _compiled(model):
+        yield  # NOTE: a compiled model's kernels are its graph's; swapping its layers' forwards would recompile it
         return
     installed, rows, total = [], tuple(rows), sum(rows)
     try:
@@ -151,6 +151,13 @@ def _solo_kernels_on(models: list[torch.nn.Module], rows: Sequence[int]) -> Iter
         for model in models:
             stack.enter_context(solo_kernels(model, rows))
         yield
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Whether `model` runs a torch.compile graph (`torch.compile(model)` or `model.compile()`)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule) or getattr(model, "_compiled_call_impl", None) is not None
 
 
 def _forward(layer: torch.nn.Linear, rows: tuple[int, ...], total: int, input: torch.Tensor) -> torch.Tensor:
