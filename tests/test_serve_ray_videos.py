@@ -43,7 +43,9 @@ def ray_videos(tmp_path_factory):
             port = sock.getsockname()[1]
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
+            # NOTE: max_steps lets the "long" job run until it is cancelled
             serve.run(build_app({"model": "tiny-wan", "jobs_db": database, "video_fps": 4, "jobs_poll_s": 0.2,
+                                 "max_steps": 100_000,
                                  "video_dir": str(tmp_path_factory.mktemp("ray-videos")), "num_replicas": 2,
                                  "ray_actor_options": {"num_cpus": 1}}), name="videos", route_prefix="/")
             url = f"http://127.0.0.1:{port}"

@@ -80,9 +80,10 @@ def test_the_wheel_holds_every_static_asset(wheel):
 
 def test_installed_wheel_serves_the_page_and_a_generation_in_chromium(installed, tmp_path):
     python, script = installed / "bin" / "python", installed / "bin" / "diffusers-stepbatch"
-    where = subprocess.run([str(python), "-c", "import diffusers_stepbatch; print(diffusers_stepbatch.__file__)"],
-                           check=True, capture_output=True, text=True, cwd=tmp_path, env=_clean_env()).stdout
-    assert where.startswith(str(installed)), where  # the wheel's copy, not this checkout
+    found = subprocess.run([str(python), "-c", "import diffusers_stepbatch; print(diffusers_stepbatch.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, env=_clean_env())
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert found.stdout.startswith(str(installed)), found.stdout  # the wheel's copy, not this checkout
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen([str(script), "serve", "--port", str(port), "--log-level", "warning"], cwd=tmp_path,
