@@ -43,7 +43,7 @@ SIDES = ("sequential", "stepbatched", "exact")
 
 def time_sides(workload_name: str, n: int, steps: int, rounds: int) -> dict:
     workload = WORKLOADS[workload_name]
-    pipe = tiny_flux_pipeline(size=workload.size)
+    pipe = tiny_flux_pipeline(guidance_embeds=True, size=workload.size, vae_blocks=4)  # as benchmarks/throughput.py
     make = lambda i: request_kwargs(i, workload, steps)  # noqa: E731
     arrivals = [0.0] * n
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
