@@ -15,7 +15,7 @@ pytest.importorskip("fastapi", reason="the server tests need `pip install -e .[s
 
 from diffusers_stepbatch.serve import ServeConfig, create_app, load_model, serve_pipeline
 from diffusers_stepbatch.serve.sizes import SizeRange
-from diffusers_stepbatch.testing_image_models import tiny_z_image_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
 
 from .serve_helpers import ServerThread, decode_b64, pixels
 

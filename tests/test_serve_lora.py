@@ -172,7 +172,7 @@ def test_a_stream_takes_adapters_too(family):
 @pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 def test_a_video_takes_adapters_too(tmp_path):
     pytest.importorskip("av", reason="the videos API needs PyAV")
-    from diffusers_stepbatch.testing_video_models import tiny_wan_pipeline
+    from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
     from .serve_helpers import wait_for
     from .test_serve_videos import assert_same_video, content, diff, encoded

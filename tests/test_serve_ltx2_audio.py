@@ -16,7 +16,7 @@ av = pytest.importorskip("av", reason="the videos API needs `pip install -e .[vi
 from diffusers.utils.export_utils import encode_video
 
 from diffusers_stepbatch.serve.video_encoding import read_audio, read_mp4, to_uint8, write_mp4
-from diffusers_stepbatch.testing_ltx_models import LTX2_PLAIN, tiny_ltx2_pipeline
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, tiny_ltx2_pipeline
 
 from .serve_helpers import Served, wait_for
 

@@ -16,7 +16,7 @@ from diffusers_stepbatch.serve import ServeConfig, create_app, load_model
 from diffusers_stepbatch.serve.cli import add_serve_arguments, config_from_args
 from diffusers_stepbatch.serve.presets import PRESETS, find_preset, preset_named
 from diffusers_stepbatch.testing import tiny_flux_pipeline
-from diffusers_stepbatch.testing_image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
+from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_z_image_pipeline
 
 from .serve_helpers import ServerThread, decode_b64, pixels
 
