@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager  # NOTE: the type of `row_kernels(rows)`
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ class WorkItem:
     rows along dim 0. `step`: the denoising step (None outside the loop); `pack`: how it may share a call with other
     shapes; `immediate`: cheap arithmetic (the scheduler update) run in the same engine step as the call before;
     `row_kernels(rows per item)`: a context in which a merged call computes each item's rows as its solo call would
-    (`functools.partial(solo_kernels, model)`)."""
+    (`models.row_kernels.row_kernels_of(model)`)."""
 
     kind: str
     key: Hashable

@@ -68,6 +68,7 @@ def convolutions(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's 1-3d convolutions (subclasses too: their `_conv_forward` is what runs the kernel)."""
     return _layers(model)[2]
 
+
 def _layers(model: torch.nn.Module) -> tuple[list, list, list]:
     signature = tuple(getattr(model, "peft_config", None) or ())
     cached = _LINEARS.get(model)
