@@ -309,6 +309,8 @@ def test_other_models_variants_and_images_routes_are_refused(client, url):
     card = httpx.get(f"{url}/v1/models").json()["data"][0]
     assert card["kind"] == "video" and card["video"] == {"image_to_video": False, "size_multiple": 16,
                                                          "frame_multiple": 4, "default_frames": 9}
+    # the sizes it takes: sides a multiple of 16 (from 16), at most --max-image-pixels a frame
+    assert card["sizes"] == {"min_side": 16, "multiple": 16, "max_pixels": ServeConfig().max_image_pixels}
     finished(client, video.id)
 
 

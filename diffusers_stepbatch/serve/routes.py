@@ -138,7 +138,7 @@ def _model_card(server: ServerContext) -> dict[str, Any]:
     card = {"id": server.config.model_name, "object": "model", "created": model.created if model else 0,
             "owned_by": "diffusers-stepbatch"}
     if model is not None:
-        card.update(video_card(model) if model.makes_videos else model.card())
+        card.update(video_card(model, server.config) if model.makes_videos else model.card())
     return card
 
 

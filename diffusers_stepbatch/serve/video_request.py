@@ -213,11 +213,13 @@ def _default(model: ServingModel, argument: str) -> Any:
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
-def video_card(model: ServingModel) -> dict[str, Any]:
-    """What `/v1/models` says about a video model beyond OpenAI's fields."""
+def video_card(model: ServingModel, config: ServeConfig) -> dict[str, Any]:
+    """What `/v1/models` says about a video model beyond OpenAI's fields; `sizes`: what `check_size` takes."""
     width, height = default_video_size(model)
+    multiple = size_multiple(model)
+    sizes = {"min_side": multiple, "multiple": multiple, "max_pixels": config.max_image_pixels}
     return {"pipeline": type(model.sb.pipe).__name__, "kind": "video", "default_size": f"{width}x{height}",
-            "sizes": None, "edits": {},
+            "sizes": sizes, "edits": {},
             "video": {"image_to_video": model.image_to_video, "size_multiple": size_multiple(model),
                       "frame_multiple": frame_multiple(model), "default_frames": default_frames(model)},
             **model.defaults_card()}

@@ -30,6 +30,7 @@ async function loadModel() {
     defaultSize = card.default_size || defaultSize;
     sizes = card.sizes;
     const edits = Object.keys(card.edits || {});
+    if (sizes && !sizes.sizes) sizes = null;  // a video model's size rule: the videos form reads it
     $("model-hint").textContent = (sizes ? `Sizes: ${sizes.min_side}-${sizes.max_side} px per side, multiples of ` +
       `${sizes.multiple}, 1:${sizes.max_aspect_ratio} to ${sizes.max_aspect_ratio}:1. ` : "") +
       (edits.length ? `Edits: ${edits.join(", ")}. ` : "No edits. ") +
