@@ -203,6 +203,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
         guidance = torch.full([latents.shape[0]], args["guidance_scale"], device=device, dtype=torch.float32)
 
     denoise = functools.partial(_denoise, pipe.transformer, grid, attention_kwargs)
+    solo = row_kernels_of(pipe.transformer)
     shared_key = (tuple(latents.shape[2:]), branches[0][0].shape[-1], guidance is not None,
                   freeze(attention_kwargs), latents.dtype, branches[0][0].dtype, str(latents.device))
     key = named_key(program="qwenimage", **{"image size": grid}, **dict(zip(_SHARED_FIELDS, shared_key)))
@@ -242,7 +243,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
             if hooked is not None:
                 yield from hooked.take_turn()
             noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
-                                        pack=pack, row_kernels=row_kernels_of(pipe.transformer))
+                                        pack=pack, row_kernels=solo)
             if call.do_true_cfg:
                 noise_pred, negative_pred = noise_pred.chunk(2)
                 combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)

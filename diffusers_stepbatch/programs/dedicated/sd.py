@@ -75,18 +75,17 @@ def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
     # 1. Text: the encoder runs in batched work items; the pipeline's own encode_prompt then repeats and
     # casts exactly as it does (it encodes nothing more).
     embeds, negative = args["prompt_embeds"], args["negative_prompt_embeds"]
+    encoder = row_kernels_of(pipe.text_encoder)
     if embeds is None:
         texts = as_list(args["prompt"])
         key = ("sd.encode", args["clip_skip"], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_text, pipe, device, args["clip_skip"], lora_scale)
-        embeds = yield WorkItem("encode", key, {"prompt": texts}, run, rows=len(texts),
-                                row_kernels=row_kernels_of(pipe.text_encoder))
+        embeds = yield WorkItem("encode", key, {"prompt": texts}, run, rows=len(texts), row_kernels=encoder)
     if call.do_cfg and negative is None:
         texts = as_list(args["negative_prompt"]) or [""] * call.num_prompts
         key = ("sd.encode.negative", embeds.shape[1], lora_scale, text_adapters, str(device))
         run = functools.partial(_encode_negative, pipe, device, embeds.shape[1], lora_scale)
-        negative = yield WorkItem("encode", key, {"negative_prompt": texts}, run, rows=len(texts),
-                                  row_kernels=row_kernels_of(pipe.text_encoder))
+        negative = yield WorkItem("encode", key, {"negative_prompt": texts}, run, rows=len(texts), row_kernels=encoder)
     embeds, negative = view.encode_prompt(None, device, call.num_images // call.num_prompts, call.do_cfg,
                                           prompt_embeds=embeds, negative_prompt_embeds=negative)
 

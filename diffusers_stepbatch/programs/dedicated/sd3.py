@@ -200,6 +200,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     pack = _packable(packing_reason, pipe.transformer, jak, shared_key, tokens, call.packed_attention)
     skip_layers = args["skip_guidance_layers"]
     denoise = functools.partial(_denoise, pipe.transformer, jak)
+    solo = row_kernels_of(pipe.transformer)
 
     # 3. Denoising loop: one work item per step; rows are [uncond, cond] under CFG, plus [cond, skipping
     # layers] while skip-layer guidance is active.
@@ -233,7 +234,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
             }
             output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack,
-                                    row_kernels=row_kernels_of(pipe.transformer))
+                                    row_kernels=solo)
             noise_pred, noise_uncond, scale = output, None, None
             if do_cfg:
                 noise_uncond, noise_pred = output[:images], output[images:2 * images]

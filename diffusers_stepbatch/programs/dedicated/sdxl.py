@@ -308,6 +308,7 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
     cross_attention_kwargs = without_masks(without_lora_scale(args["cross_attention_kwargs"])) or None
     masks = None if call.ip is None else call.ip.masks
     run = functools.partial(_denoise, pipe.unet, cross_attention_kwargs)
+    solo = row_kernels_of(pipe.unet)
     if hasattr(view.scheduler, "set_begin_index"):
         view.scheduler.set_begin_index(0)
     callback = args["callback_on_step_end"]
@@ -350,7 +351,7 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
             first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
             inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
             noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i,
-                                        row_kernels=row_kernels_of(pipe.unet))
+                                        row_kernels=solo)
             noise_uncond = scale = None
             if do_cfg:
                 noise_uncond, noise_pred = noise_pred.chunk(2)
