@@ -30,6 +30,7 @@ from ..pid.generic import plan_generic_pid_exit
 from ..checks.generic_call import check_generic_call, num_steps, parameters_after_self
 from ..registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ...adapters.state import NOT_GIVEN, AdapterState, request_adapters
+from ...parallel.plans import splits_sequence
 from ...models import support_for
 from .intercept import ATTENTION_KWARGS, HOLDERS, Holder, ModelProxy, RequestTeaCache, log_once, packed_attention_for
 from ..request_state import active_view
@@ -180,7 +181,7 @@ def _unbatchable_reason(pipe, denoisers: list[str], args: dict[str, Any]) -> str
         return "perturbed-attention guidance sets attention processors on the shared denoiser for its whole call"
     for name in denoisers:
         for _, module in marked_modules(getattr(pipe, name)):
-            hooks = diffusers_hooks(module)
+            hooks = [hook for hook in diffusers_hooks(module) if not splits_sequence(hook)]
             if hooks:
                 return f"pipe.{name} has diffusers hooks ({list(hooks)}), whose state is not per request"
     return None
