@@ -1,9 +1,10 @@
 """What each rank runs in the context-parallel tests (`tests/test_context_parallel.py` starts two of them, with
 torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
-    families OUT NAME...  first `checks`, then for each family: rank 0 runs four requests through the plain pipeline (before any rank
-                          switches context parallelism on), then the same four concurrently through
-                          `StepBatched(pipe, parallel=...)` while rank 1 follows; each rank writes what it saw.
+    families OUT NAME...  `checks`, then per family: rank 0 runs four requests through the plain pipeline
+                          (before any rank switches context parallelism on), then the same four concurrently
+                          through `StepBatched(pipe, parallel=...)` while rank 1 follows; each rank writes what
+                          it saw.
     kill OUT              rank 0 runs long requests; the test kills rank 1 once rank 0 writes OUT/mid-run.
     checks OUT            what every rank gets for a config these ranks can't run (Ring on the CPU).
 """

@@ -143,3 +143,73 @@ def test_teacache_with_parallel_is_refused_before_any_rank_starts():
         StepBatched(tiny_flux_pipeline(), teacache=TeaCacheConfig(threshold=0.2),
                     parallel=ContextParallelConfig(ulysses_degree=2))
     assert not torch.distributed.is_initialized()
+
+
+def test_the_server_under_torchrun_answers_the_openai_client_and_stops_every_rank():
+    import concurrent.futures
+
+    import numpy as np
+
+    from diffusers_stepbatch.toy import load_pipeline
+
+    from .serve_helpers import TOY_CALL, ServerProcess, decode_b64, pixels
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(_free_port())]
+    server = ServerProcess("--model", "toy", "--context-parallel", "ulysses=2", launcher=torchrun).start()
+    prompt = "a red circle at the top left on a white background"
+    try:
+        client = server.client()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda size: client.images.generate(
+                model="toy-shapes", prompt=prompt, size=size, response_format="b64_json", extra_body={"seed": 7}),
+                ["64x64", "96x48"]))
+    finally:
+        server.stop(timeout=60)  # NOTE: torchrun itself exits 1 on SIGTERM, whatever its ranks did
+    log = server.log()
+    # the follower made rank 0's calls until rank 0 closed, rather than dying on torchrun's SIGTERM
+    assert "could not tell the context-parallel followers to stop" not in log
+    assert not _processes_with(f"--port {server.port}")
+    plain = load_pipeline()
+    for result, (width, height) in zip(results, [(64, 64), (96, 48)]):
+        want = plain(prompt, height=height, width=width, generator=torch.Generator().manual_seed(7),
+                     **TOY_CALL).images[0]
+        # PNG is lossless: only fp32 differences <= 1e-4 before uint8 rounding may flip a level
+        assert np.abs(pixels(decode_b64(result.data[0].b64_json)) - pixels(want)).max() <= 1
+
+
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("text, degrees", [("ulysses=2", {"ulysses_degree": 2}), ("ring=4", {"ring_degree": 4}),
+                                           ("ulysses=2, ring=2", {"ulysses_degree": 2, "ring_degree": 2})])
+def test_context_parallel_flag_reads_as_the_config_degrees(text, degrees):
+    from diffusers_stepbatch.serve.config import parse_context_parallel
+
+    assert parse_context_parallel(text) == degrees
+
+
+@pytest.mark.parametrize("text", ["ulysses", "tp=2", "ulysses=0", "ulysses=1", "ulysses=2,ulysses=2"])
+def test_a_bad_context_parallel_flag_is_a_startup_error(text):
+    from diffusers_stepbatch.serve import ServeConfig
+
+    with pytest.raises(ValueError, match="context_parallel="):
+        ServeConfig(context_parallel=text)
+
+
+@pytest.mark.parametrize("option", [dict(teacache=0.4), dict(lora_dir="/tmp"), dict(offload="model"),
+                                    dict(lora_modules={"a": "/tmp/a"})])
+def test_per_request_state_options_are_refused_with_context_parallel(option):
+    from diffusers_stepbatch.serve import ServeConfig
+
+    with pytest.raises(ValueError, match="can't run under context_parallel"):
+        ServeConfig(context_parallel="ulysses=2", **option)
