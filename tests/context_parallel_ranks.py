@@ -42,14 +42,15 @@ def _video_calls(sizes, **common):
             for i, (height, width, frames) in enumerate(sizes)]
 
 
-# family -> (pipeline builder, four calls: sizes or frame counts, steps, seeds and prompt lengths all differ)
+# family -> (pipeline builder, four calls: sizes or frame counts, steps, seeds and prompt lengths all differ; the
+# image tokens of FLUX.1's 36x36 (81) and Wan's 9 frames at 16x16 (3) don't divide by two ranks)
 FAMILIES = {
-    "flux": (tiny_flux_pipeline, _image_calls([(32, 32), (32, 48), (48, 32), (32, 32)])),
+    "flux": (tiny_flux_pipeline, _image_calls([(32, 32), (32, 48), (48, 32), (36, 36)])),
     "flux2": (tiny_flux2_pipeline, _image_calls([(32, 32), (32, 48), (48, 32), (32, 32)],
                                                 text_encoder_out_layers=(1,), max_sequence_length=32)),
     "qwenimage": (tiny_qwenimage_pipeline, _image_calls([(16, 16), (16, 32), (32, 16), (16, 16)])),
     "z-image": (tiny_z_image_pipeline, _image_calls([(32, 32), (32, 64), (64, 32), (32, 32)])),
-    "wan2.1": (tiny_wan_pipeline, _video_calls([(16, 16, 5), (16, 32, 9), (32, 16, 13), (16, 16, 5)],
+    "wan2.1": (tiny_wan_pipeline, _video_calls([(16, 16, 5), (16, 32, 9), (32, 16, 13), (16, 16, 9)],
                                                max_sequence_length=16)),
     "wan2.2": (lambda: tiny_wan_pipeline(experts=True),
                _video_calls([(16, 16, 5), (16, 32, 9), (32, 16, 5), (16, 16, 5)], max_sequence_length=16)),

@@ -16,6 +16,8 @@ from unittest import mock
 
 import torch
 
+from .gloo_gather import use_padded_gathers_on_gloo
+
 # NOTE: the pipeline components that make the denoising calls (Wan 2.2's second expert is `transformer_2`)
 DENOISERS = ("transformer", "transformer_2", "unet")
 
@@ -77,6 +79,7 @@ def enable_context_parallel(pipe: Any, config: Any) -> ParallelModels:
         config.ulysses_anything = True
     elif config.ulysses_degree == 1:
         config.ring_anything = True
+    use_padded_gathers_on_gloo()
     models = ParallelModels()
     for name in DENOISERS:
         model = getattr(pipe, name, None)
