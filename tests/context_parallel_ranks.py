@@ -91,7 +91,8 @@ def run_family(name: str, out: Path) -> None:
     sb.close()
     _write(out, name, dict(differences=[(got - want).abs().max().item() for got, want in zip(outputs, expected)],
                            shapes=[list(output.shape) for output in outputs], splits=stats["splits"],
-                           parallel=stats["parallel"], mixed=stats["mixed"]))
+                           parallel=stats["parallel"], mixed=stats["mixed"],
+                           steps=sum(kwargs["num_inference_steps"] for kwargs in calls)))
 
 
 def run_kill(out: Path) -> None:

@@ -23,8 +23,13 @@ from diffusers_stepbatch.testing import tiny_flux_pipeline
 
 RANKS_SCRIPT = Path(__file__).with_name("context_parallel_ranks.py")
 TOLERANCE = 1e-4
-# NOTE: families whose denoiser runs split over the ranks (diffusers' plan, or the model layer's)
-SPLIT_FAMILIES = ["flux", "flux2", "qwenimage", "wan2.1", "wan2.2"]
+# NOTE: families whose denoiser runs split over the ranks (diffusers' plan, or the model layer's: Z-Image)
+SPLIT_FAMILIES = ["flux", "flux2", "qwenimage", "wan2.1", "wan2.2", "z-image"]
+# families whose sizes share calls in the model's own forward (per-image lists), so nothing is packed
+OWN_MIXED_SIZES = {"z-image"}
+# families whose blocks can't run split (the model layer says why): rank 0 runs them alone
+ALONE_FAMILIES = {"ltx2": "widens its text mask to every head", "hunyuan-video-1.5": "query-by-key mask"}
+FAMILIES = [*SPLIT_FAMILIES, *ALONE_FAMILIES]
 TIME_LIMIT_S = 300
 
 
@@ -68,11 +73,11 @@ def _read(out: Path, name: str, rank: int) -> dict:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     out = tmp_path_factory.mktemp("context-parallel")
-    processes = start_ranks("families", str(out), *SPLIT_FAMILIES)
+    processes = start_ranks("families", str(out), *FAMILIES)
     logs = wait_ranks(processes)
     for process, log in zip(processes, logs):
         assert process.returncode == 0, log[-6000:]
-    return {name: (_read(out, name, 0), _read(out, name, 1)) for name in [*SPLIT_FAMILIES, "checks"]}
+    return {name: (_read(out, name, 0), _read(out, name, 1)) for name in [*FAMILIES, "checks"]}
 
 
 @pytest.mark.parametrize("family", SPLIT_FAMILIES)
@@ -83,9 +88,20 @@ def test_requests_of_different_sizes_equal_the_plain_pipeline_under_ulysses(fami
     assert leader["parallel"]["split"] and not leader["parallel"]["alone"], leader["parallel"]
     # every call rank 0 made on a split model, rank 1 made too
     assert follower["calls_followed"] == leader["parallel"]["calls_relayed"] > 0
-    # sizes don't pack under context parallelism: each size's call runs split, and stats() says why
     assert leader["mixed"]["calls"] == 0
-    assert leader["splits"].get(f"denoise: {PACKING_OFF}", 0) > 0, leader["splits"]
+    if family in OWN_MIXED_SIZES:  # different sizes shared split calls: fewer calls than the requests' steps
+        assert leader["parallel"]["calls_relayed"] < leader["steps"], leader
+    else:  # sizes don't pack under context parallelism: each size's call runs split, and stats() says why
+        assert leader["splits"].get(f"denoise: {PACKING_OFF}", 0) > 0, leader["splits"]
+
+
+@pytest.mark.parametrize("family", sorted(ALONE_FAMILIES))
+def test_a_model_whose_blocks_cant_run_split_runs_on_rank_0_alone_and_says_why(families, family):
+    leader, follower = families[family]
+    assert max(leader["differences"]) <= TOLERANCE, leader["differences"]
+    assert leader["parallel"]["split"] == []
+    assert ALONE_FAMILIES[family] in leader["parallel"]["alone"]["transformer"]
+    assert leader["parallel"]["calls_relayed"] == follower["calls_followed"] == 0
 
 
 def test_wan22_splits_both_experts(families):

@@ -41,12 +41,15 @@ class ParallelModels:
     alone: dict[str, str] = field(default_factory=dict)
 
 
-def context_parallel_plan(model: torch.nn.Module) -> dict | None:
-    """The model's context-parallel plan: the model layer's, else diffusers' own, else None."""
+def context_parallel_plan(model: torch.nn.Module) -> dict | str:
+    """The model's context-parallel plan (the model layer's, else diffusers' own), or why it has none."""
     from ..models import support_for
 
     own = support_for(model).context_parallel
-    return own(model) if own is not None else getattr(type(model), "_cp_plan", None)
+    plan = own(model) if own is not None else getattr(type(model), "_cp_plan", None)
+    if plan is None:
+        return f"{type(model).__name__} has no context-parallel plan (diffusers' _cp_plan nor the model layer's)"
+    return plan
 
 
 def check_parallel_config(config: Any) -> None:
@@ -86,9 +89,8 @@ def enable_context_parallel(pipe: Any, config: Any) -> ParallelModels:
         if not isinstance(model, torch.nn.Module):
             continue
         plan = context_parallel_plan(model)
-        if plan is None:
-            models.alone[name] = (f"{type(model).__name__} has no context-parallel plan (diffusers' _cp_plan): it "
-                                  "runs on rank 0 alone")
+        if isinstance(plan, str):
+            models.alone[name] = f"{plan}: it runs on rank 0 alone"
             continue
         _check_attention_backend(model, config)
         with _one_device_when_no_accelerator():
