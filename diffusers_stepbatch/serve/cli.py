@@ -186,32 +186,36 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_s
 
 
 def _on_this_rank(config: ServeConfig) -> ServeConfig | None:
-    """Under `--context-parallel`: every rank loads the model; the followers make rank 0's model calls until it
-    closes (None), rank 0 goes on to serve (its config, on its own GPU)."""
+    """Under `--context-parallel`: rank 0 goes on to serve (its config, on its own GPU); the other ranks follow
+    its model calls until it closes (None)."""
     import torch.distributed as dist
 
-    from ..parallel.ranks import rank_device, start_ranks
+    from ..parallel.ranks import start_ranks
+
+    start_ranks()
+    if dist.get_rank() == 0:
+        return _on_rank_device(config)
+    follow_rank_0(config)
+    return None
+
+
+def _on_rank_device(config: ServeConfig) -> ServeConfig:
+    from ..parallel.ranks import rank_device
+
+    return dataclasses.replace(config, device=str(rank_device())) if config.device.startswith("cuda") else config
+
+
+def follow_rank_0(config: ServeConfig) -> None:
+    """A follower rank: load the model `config` names and make rank 0's model calls until it closes."""
+    import torch.distributed as dist
+
+    from ..parallel.ranks import start_ranks
     from .model import load_model
 
     start_ranks()
-    if config.device.startswith("cuda"):
-        config = dataclasses.replace(config, device=str(rank_device()))
-    if dist.get_rank() == 0:
-        return config
-    model = load_model(config)
+    model = load_model(_on_rank_device(config))
     # NOTE: on SIGTERM / Ctrl-C rank 0 finishes its requests first, which needs every follower: they stop
     # when rank 0 closes (or is gone)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda number, frame: logger.info("rank %d stops when rank 0 closes", dist.get_rank()))
     model.sb.follow()
-    return None
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The `diffusers-stepbatch` console script; `serve` is its one command."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="diffusers-stepbatch")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("serve", help="run the OpenAI-compatible image server", add_help=False)
-    parser.parse_args(argv[:1])  # the command; its flags are serve_main's
-    serve_main(argv[1:], prog="diffusers-stepbatch serve")
