@@ -273,7 +273,6 @@ def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program
     from diffusers import FluxKontextPipeline
 
     from diffusers_stepbatch import models
-    from diffusers_stepbatch.programs.dedicated import flux as flux_program
     from diffusers_stepbatch.testing import tiny_flux_pipeline
 
     pipe = tiny_flux_pipeline(guidance_embeds=True)
@@ -291,12 +290,10 @@ def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program
             return outputs
         return wrapped
 
-    if program == "generic":
-        support = models.support_for(pipe.transformer)
-        packing = dataclasses.replace(support.packing, run=failing_once(support.packing.run))
-        monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, packing=packing))
-    else:
-        monkeypatch.setattr(flux_program, "flux_packed_forward", failing_once(flux_program.flux_packed_forward))
+    # NOTE: both programs run packed calls through the model's support (models/denoiser_calls.py)
+    support = models.support_for(pipe.transformer)
+    packing = dataclasses.replace(support.packing, run=failing_once(support.packing.run))
+    monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, packing=packing))
     requests = [dict(prompt=f"a shape {i}", height=h, width=w, num_inference_steps=steps, max_sequence_length=16,
                      guidance_scale=3.5, output_type="pt", seed=i)
                 for i, ((h, w), steps) in enumerate(zip([(32, 32), (32, 48), (48, 32)], (8, 9, 10)))]

@@ -46,18 +46,20 @@ class Packing:
 
     Args:
         unsupported: why the model can't run packed calls now (other attention processors, hooks), or None.
-        key: (what must match for calls to pack, tokens per row), or None when this call can't pack.
+        key: `key(arguments)`: (what must match for calls to pack, tokens per row), or None when this call can't
+            pack; None: only the model's dedicated program packs its calls (it keys them itself).
         run: `run(model, calls, packed_attention, teacache)`: one output per call (its arguments by name), as the
             model returns it; `teacache[i]` holds call i's per-row TeaCache states or None.
         token_rows: `token_rows(model, calls)`: per token stream of the packed call (the `[tokens, ...]` or
             `[1, tokens, ...]` inputs its LoRA layers see), each token's row, rows numbered across the calls in
-            order; None: calls with per-request LoRA don't pack.
+            order, or None when they don't map to rows (each call then runs apart); None: calls with per-request
+            LoRA don't pack.
     """
 
     unsupported: Callable[[torch.nn.Module], "str | None"]
-    key: Callable[[dict[str, Any]], "tuple[Any, int] | None"]
+    key: Callable[[dict[str, Any]], "tuple[Any, int] | None"] | None
     run: Callable[[torch.nn.Module, list[dict[str, Any]], str, list], list[Any]]
-    token_rows: Callable[[torch.nn.Module, list[dict[str, Any]]], list[torch.Tensor]] | None = None
+    token_rows: Callable[[torch.nn.Module, list[dict[str, Any]]], "list[torch.Tensor] | None"] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ DEFAULT_SUPPORT = ModelSupport()
 _SUPPORT: dict[type, ModelSupport] = {}
 _REGISTERED_BY: dict[type, str] = {}  # class -> the module that registered it
 # NOTE: the modules of this package that are shared machinery, not one denoiser class's rules
-SHARED_MODULES = frozenset({"calls", "merge_checks", "packed_calls", "packing", "row_kernels"})
+SHARED_MODULES = frozenset({"calls", "merge_checks", "denoiser_calls", "packing", "row_kernels"})
 
 
 def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], Callable[[], ModelSupport]]:
@@ -131,9 +133,12 @@ def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], 
     return decorate
 
 
-def support_for(model: torch.nn.Module) -> ModelSupport:
-    """The support of the model's class or nearest registered base class."""
+def support_for(model: torch.nn.Module, through_compile: bool = False) -> ModelSupport:
+    """The support of the model's class or nearest registered base class. `through_compile`: of the model a
+    `torch.compile` wrapper holds (dedicated programs drive its submodules as they drive the model's own)."""
     _load_modules()
+    if through_compile:
+        model = getattr(model, "_orig_mod", model)
     for cls in type(model).__mro__:
         support = _SUPPORT.get(cls)
         if support is not None:

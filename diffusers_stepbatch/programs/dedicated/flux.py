@@ -23,27 +23,22 @@ from ...adapters.ip_adapter import (
     bind_scale_setter,
     flux_ip_image_embeds,
     ip_key_fields,
-    per_row_ip_scales,
     plan_flux_ip_adapter,
 )
 from ...adapters.lora import lora_layers
 from ...adapters.state import (
     AdapterState,
-    lora_rows,
     request_adapters,
     text_lora_scale,
     without_lora_scale,
 )
 from ...buffers import stack_rows
 from ...cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
-from ...cache.teacache import TeaCacheState, kept_on_failure
-from ...models.flux.teacache import flux_teacache_forward
 from ...decoders.vae import vae_decode_item
 from ...engine.batch import Packable, WorkItem
 from ...engine.split_reasons import named_key
 from ...module_scan import execution_device
 from ...models.packing.attention import check_can_run as check_packed_attention_runs
-from ...models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
 from ...models.row_kernels import row_kernels_of
 from ...models.packing.support import extra_attention_kwargs, packing_refused
 from ..cache_hooks import hooked_denoiser
@@ -56,7 +51,8 @@ from ..checks.pipeline import run_check_inputs
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models import support_for
 from ...models.calls import freeze
-from ...models.packed_calls import run_packed
+from ...models.denoiser_calls import run_packed, run_rows
+from ...cache.teacache import TeaCacheState
 from ..checks.values import (
     as_list,
     check_call_size,
@@ -400,7 +396,7 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
 
 def _packing_reason(transformer, joint_attention_kwargs, call) -> str | None:
     """Why this request's forwards can't pack with other sizes, or None."""
-    return (flux_packing_unsupported(transformer)
+    return (support_for(transformer, through_compile=True).packing.unsupported(transformer)
             or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
             or ("IP-Adapter image tokens are not wired into packed forwards yet" if call.ip is not None else None))
 
@@ -414,44 +410,39 @@ def _packable(reason, transformer, joint_attention_kwargs, shared_key, ids, toke
 
 
 def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
-    parts = [
-        FluxPart(
-            hidden_states=torch.stack(inputs["hidden_states"]),
-            encoder_hidden_states=torch.stack(inputs["encoder_hidden_states"]),
-            pooled_projections=torch.stack(inputs["pooled_projections"]),
-            timestep=torch.stack(inputs["timestep"]),
-            guidance=None if inputs["guidance"] is None else torch.stack(inputs["guidance"]),
-            txt_ids=txt_ids, img_ids=img_ids, teacache=inputs["teacache"],
-        )
-        for (txt_ids, img_ids), inputs in shapes
-    ]
+    calls = [_arguments(txt_ids, img_ids, joint_attention_kwargs, None, inputs) for (txt_ids, img_ids), inputs in shapes]
     # NOTE: per-row LoRA maps the packed streams (text, image, the single blocks' joint tokens) to rows
-    return run_packed(
-        transformer,
-        packed=functools.partial(flux_packed_forward, transformer, parts,
-                                 joint_attention_kwargs=joint_attention_kwargs, packed_attention=packed_attention),
-        per_shape=lambda: [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
+    outputs = run_packed(
+        transformer, support_for(transformer, through_compile=True).packing, calls, packed_attention,
+        [inputs["teacache"] for _, inputs in shapes],
+        per_shape=lambda: [_call(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
                            for (txt_ids, img_ids), inputs in shapes],
-        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
-        token_rows=lambda: flux_token_streams(parts),
-        teacache=[state for part in parts for state in part.teacache or ()])
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None)
+    return [output[0] for output in outputs]
 
 
-def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
-             pooled_projections, encoder_hidden_states, teacache, lora, ip_embeds, ip_scales):
-    inputs = {
-        "hidden_states": stack_rows(buffers, "hidden_states", hidden_states),
-        "timestep": stack_rows(buffers, "timestep", timestep),
-        "guidance": stack_rows(buffers, "guidance", guidance),
-        "pooled_projections": stack_rows(buffers, "pooled_projections", pooled_projections),
-        "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", encoder_hidden_states),
-    }
+def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, **inputs):
+    return _call(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, **inputs)[0]
+
+
+def _call(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, teacache, lora, ip_embeds, ip_scales,
+          **rows):
+    """The transformer's output tuple for these rows, each with its request's TeaCache state, LoRA and IP scales."""
+    arguments = _arguments(txt_ids, img_ids, joint_attention_kwargs, buffers, rows)
     if ip_embeds is not None:
-        joint_attention_kwargs = dict(joint_attention_kwargs,
-                                      ip_adapter_image_embeds=[torch.stack(rows) for rows in zip(*ip_embeds)])
-    with kept_on_failure(teacache), lora_rows(transformer, lora), per_row_ip_scales(ip_scales):
-        if any(state is not None for state in teacache):
-            return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
-                                         joint_attention_kwargs=joint_attention_kwargs)
-        return transformer(**inputs, txt_ids=txt_ids, img_ids=img_ids,
-                           joint_attention_kwargs=joint_attention_kwargs, return_dict=False)[0]
+        arguments["joint_attention_kwargs"] = dict(
+            joint_attention_kwargs, ip_adapter_image_embeds=[torch.stack(embeds) for embeds in zip(*ip_embeds)])
+    return run_rows(transformer, arguments, support=support_for(transformer, through_compile=True), lora=lora,
+                    teacache=teacache, ip_scales=ip_scales)
+
+
+def _arguments(txt_ids, img_ids, joint_attention_kwargs, buffers, rows) -> dict[str, Any]:
+    """`FluxTransformer2DModel.forward`'s arguments for these rows (lists of row tensors), batched."""
+    return {
+        "hidden_states": stack_rows(buffers, "hidden_states", rows["hidden_states"]),
+        "timestep": stack_rows(buffers, "timestep", rows["timestep"]),
+        "guidance": stack_rows(buffers, "guidance", rows["guidance"]),
+        "pooled_projections": stack_rows(buffers, "pooled_projections", rows["pooled_projections"]),
+        "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", rows["encoder_hidden_states"]),
+        "txt_ids": txt_ids, "img_ids": img_ids, "joint_attention_kwargs": joint_attention_kwargs, "return_dict": False,
+    }

@@ -27,24 +27,16 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from ...adapters.lora import lora_layers
 from ...adapters.state import (
     AdapterState,
-    lora_rows,
     request_adapters,
     text_encoder_state,
     without_lora_scale,
 )
-from ...cache.teacache import TeaCacheState, kept_on_failure
+from ...cache.teacache import TeaCacheState
 from ...decoders.vae import vae_decode_item
 from ...engine.batch import Packable, WorkItem
 from ...engine.split_reasons import named_key
 from ...module_scan import execution_device
 from ...models.packing.attention import check_can_run as check_packed_attention_runs
-from ...models.qwenimage.packing import (
-    QwenImagePart,
-    packed_token_rows,
-    qwenimage_packed_forward,
-    qwenimage_packing_unsupported,
-)
-from ...models.qwenimage.teacache import teacache_call
 from ...models.packing.support import extra_attention_kwargs, packing_refused
 from ..cache_hooks import hooked_denoiser
 from ..callbacks import run_step_callback
@@ -55,7 +47,7 @@ from ..checks.pipeline import run_check_inputs
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models import support_for
 from ...models.calls import freeze
-from ...models.packed_calls import run_packed
+from ...models.denoiser_calls import run_packed, run_rows
 from ...models.row_kernels import row_kernels_of
 from ..checks.values import (
     as_list,
@@ -164,7 +156,7 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     attention_kwargs = without_lora_scale(view._attention_kwargs)
     # Module scans before the first work item, so that they run in the caller's thread (`start_in_caller`).
-    packing_reason = (qwenimage_packing_unsupported(pipe.transformer)
+    packing_reason = (support_for(pipe.transformer, through_compile=True).packing.unsupported(pipe.transformer)
                       or extra_attention_kwargs(attention_kwargs, "attention_kwargs"))
     hooked = hooked_denoiser(pipe.transformer, view)
 
@@ -325,22 +317,24 @@ def _packable(reason, transformer, attention_kwargs, shared_key, grid, tokens, p
 
 def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
     """One packed forward for several grids' batches; text padding is dropped per row, not masked."""
-    parts = [
-        QwenImagePart(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], text=inputs["text"],
-                      text_mask=inputs["text_mask"], img_shapes=[grid], teacache=inputs["teacache"])
-        for grid, inputs in shapes
-    ]
-    return run_packed(
-        transformer,
-        packed=functools.partial(qwenimage_packed_forward, transformer, parts, attention_kwargs=attention_kwargs,
-                                 packed_attention=packed_attention),
-        per_shape=lambda: [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes],
-        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
-        token_rows=lambda: packed_token_rows(parts),
-        teacache=[state for part in parts for state in part.teacache])
+    # NOTE: each row's text as its own entry of its own length (the packed forward takes them so)
+    calls = [dict(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"],
+                  encoder_hidden_states=inputs["text"], encoder_hidden_states_mask=inputs["text_mask"],
+                  img_shapes=[[grid]], attention_kwargs=attention_kwargs, return_dict=False)
+             for grid, inputs in shapes]
+    outputs = run_packed(
+        transformer, support_for(transformer, through_compile=True).packing, calls, packed_attention,
+        [inputs["teacache"] for _, inputs in shapes],
+        per_shape=lambda: [_call(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes],
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None)
+    return [output[0] for output in outputs]
 
 
-def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora, teacache):
+def _denoise(transformer, grid, attention_kwargs, **inputs):
+    return _call(transformer, grid, attention_kwargs, **inputs)[0]
+
+
+def _call(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora, teacache):
     """One forward over rows whose prompt embeddings may differ in length: pad to the longest and mask."""
     lengths = [row.shape[0] for row in text]
     longest = max(lengths)
@@ -354,7 +348,6 @@ def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guida
     arguments = dict(hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
                      encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0],
                      attention_kwargs=attention_kwargs, return_dict=False)
-    with kept_on_failure(teacache), lora_rows(transformer, lora):
-        # NOTE: None where TeaCache can't reproduce the call (a config or processor it doesn't know): it computes
-        output = teacache_call(transformer, teacache, arguments) if any(s is not None for s in teacache) else None
-        return (output if output is not None else transformer(**arguments))[0]
+    # NOTE: where TeaCache can't reproduce the call (a config or processor it doesn't know), it computes
+    return run_rows(transformer, arguments, support=support_for(transformer, through_compile=True), lora=lora,
+                    teacache=teacache)

@@ -25,11 +25,10 @@ from ...adapters.ip_adapter import (
     bind_scale_setter,
     ip_image_embeds,
     ip_key_fields,
-    per_row_ip_scales,
     plan_ip_adapter,
 )
 from ...adapters.ip_masks import batched_masks, mask_key, mask_rows, without_masks
-from ...adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
+from ...adapters.state import AdapterState, request_adapters, text_lora_scale, without_lora_scale
 from ...decoders.vae import decode_alone_on_cpu, vae_decode_item
 from ...engine.batch import WorkItem
 from ...engine.split_reasons import named_key
@@ -41,6 +40,7 @@ from ..options import PlanContext
 from ..checks.pipeline import run_check_inputs
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models.calls import freeze
+from ...models.denoiser_calls import run_rows
 from ...models.row_kernels import row_kernels_of
 from ..checks.values import (
     as_list,
@@ -384,6 +384,7 @@ def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_stat
     masks = batched_masks(ip_masks)
     if masks is not None:
         cross_attention_kwargs = dict(cross_attention_kwargs or {}, ip_adapter_masks=masks)
-    with lora_rows(unet, lora), per_row_ip_scales(ip_scales):
-        return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
-                    cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
+    arguments = dict(sample=sample, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                     timestep_cond=timestep_cond, cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added,
+                     return_dict=False)
+    return run_rows(unet, arguments, lora=lora, ip_scales=ip_scales)[0]

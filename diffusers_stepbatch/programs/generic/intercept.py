@@ -8,7 +8,6 @@ are not proven have the first merge of each call structure checked against separ
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -21,16 +20,16 @@ from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import torch_utils
 
 from ...adapters.lora import streams_ambiguous
-from ...adapters.state import AdapterState, lora_rows, without_lora_scale
+from ...adapters.state import AdapterState, without_lora_scale
 from ...cache import encoder_calls
 from ...cache.prompt import PromptCache
-from ...cache.teacache import TeaCacheConfig, TeaCacheState, kept_on_failure
+from ...cache.teacache import TeaCacheConfig, TeaCacheState
 from ...engine.batch import Packable, WorkItem
 from ...engine.split_reasons import named_key
 from ...models import Packing, support_for
-from ...models.calls import ModelCall, cut, describe_call, fill, run_call, slice_rows
+from ...models.calls import ModelCall, bound_call, cut, describe_call, fill, slice_rows
+from ...models.denoiser_calls import run_packed, run_rows
 from ...models.merge_checks import log_once, merged_parts, not_rowwise_reason
-from ...models.packed_calls import run_packed
 from ...models.packing.support import packing_refused
 from ...models.row_kernels import solo_kernels
 from ...module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
@@ -224,7 +223,7 @@ def packed_attention_for(module: torch.nn.Module, packed_attention: str | None) 
     """The packed attention method for `module`'s calls, or None where its class has no packing or its state
     (attention processors, hooks) does not allow one now. NOTE: the check walks the model's modules."""
     packing = support_for(module).packing
-    if packed_attention is None or packing is None:
+    if packed_attention is None or packing is None or packing.key is None:
         return None
     return None if packing_refused(type(module).__name__, packing.unsupported(module)) else packed_attention
 
@@ -297,10 +296,6 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
     calls = [fill(call.template, _model_inputs(inputs)) for call, inputs in shapes]
     teacache = [inputs[TEACACHE] for _, inputs in shapes]
 
-    def packed() -> list:
-        with solo_kernels(module, [n for shape_holders in holders for n in _rows_per_request(shape_holders)]):
-            return packing.run(module, calls, packed_attention, teacache)
-
     def per_shape() -> list:
         outputs = []
         for (call, inputs), shape_holders in zip(shapes, holders):
@@ -308,9 +303,10 @@ def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> lis
                 outputs.append(_run(module, call, inputs))
         return outputs
 
-    outputs = run_packed(module, packed, per_shape, lora=[row for _, inputs in shapes for row in inputs[LORA] or ()]
-                         or None, token_rows=lambda: packing.token_rows(module, calls),
-                         teacache=[state for states in teacache for state in states or ()])
+    rows = [n for shape_holders in holders for n in _rows_per_request(shape_holders)]
+    outputs = run_packed(module, packing, calls, packed_attention, teacache, per_shape,
+                         lora=[row for _, inputs in shapes for row in inputs[LORA] or ()] or None,
+                         around=functools.partial(solo_kernels, module, rows))
     for (call, _), shape_holders, output in zip(shapes, holders, outputs):
         _hand_out(shape_holders, output, call)
     return [torch.zeros(len(shape_holders)) for shape_holders in holders]
@@ -369,20 +365,12 @@ def _model_inputs(inputs: dict) -> dict:
 
 
 def _run(module, call: ModelCall, inputs: dict) -> Any:
-    """The model call on these rows, each row with its request's LoRA where it has one."""
+    """The model call on these rows, each row with its request's LoRA and TeaCache state where it has one."""
     inputs = dict(inputs)
     lora, teacache = inputs.pop(LORA), inputs.pop(TEACACHE)
+    arguments = fill(call.template, inputs)
     token_rows = call.support.lora_token_rows
-    streams = token_rows(fill(call.template, _model_inputs(inputs))) if lora is not None and token_rows else None
-    with kept_on_failure(teacache or ()), \
-            lora_rows(module, lora, token_rows=streams) if lora is not None else contextlib.nullcontext():
-        if teacache is not None and any(state is not None for state in teacache):
-            output = call.support.teacache_forward(module, teacache, fill(call.template, inputs))
-            if output is not None:
-                return output
-        if lora is not None and call.support.lora_forward is not None:
-            output = call.support.lora_forward(module, fill(call.template, inputs))
-            if output is not None:
-                return output
-        return run_call(module, call, inputs)
+    streams = token_rows(arguments) if lora is not None and token_rows else None
+    return run_rows(module, arguments, support=call.support, lora=lora, token_rows=streams, teacache=teacache,
+                    call=bound_call(module, call, arguments))
 
