@@ -1,16 +1,13 @@
 """Every program's denoiser calls go through the one runner (`models/denoiser_calls.py`): each call of the model's
-own forward through `model_forward`, each packed call of several sizes through `packed_forward`, and the dedicated
-programs reach the model layer through `support_for` only, never a model module's internals."""
+own forward through `model_forward`, each packed call of several sizes through `packed_forward`."""
 
-import ast
 import functools
-from pathlib import Path
 
 import pytest
 import torch
 from diffusers import FluxKontextPipeline
 
-from diffusers_stepbatch import StepBatched, models
+from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.engine.scheduler import SchedulerConfig
 from diffusers_stepbatch.models import denoiser_calls
 from diffusers_stepbatch.testing import tiny_flux_pipeline, tiny_qwenimage_pipeline, tiny_sd3_pipeline
@@ -20,7 +17,6 @@ from .references import in_lockstep, max_diff, seeded, single_thread  # noqa: F4
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 PACK_ALWAYS = SchedulerConfig(max_batch_size=16, cost_aware=False)
-DEDICATED = Path(__file__).parents[1] / "diffusers_stepbatch" / "programs" / "dedicated"
 
 
 def kontext_pipeline():
@@ -94,15 +90,3 @@ def test_every_denoiser_call_goes_through_the_runner(program, monkeypatch):
                                                              if target is model)
     assert all(model_ is model for _, model_ in counted.packed)
     assert bool(counted.packed) == packs, counted.packed
-
-
-def test_dedicated_programs_import_no_model_module():
-    model_modules = set(models.model_modules())
-    for path in sorted(DEDICATED.glob("*.py")):
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module is not None:
-                parts = node.module.split(".")
-                if parts[0] == "models" and len(parts) > 1:
-                    imported.add(parts[1])
-        assert imported & model_modules == set(), (path.name, imported & model_modules)

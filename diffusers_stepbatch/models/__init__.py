@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,13 +159,23 @@ def model_modules() -> list[str]:
 
 
 _loaded = False
+_loading = False
+# NOTE: requests planned in several threads at once must not see a half-filled registry while another loads it
+_load_lock = threading.RLock()
 
 
 def _load_modules() -> None:
     # NOTE: lazily, once: each module imports its diffusers model class (and registers it)
-    global _loaded
+    global _loaded, _loading
     if _loaded:
         return
-    _loaded = True
-    for name in model_modules():
-        importlib.import_module(f"{__name__}.{name}")
+    with _load_lock:
+        if _loaded or _loading:  # a model module's import asking again gets what is registered so far
+            return
+        _loading = True
+        try:
+            for name in model_modules():
+                importlib.import_module(f"{__name__}.{name}")
+            _loaded = True
+        finally:
+            _loading = False

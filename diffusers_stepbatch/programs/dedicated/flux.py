@@ -47,7 +47,7 @@ from ..fused_update import FusedEuler
 from ..cfg import transformer_activation_bytes
 from ..options import PlanContext, ProgramOptions
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models import support_for
 from ...models.calls import freeze
@@ -55,9 +55,6 @@ from ...models.denoiser_calls import run_packed, run_rows
 from ...cache.teacache import TeaCacheState
 from ..checks.values import (
     as_list,
-    check_call_size,
-    check_given_embeds_not_repeated,
-    check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
 )
@@ -80,22 +77,15 @@ class FluxCall:
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
 
+# NOTE: FluxPipeline reads no PipelineCallback's tensor inputs
+_CHECKS = ProgramChecks(latent_patches=True, embeds_as_given="FluxPipeline", pipeline_callbacks=False)
+
+
 @register_program(FluxPipeline, features=("teacache", "adapters"))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
     args, pid, height, width = plan_main_size(pipe, args, context)
-    check_latent_patches(height, width, pipe)
-    run_check_inputs(
-        pipe, args["prompt"], args["prompt_2"], height, width,
-        negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
-        prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
-        pooled_prompt_embeds=args["pooled_prompt_embeds"],
-        negative_pooled_prompt_embeds=args["negative_pooled_prompt_embeds"],
-        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
-        max_sequence_length=args["max_sequence_length"],
-    )
-    size = check_call_size(args, args["sigmas"])
-    check_given_embeds_not_repeated(args, size.per_prompt, "FluxPipeline")
+    size = check_program_call(pipe, args, height, width, _CHECKS)
     steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
 
     has_negative = args["negative_prompt"] is not None or (

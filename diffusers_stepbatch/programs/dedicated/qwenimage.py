@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import QwenImagePipeline
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.qwenimage import pipeline_qwenimage
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
@@ -43,7 +42,7 @@ from ..callbacks import run_step_callback
 from ..fused_update import FusedEuler
 from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models import support_for
 from ...models.calls import freeze
@@ -51,8 +50,6 @@ from ...models.denoiser_calls import run_packed, run_rows
 from ...models.row_kernels import row_kernels_of
 from ..checks.values import (
     as_list,
-    check_call_size,
-    check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
 )
@@ -82,18 +79,8 @@ class QwenImageCall:
 @register_program(QwenImagePipeline, features=("adapters", "teacache"))
 def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
-    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
-        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
     args, pid, height, width = plan_main_size(pipe, args, context)
-    check_latent_patches(height, width, pipe)
-    run_check_inputs(
-        pipe, args["prompt"], height, width, negative_prompt=args["negative_prompt"],
-        prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
-        prompt_embeds_mask=args["prompt_embeds_mask"], negative_prompt_embeds_mask=args["negative_prompt_embeds_mask"],
-        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
-        max_sequence_length=args["max_sequence_length"],
-    )
-    size = check_call_size(args, args["sigmas"])
+    size = check_program_call(pipe, args, height, width, ProgramChecks(latent_patches=True))
     steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if pipe.transformer.config.guidance_embeds and args["guidance_scale"] is None:
         raise ValueError("guidance_scale is required for a guidance-distilled Qwen-Image transformer")

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from diffusers import StableDiffusion3Pipeline
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     StableDiffusion3PipelineOutput,
     calculate_shift,
@@ -42,15 +41,13 @@ from ..callbacks import run_step_callback
 from ..fused_update import FusedEuler
 from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models import support_for
 from ...models.calls import freeze
 from ...models.denoiser_calls import run_packed, run_rows
 from ...models.row_kernels import row_kernels_of
 from ..checks.values import (
-    check_call_size,
-    check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
 )
@@ -79,20 +76,8 @@ class SD3Call:
 @register_program(StableDiffusion3Pipeline, features=("adapters",))
 def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
-    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
-        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
     args, pid, height, width = plan_main_size(pipe, args, context)
-    run_check_inputs(
-        pipe, args["prompt"], args["prompt_2"], args["prompt_3"], height, width,
-        negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
-        negative_prompt_3=args["negative_prompt_3"], prompt_embeds=args["prompt_embeds"],
-        negative_prompt_embeds=args["negative_prompt_embeds"], pooled_prompt_embeds=args["pooled_prompt_embeds"],
-        negative_pooled_prompt_embeds=args["negative_pooled_prompt_embeds"],
-        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
-        max_sequence_length=args["max_sequence_length"],
-    )
-    size = check_call_size(args, args["sigmas"])
-    check_given_embeds_not_repeated(args, size.per_prompt, "StableDiffusion3Pipeline")
+    size = check_program_call(pipe, args, height, width, ProgramChecks(embeds_as_given="StableDiffusion3Pipeline"))
     steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if args["prompt_embeds"] is None:
         for name in ("prompt_2", "prompt_3"):

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, StableDiffusionXLPipeline
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_xl.pipeline_output import StableDiffusionXLPipelineOutput
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg, retrieve_timesteps
 
@@ -37,16 +36,12 @@ from ..callbacks import run_step_callback
 from ..fused_update import FusedEuler
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..options import PlanContext
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
 from ...models.calls import freeze
 from ...models.denoiser_calls import run_rows
 from ...models.row_kernels import row_kernels_of
-from ..checks.values import (
-    as_list,
-    check_call_size,
-    check_latents,
-)
+from ..checks.values import as_list, check_latents
 
 
 @dataclass
@@ -70,15 +65,8 @@ _UNET_FIELDS = ("latent size", "timestep dtype", "text length", "pooled text wid
                 "timestep_cond (guidance embedding)")
 
 
-def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
-    """Checks SD and SDXL share; returns (steps, num_prompts, num_images, per_prompt)."""
-    legacy = sorted(option for option in (args.get("kwargs") or {}) if option in ("callback", "callback_steps"))
-    if legacy:
-        raise ValueError(f"{legacy} are deprecated and not supported by StepBatched; use callback_on_step_end")
-    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
-        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    size = check_call_size(args, args["timesteps"] if args["timesteps"] is not None else args["sigmas"])
-    return size.steps, size.num_prompts, size.num_images, size.per_prompt
+# SD and SDXL: a custom `timesteps` or `sigmas` schedule, SD-era callbacks refused
+UNET_CHECKS = ProgramChecks(schedule=("timesteps", "sigmas"), legacy_callbacks=True)
 
 
 @register_program(StableDiffusionXLPipeline, features=("adapters",))
@@ -88,13 +76,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any], context: Pl
     if pid is not None and args["denoising_end"] is not None:
         raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
                          "decoder use pid_exit_step to choose where the main model stops")
-    run_check_inputs(
-        pipe, args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
-        args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
-        args["negative_pooled_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
-        args["callback_on_step_end_tensor_inputs"],
-    )
-    steps, num_prompts, num_images, _ = check_unet_call(pipe, args, "SDXL")
+    size = check_program_call(pipe, args, height, width, UNET_CHECKS)
+    steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if args["prompt_embeds"] is None and args["prompt_2"] is not None:
         if len(as_list(args["prompt_2"])) != num_prompts:
             raise ValueError(f"prompt_2 has {len(as_list(args['prompt_2']))} entries for {num_prompts} prompts")

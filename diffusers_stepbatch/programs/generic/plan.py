@@ -27,7 +27,8 @@ from ...engine.split_reasons import named_key
 from ...module_scan import PlannedModel, diffusers_hooks, execution_device, marked_modules, planned_model
 from ..options import PlanContext
 from ..pid.generic import plan_generic_pid_exit
-from ..checks.generic_call import check_generic_call, num_steps, parameters_after_self
+from ..checks.generic_call import num_steps, parameters_after_self
+from ..checks.program import check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline, request_view, unhooked_class
 from ...adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ...models import support_for
@@ -45,7 +46,7 @@ def plan_generic(pipe: DiffusionPipeline, args: dict[str, Any], context: PlanCon
     pid = plan_generic_pid_exit(pipe, args, context)  # PiD early exit (pid/generic.py); None: VAE decode
     if pid is not None:
         args = pid.call_args  # at 1/sr_scale, stopped after step K, latent output
-    check_generic_call(pipe, args)
+    check_program_call(pipe, args)
     positional, keywords = _call_arguments(pipe, args)
     steps = num_steps(args)
     prompts = as_list(args["prompt"]) if isinstance(args.get("prompt"), (str, list)) else None
