@@ -1,9 +1,7 @@
-"""Model calls of a pipeline's own `__call__` as work items: what the generic program intercepts.
-
-On a request's view, the denoisers, text encoders and VAE are proxies: a call goes to the engine as a work item
-whose key holds everything but the rows (`models/calls.py` describes the call through the model layer), and its
-result comes back cut to the request's rows. Calls with equal keys share one model call. Models whose row rules
-are not proven have the first merge of each call structure checked against separate calls (`models/merge_checks.py`).
+"""A request's proxies for the models its pipeline call runs: planned in the caller's thread (`plan_proxies`: each
+denoiser's LoRA, TeaCache and packed attention, each model's module walk) and installed on the request's view when
+its call starts (`ProxyPlan.install`), on the views of the pipelines it calls too (combined pipelines: prior then
+decoder). A proxied call goes to the engine as a work item (`work_items.py`).
 """
 
 from __future__ import annotations
@@ -11,43 +9,125 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers import ModelMixin
+from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.hooks import HookRegistry, group_offloading
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.utils import torch_utils
 
-from ...adapters.lora import streams_ambiguous
-from ...adapters.state import AdapterState, without_lora_scale
+from ...adapters.state import NOT_GIVEN, AdapterState, request_adapters
 from ...cache import encoder_calls
 from ...cache.prompt import PromptCache
 from ...cache.teacache import TeaCacheConfig, TeaCacheState
-from ...engine.batch import Packable, WorkItem
-from ...engine.split_reasons import named_key
-from ...models import Packing, support_for
-from ...models.calls import ModelCall, bound_call, cut, describe_call, fill, slice_rows
-from ...models.denoiser_calls import run_packed, run_rows
-from ...models.merge_checks import log_once, merged_parts, not_rowwise_reason
+from ...engine.batch import WorkItem
+from ...models import support_for
 from ...models.packing.support import packing_refused
-from ...models.row_kernels import solo_kernels
-from ...module_scan import PlannedModel, hook_registry, unhooked_device, unhooked_dtype
+from ...module_scan import PlannedModel, hook_registry, planned_model, unhooked_device, unhooked_dtype
+from ..options import PlanContext
+from ..registry import request_view
 from .branch_pairs import BranchPairs
+from .work_items import ATTENTION_KWARGS, HOLDERS, model_item
 
-HOLDERS = "_holders"  # the input that carries each row's result holder through make_batch
-LORA = "_lora"  # each row's LoRA state (None: no per-row LoRA)
-TEACACHE = "_teacache"  # each row's TeaCache state (None: the model has no TeaCache forward)
-ATTENTION_KWARGS = ("joint_attention_kwargs", "cross_attention_kwargs", "attention_kwargs")
+DENOISER_NAMES = ("transformer", "transformer_2", "unconditional_transformer", "unet", "prior", "decoder")
+ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 
 
-class Holder:
-    """Where a work item's real result waits for its request (outputs need not be row-wise tensors)."""
+@dataclass(frozen=True)
+class DenoiserPlan:
+    """What one denoiser's calls carry for a request."""
 
-    __slots__ = ("output",)
+    adapters: AdapterState | None  # the request's LoRA, applied to its own rows; None: the model's own adapters
+    teacache: TeaCacheConfig | None  # None: every call computes
+    packed_attention: str | None  # how packed calls keep attention inside each row; None: never packed
 
-    def __init__(self):
-        self.output = None
+
+@dataclass
+class ProxyPlan:
+    """A request's proxies as planned: per denoiser name what its calls carry, and what every proxy shares."""
+
+    pipe: Any
+    denoisers: dict[str, DenoiserPlan]
+    packed_attention: str | None
+    prompt_cache: PromptCache | None  # answers text-encoder calls identical to earlier ones
+    walks: dict[int, PlannedModel]  # each model as the plan found it (modules, hooks), by id
+
+    def install(self, view, submit: Callable[[WorkItem], None]) -> None:
+        """The view's denoisers, text encoders and VAE become proxies whose calls go to `submit`."""
+        _install(self.pipe, view, submit, self.denoisers, self.packed_attention, self.prompt_cache, self.walks)
+
+
+def plan_proxies(pipe, args: dict[str, Any], context: PlanContext, denoisers: list[str]) -> ProxyPlan:
+    """Raise where the request's `teacache=` or `adapters=` can't apply to its denoisers; else its proxies' plan."""
+    options = context.options
+    models = [getattr(pipe, name) for name in denoisers]
+    if options.teacache is not None:
+        if not any(support_for(model).teacache_forward for model in models):
+            raise ValueError(f"teacache= is not supported for {type(pipe).__name__}: its denoiser "
+                             f"({', '.join(type(model).__name__ for model in models)}) has no TeaCache forward")
+        if any(getattr(model, "_hf_hook", None) is not None for model in models):
+            raise ValueError("TeaCache calls the denoiser's blocks directly, which bypasses its model offload hook; "
+                             "call pipe.to(device) instead of enable_model_cpu_offload(), or pass teacache=None")
+    planned = {name: DenoiserPlan(_denoiser_adapters(model, args, context), options.teacache,
+                                  packed_attention_for(model, options.packed_attention))
+               for name, model in zip(denoisers, models)}
+    shared = [getattr(pipe, name, None) for name in (*DENOISER_NAMES, *ENCODER_NAMES, "vae")]
+    walks = {id(model): planned_model(model) for model in shared if isinstance(model, torch.nn.Module)}
+    return ProxyPlan(pipe, planned, options.packed_attention, options.prompt_cache, walks)
+
+
+def denoiser_names(pipe) -> list[str]:
+    return [name for name in DENOISER_NAMES if isinstance(getattr(pipe, name, None), torch.nn.Module)]
+
+
+def _denoiser_adapters(model, args: dict[str, Any], context: PlanContext) -> AdapterState | None:
+    """The request's LoRA for `model` (its `adapters=`, or the active adapters), times its attention kwargs' scale;
+    None where the model layer can't apply LoRA per row (calls then run with the model's own adapters)."""
+    if not support_for(model).lora_rows:
+        if context.adapters is not NOT_GIVEN:
+            raise ValueError(f"adapters= is not supported for {type(model).__name__}: per-request LoRA needs rows "
+                             "its layers can be mapped to; set the adapters on the pipeline with set_adapters")
+        return None
+    scale = next((args[name].get("scale") for name in ATTENTION_KWARGS if isinstance(args.get(name), dict)), None)
+    return request_adapters(model, context.adapters, lora_scale=scale)
+
+
+def _install(pipe, view, submit: Callable[[WorkItem], None], denoisers: dict[str, DenoiserPlan],
+             packed_attention: str | None, prompt_cache: PromptCache | None, walks: dict[int, PlannedModel]) -> None:
+    for name, sub_pipeline in list(view.__dict__.items()):
+        if isinstance(sub_pipeline, DiffusionPipeline):
+            sub_view = request_view(sub_pipeline)
+            sub_denoisers = {name: DenoiserPlan(None, None, packed_attention_for(getattr(sub_pipeline, name),
+                                                                                 packed_attention))
+                             for name in denoiser_names(sub_pipeline)}
+            _install(sub_pipeline, sub_view, submit, sub_denoisers, packed_attention, prompt_cache, walks)
+            view.__dict__[name] = sub_view
+    scheduler = getattr(view, "scheduler", None)
+    for name, planned in denoisers.items():
+        model = getattr(pipe, name)
+        teacache = None
+        if planned.teacache is not None and support_for(model).teacache_forward is not None:
+            teacache = RequestTeaCache(planned.teacache, model, lambda: len(scheduler.timesteps))
+        view.__dict__[name] = ModelProxy(model, {"__call__": "denoise"}, submit,
+                                         functools.partial(_step_index, scheduler), planned.packed_attention,
+                                         planned.adapters, teacache, walk=walks.get(id(model)))
+    for name in ENCODER_NAMES:
+        if isinstance(getattr(pipe, name, None), torch.nn.Module):
+            model = getattr(pipe, name)
+            view.__dict__[name] = ModelProxy(model, {"__call__": "encode"}, submit, cache=prompt_cache,
+                                             walk=walks.get(id(model)))
+    if isinstance(getattr(pipe, "vae", None), torch.nn.Module):
+        view.__dict__["vae"] = ModelProxy(pipe.vae, {"encode": "vae_encode", "decode": "decode"}, submit,
+                                          walk=walks.get(id(pipe.vae)))
+
+
+def _step_index(scheduler) -> int | None:
+    """The step the request's own scheduler is at (for progress and scheduling), if it tracks one."""
+    if not hasattr(type(scheduler), "step_index"):
+        return None
+    return scheduler.step_index or 0  # None until the first scheduler.step: step 0
 
 
 # NOTE: diffusers functions that walk a model's modules only to find accelerate or diffusers hooks (private names:
@@ -183,6 +263,7 @@ class ModelProxy:
         self._submit(item)
         return holder.output
 
+
 class RequestTeaCache:
     """One request's TeaCache states for one denoiser: one per call of a step (the CFG branches, in order)."""
 
@@ -227,150 +308,4 @@ def packed_attention_for(module: torch.nn.Module, packed_attention: str | None) 
         return None
     return None if packing_refused(type(module).__name__, packing.unsupported(module)) else packed_attention
 
-
-def model_item(module: torch.nn.Module, kind: str, method: str, args: tuple, kwargs: dict,
-               packed_attention: str | None = None, adapters: AdapterState | None = None,
-               teacache: TeaCacheState | None = None, paired: tuple[tuple, dict] | None = None,
-               paired_teacache: TeaCacheState | None = None) -> tuple[WorkItem, Holder]:
-    """One model call as a work item; its key holds everything but the rows, so equal keys can merge, and calls
-    of other sizes with equal pack keys can share a packed call. `paired`: another call of the request, run as
-    further rows where it has the same signature (its holder is then the item's last)."""
-    holder = Holder()
-    call = describe_call(module, args, _lora_free(kwargs, adapters), method)
-    reason = call.refusal
-    if reason is None and call.rows is None:
-        reason = "its inputs have no batch rows"
-    if reason is None:
-        reason = not_rowwise_reason(module, method, call)
-    rows = call.rows or 1
-    holders, states = [holder] * rows, [teacache] * rows
-    if reason is None and paired is not None:
-        other = describe_call(module, paired[0], _lora_free(paired[1], adapters), method)
-        if other.refusal is None and other.rows and other.signature == call.signature:
-            call.row_inputs = [mine + theirs if isinstance(mine, list) else torch.cat((mine, theirs))
-                              for mine, theirs in zip(call.row_inputs, other.row_inputs)]
-            rows += other.rows
-            holders += [Holder()] * other.rows
-            states += [paired_teacache] * other.rows
-    if reason is not None:
-        key = named_key(program=f"generic.{kind}.alone", **{f"generic program: {reason}": id(holder)})
-    else:  # NOTE: one key field per argument, so stats()["splits"] names the argument that kept calls apart
-        key = named_key(program=f"generic.{kind}", model=(id(module), method), lora=adapters is not None,
-                        **{f"argument {name}": part for name, part in call.signature})
-    inputs = {f"row{i}": value for i, value in enumerate(call.row_inputs)}
-    inputs[HOLDERS] = holders
-    inputs[LORA] = [adapters] * rows if adapters is not None else None
-    # NOTE: a list for every call of a model with a TeaCache forward (None rows compute), so that calls with
-    # and without states merge
-    inputs[TEACACHE] = states if call.support.teacache_forward is not None and kind == "denoise" else None
-    item = WorkItem(kind, key, inputs, functools.partial(_merged_call, module, call), rows=rows)
-    if reason is None and packed_attention is not None and method == "forward":
-        if adapters is None or call.support.packing.token_rows is not None:
-            item.pack = _packable(module, call, packed_attention, adapters is not None)
-    return item, holder
-
-
-def _lora_free(kwargs: dict, adapters: AdapterState | None) -> dict:
-    """The call's keyword arguments; with per-row LoRA, without the attention kwargs' LoRA `scale` (it is in the
-    request's per-row adapter weights)."""
-    if adapters is None:
-        return kwargs
-    return {name: (without_lora_scale(value) or None) if name in ATTENTION_KWARGS and isinstance(value, dict)
-            else value for name, value in kwargs.items()}
-
-
-def _packable(module, call: ModelCall, packed_attention: str, lora: bool) -> Packable | None:
-    packing = call.support.packing
-    found = packing.key(call.arguments)
-    if found is None:
-        return None
-    key, tokens = found
-    run = functools.partial(_packed_call, module, packing, packed_attention)
-    return Packable(key=("generic.packed", id(module), packed_attention, lora, key), run=run, context=call,
-                    tokens=tokens)
-
-
-def _packed_call(module, packing: Packing, packed_attention: str, shapes) -> list:
-    """One packed call for several shapes' batches; each holder gets its rows of its call's output."""
-    holders = [inputs.pop(HOLDERS) for _, inputs in shapes]
-    calls = [fill(call.template, _model_inputs(inputs)) for call, inputs in shapes]
-    teacache = [inputs[TEACACHE] for _, inputs in shapes]
-
-    def per_shape() -> list:
-        outputs = []
-        for (call, inputs), shape_holders in zip(shapes, holders):
-            with solo_kernels(module, _rows_per_request(shape_holders)):
-                outputs.append(_run(module, call, inputs))
-        return outputs
-
-    rows = [n for shape_holders in holders for n in _rows_per_request(shape_holders)]
-    outputs = run_packed(module, packing, calls, packed_attention, teacache, per_shape,
-                         lora=[row for _, inputs in shapes for row in inputs[LORA] or ()] or None,
-                         around=functools.partial(solo_kernels, module, rows))
-    for (call, _), shape_holders, output in zip(shapes, holders, outputs):
-        _hand_out(shape_holders, output, call)
-    return [torch.zeros(len(shape_holders)) for shape_holders in holders]
-
-
-def _rows_per_request(holders: list[Holder]) -> list[int]:
-    return [end - begin for begin, end in _bounds(holders)]
-
-
-def _bounds(holders: list[Holder]) -> list[tuple[int, int]]:
-    """Each request's row range in a batch (its rows are consecutive and share one holder)."""
-    total = len(holders)
-    bounds, start = [], 0
-    for i in range(1, total + 1):
-        if i == total or holders[i] is not holders[start]:
-            bounds.append((start, i))
-            start = i
-    return bounds
-
-
-def _hand_out(holders: list[Holder], output: Any, call: ModelCall) -> None:
-    bounds = _bounds(holders)
-    if len(bounds) == 1:
-        holders[0].output = output
-        return
-    for begin, end in bounds:
-        holders[begin].output = cut(output, begin, end, len(holders), call.support)
-
-
-def _merged_call(module, call: ModelCall, **inputs):
-    holders = inputs.pop(HOLDERS)
-    total = len(holders)
-    bounds = _bounds(holders)
-    if len(bounds) == 1:  # one request: its output as the model returned it
-        holders[0].output = _run(module, call, inputs)
-        return torch.zeros(total)
-    if _lora_streams_ambiguous(call, inputs):  # NOTE: each request's rows alone map to tokens unambiguously
-        parts = [_run(module, call, slice_rows(inputs, begin, end)) for begin, end in bounds]
-    else:
-        run = functools.partial(_run, module, call)
-        parts = merged_parts(module, call, inputs, bounds, run, inputs[TEACACHE] or ())
-    for (begin, _), part in zip(bounds, parts):
-        holders[begin].output = part
-    return torch.zeros(total)
-
-
-def _lora_streams_ambiguous(call: ModelCall, inputs: dict) -> bool:
-    token_rows, lora = call.support.lora_token_rows, inputs[LORA]
-    if lora is None or token_rows is None:
-        return False
-    return streams_ambiguous(len(lora), token_rows(fill(call.template, _model_inputs(inputs))))
-
-
-def _model_inputs(inputs: dict) -> dict:
-    return {name: value for name, value in inputs.items() if name not in (LORA, TEACACHE)}
-
-
-def _run(module, call: ModelCall, inputs: dict) -> Any:
-    """The model call on these rows, each row with its request's LoRA and TeaCache state where it has one."""
-    inputs = dict(inputs)
-    lora, teacache = inputs.pop(LORA), inputs.pop(TEACACHE)
-    arguments = fill(call.template, inputs)
-    token_rows = call.support.lora_token_rows
-    streams = token_rows(arguments) if lora is not None and token_rows else None
-    return run_rows(module, arguments, support=call.support, lora=lora, token_rows=streams, teacache=teacache,
-                    call=bound_call(module, call, arguments))
 
