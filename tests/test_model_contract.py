@@ -146,19 +146,39 @@ def test_packed_calls_equal_the_model_forward_per_call(module):
 
 @pytest.mark.parametrize("module", TEACACHE)
 def test_teacache_at_threshold_zero_equals_the_model_forward(module):
+    """Rows with a state each, then a row without state (it always computes) beside rows that share one state (a
+    request's rows): at threshold 0 every step computes, and a step that skips adds the residual the state kept,
+    so with the same inputs its output is the computed one."""
     pipe = pipe_of(module)
     model, (call, _) = denoiser(pipe), calls_of(pipe, module)
     support = models.support_for(model)
     states = [TeaCacheState(0.0, support.teacache_coefficients, num_steps=10) for _ in range(call.rows)]
+    shared = TeaCacheState(0.0, support.teacache_coefficients, num_steps=10)
+    beside = [None] + [shared] * (call.rows - 1)
     with torch.no_grad():
         want = first_tensor(run_call(model, call, rows_of(call)))
         for step in (0, 1):  # a first step computes by rule; a later one computes as the threshold never skips
-            for state in states:
-                state.step = step
-            got = support.teacache_forward(model, states, by_name(call))
-            assert got is not None
-            assert max_diff(first_tensor(got), want) <= PACKED_TOLERANCE, step
+            for row_states in (states, beside):
+                for state in row_states:
+                    if state is not None:
+                        state.step = step
+                got = support.teacache_forward(model, row_states, by_name(call))
+                assert got is not None
+                assert max_diff(first_tensor(got), want) <= PACKED_TOLERANCE, (step, row_states is beside)
+        shared.step, shared.threshold = 2, 1e9
+        skipped = support.teacache_forward(model, beside, by_name(call))
     assert {(state.computed_steps, state.skipped_steps) for state in states} == {(2, 0)}
+    assert (shared.computed_steps, shared.skipped_steps) == (2, 1)
+    read = pipeline_reads(module, by_name(call))
+    assert max_diff(read(first_tensor(skipped)), read(want)) <= PACKED_TOLERANCE
+
+
+def pipeline_reads(module: str, arguments: dict):
+    """The part of the model's output its pipeline reads (Qwen-Image 2.1 returns its context tokens first, and a
+    skipping row's residual covers the target image's tokens only)."""
+    if module == "qwenimage21":
+        return lambda output: output[:, -arguments["hidden_states"].shape[1]:]
+    return lambda output: output
 
 
 # adapters {name: weight} of a call's rows, in turn
