@@ -49,6 +49,7 @@ from ..options import PlanContext, ProgramOptions
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
 from ...models.denoiser_calls import run_packed, run_rows
@@ -242,59 +243,51 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     # update of the engine step where the scheduler allows it (programs/fused_update.py).
     fused = FusedEuler.for_scheduler(view.scheduler, latents, options.buffers, workspace)
     solo = row_kernels_of(pipe.transformer)
-    with view.progress_bar(total=num_inference_steps) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if call.pid is not None and i == call.pid.exit_step:
-                break  # PiD early exit: PiD decodes this x_t (step 4)
-            if view._interrupt:
-                continue
-            view._current_timestep = t
-            for state in call.teacache or ():
-                state.step = i
-            together = not call.do_true_cfg or options.cfg_policy.batch_branches(device, branch_bytes)
-            outputs = []
-            if hooked is not None:
-                yield from hooked.take_turn()
-            for group in ([range(branches)] if together else [[0], [1]]):
-                rows = [(b, j) for b in group for j in range(images)]
-                inputs = {
-                    "hidden_states": [latents[j] for _, j in rows],
-                    "timestep": [scaled_timesteps[i]] * len(rows),
-                    "guidance": None if guidance is None else [guidance[j] for _, j in rows],
-                    "pooled_projections": [text_pooled[b * images + j] for b, j in rows],
-                    "encoder_hidden_states": [text[b * images + j] for b, j in rows],
-                    "teacache": [teacache[b] for b, _ in rows],
-                    "lora": [call.adapters] * len(rows),
-                    # per row: one image embedding per IP-Adapter, the negative ones on the true-CFG rows
-                    "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
-                    "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
-                }
-                run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
-                outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack,
-                                               row_kernels=solo)))
-            noise_pred, uncond, scale = outputs[0], None, None
-            if call.do_true_cfg:
-                noise_pred, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
-                scale = args["true_cfg_scale"]
-            if fused is not None:
-                latents = yield from fused.step(t, latents, noise_pred, uncond, scale)
+    # NOTE: up to PiD's early exit, whose decode is step 4
+    for i, t in denoising_steps(view, timesteps, num_inference_steps, call.pid, call.teacache, current_timestep=True):
+        together = not call.do_true_cfg or options.cfg_policy.batch_branches(device, branch_bytes)
+        outputs = []
+        if hooked is not None:
+            yield from hooked.take_turn()
+        for group in ([range(branches)] if together else [[0], [1]]):
+            rows = [(b, j) for b in group for j in range(images)]
+            inputs = {
+                "hidden_states": [latents[j] for _, j in rows],
+                "timestep": [scaled_timesteps[i]] * len(rows),
+                "guidance": None if guidance is None else [guidance[j] for _, j in rows],
+                "pooled_projections": [text_pooled[b * images + j] for b, j in rows],
+                "encoder_hidden_states": [text[b * images + j] for b, j in rows],
+                "teacache": [teacache[b] for b, _ in rows],
+                "lora": [call.adapters] * len(rows),
+                # per row: one image embedding per IP-Adapter, the negative ones on the true-CFG rows
+                "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
+                "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
+            }
+            run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
+            outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack,
+                                           row_kernels=solo)))
+        noise_pred, uncond, scale = outputs[0], None, None
+        if call.do_true_cfg:
+            noise_pred, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
+            scale = args["true_cfg_scale"]
+        if fused is not None:
+            latents = yield from fused.step(t, latents, noise_pred, uncond, scale)
+        else:
+            if uncond is not None:
+                noise_pred = (workspace.guide(noise_pred, uncond, scale) if workspace
+                              else uncond + scale * (noise_pred - uncond))
+            if workspace is not None:
+                latents = workspace.scheduler_step(view.scheduler, noise_pred, t, latents)
             else:
-                if uncond is not None:
-                    noise_pred = (workspace.guide(noise_pred, uncond, scale) if workspace
-                                  else uncond + scale * (noise_pred - uncond))
-                if workspace is not None:
-                    latents = workspace.scheduler_step(view.scheduler, noise_pred, t, latents)
-                else:
-                    latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, "prompt_embeds": embeds[0]}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                if "prompt_embeds" in outputs:
-                    embeds[0] = outputs.pop("prompt_embeds")
-                    text = torch.cat(embeds) if call.do_true_cfg else embeds[0]
-            progress_bar.update()
+                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, "prompt_embeds": embeds[0]}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            if "prompt_embeds" in outputs:
+                embeds[0] = outputs.pop("prompt_embeds")
+                text = torch.cat(embeds) if call.do_true_cfg else embeds[0]
     view._current_timestep = None
     if hooked is not None:
         hooked.release()
@@ -400,7 +393,8 @@ def _packable(reason, transformer, joint_attention_kwargs, shared_key, ids, toke
 
 
 def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
-    calls = [_arguments(txt_ids, img_ids, joint_attention_kwargs, None, inputs) for (txt_ids, img_ids), inputs in shapes]
+    calls = [_arguments(txt_ids, img_ids, joint_attention_kwargs, None, inputs)
+             for (txt_ids, img_ids), inputs in shapes]
     # NOTE: per-row LoRA maps the packed streams (text, image, the single blocks' joint tokens) to rows
     outputs = run_packed(
         transformer, support_for(transformer, through_compile=True).packing, calls, packed_attention,

@@ -44,6 +44,7 @@ from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
 from ...models.denoiser_calls import run_packed, run_rows
@@ -199,47 +200,39 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     callback = args["callback_on_step_end"]
     # NOTE: the Euler step runs batched with the other requests' steps where the scheduler allows it.
     fused = FusedEuler.for_scheduler(view.scheduler, latents)
-    with view.progress_bar(total=num_inference_steps) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if call.pid is not None and i == call.pid.exit_step:
-                break  # PiD early exit: PiD decodes this x_t (step 4)
-            if view._interrupt:
-                continue
-            view._current_timestep = t
-            for state in call.teacache or ():
-                state.step = i
-            timestep = t.expand(latents.shape[0]).to(latents.dtype)
-            images = latents.shape[0]
-            inputs = {
-                "hidden_states": torch.cat([latents] * len(branches)),
-                "timestep": torch.cat([timestep / 1000] * len(branches)),
-                "guidance": None if guidance is None else torch.cat([guidance] * len(branches)),
-                "text": [embeds[j] for embeds, _ in branches for j in range(images)],
-                "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
-                "lora": [call.adapters] * (len(branches) * images),
-                "teacache": [state for state in call.teacache or [None] * len(branches) for _ in range(images)],
-            }
-            if hooked is not None:
-                yield from hooked.take_turn()
-            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
-                                        pack=pack, row_kernels=solo)
-            if call.do_true_cfg:
-                noise_pred, negative_pred = noise_pred.chunk(2)
-                combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)
-                cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-                noise_norm = torch.norm(combined, dim=-1, keepdim=True)
-                noise_pred = combined * (cond_norm / noise_norm)
-            if fused is not None:  # the Euler step, shared with the other requests of this engine step
-                latents = yield from fused.step(t, latents, noise_pred)
-            else:
-                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                branches[0] = (outputs.pop("prompt_embeds", branches[0][0]), branches[0][1])
-            progress_bar.update()
+    # NOTE: up to PiD's early exit, whose decode is step 4
+    for i, t in denoising_steps(view, timesteps, num_inference_steps, call.pid, call.teacache, current_timestep=True):
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        images = latents.shape[0]
+        inputs = {
+            "hidden_states": torch.cat([latents] * len(branches)),
+            "timestep": torch.cat([timestep / 1000] * len(branches)),
+            "guidance": None if guidance is None else torch.cat([guidance] * len(branches)),
+            "text": [embeds[j] for embeds, _ in branches for j in range(images)],
+            "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
+            "lora": [call.adapters] * (len(branches) * images),
+            "teacache": [state for state in call.teacache or [None] * len(branches) for _ in range(images)],
+        }
+        if hooked is not None:
+            yield from hooked.take_turn()
+        noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
+                                    pack=pack, row_kernels=solo)
+        if call.do_true_cfg:
+            noise_pred, negative_pred = noise_pred.chunk(2)
+            combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)
+            cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+            noise_norm = torch.norm(combined, dim=-1, keepdim=True)
+            noise_pred = combined * (cond_norm / noise_norm)
+        if fused is not None:  # the Euler step, shared with the other requests of this engine step
+            latents = yield from fused.step(t, latents, noise_pred)
+        else:
+            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            branches[0] = (outputs.pop("prompt_embeds", branches[0][0]), branches[0][1])
     view._current_timestep = None
     if hooked is not None:
         hooked.release()

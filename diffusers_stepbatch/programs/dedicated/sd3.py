@@ -43,6 +43,7 @@ from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
 from ...models.denoiser_calls import run_packed, run_rows
@@ -191,57 +192,51 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     callback = args["callback_on_step_end"]
     # NOTE: the CFG combine and Euler step run batched with the other requests' where the scheduler allows it.
     fused = FusedEuler.for_scheduler(view.scheduler, latents)
-    with view.progress_bar(total=num_inference_steps) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if call.pid is not None and i == call.pid.exit_step:
-                break  # PiD early exit: PiD decodes this x_t (step 4)
-            if view._interrupt:
-                continue
-            images = latents.shape[0]
-            # NOTE: re-read every step, as the pipeline does: callbacks may change `_guidance_scale`.
-            do_cfg = view.do_classifier_free_guidance
-            start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
-            skipping = (do_cfg and skip_layers is not None
-                        and num_inference_steps * start < i < num_inference_steps * stop)
-            hidden, text, text_pooled = [latents] * (2 if do_cfg else 1), [prompt_embeds], [pooled_embeds]
-            skips = [None] * len(hidden) * images
-            if skipping:  # the conditional rows again, with the pipeline's original (pre-callback) embeddings
-                hidden, text, text_pooled = hidden + [latents], text + [embeds[0]], text_pooled + [pooled[0]]
-                skips += [tuple(skip_layers)] * images
-            inputs = {
-                "hidden_states": torch.cat(hidden),
-                "timestep": t.expand(len(skips)),
-                "encoder_hidden_states": torch.cat(text),
-                "pooled_projections": torch.cat(text_pooled),
-                "skip_layers": skips,
-                "lora": [call.adapters] * len(skips),
-                **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
-            }
-            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack,
-                                    row_kernels=solo)
-            noise_pred, noise_uncond, scale = output, None, None
-            if do_cfg:
-                noise_uncond, noise_pred = output[:images], output[images:2 * images]
-                scale = view.guidance_scale
-                if skipping:  # the skip-layer term: combined here, only the Euler step is shared
-                    noise_text, noise_skip = noise_pred, output[2 * images:]
-                    noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
-                    noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
-                    noise_uncond = scale = None
-            if fused is not None:
-                latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
-            else:
-                if noise_uncond is not None:
-                    noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
-                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_embeds}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)
-                pooled_embeds = outputs.pop("pooled_prompt_embeds", pooled_embeds)
-            progress_bar.update()
+    for i, t in denoising_steps(view, timesteps, num_inference_steps, call.pid):  # up to PiD's exit (step 4)
+        images = latents.shape[0]
+        # NOTE: re-read every step, as the pipeline does: callbacks may change `_guidance_scale`.
+        do_cfg = view.do_classifier_free_guidance
+        start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
+        skipping = (do_cfg and skip_layers is not None
+                    and num_inference_steps * start < i < num_inference_steps * stop)
+        hidden, text, text_pooled = [latents] * (2 if do_cfg else 1), [prompt_embeds], [pooled_embeds]
+        skips = [None] * len(hidden) * images
+        if skipping:  # the conditional rows again, with the pipeline's original (pre-callback) embeddings
+            hidden, text, text_pooled = hidden + [latents], text + [embeds[0]], text_pooled + [pooled[0]]
+            skips += [tuple(skip_layers)] * images
+        inputs = {
+            "hidden_states": torch.cat(hidden),
+            "timestep": t.expand(len(skips)),
+            "encoder_hidden_states": torch.cat(text),
+            "pooled_projections": torch.cat(text_pooled),
+            "skip_layers": skips,
+            "lora": [call.adapters] * len(skips),
+            **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
+        }
+        output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack,
+                                row_kernels=solo)
+        noise_pred, noise_uncond, scale = output, None, None
+        if do_cfg:
+            noise_uncond, noise_pred = output[:images], output[images:2 * images]
+            scale = view.guidance_scale
+            if skipping:  # the skip-layer term: combined here, only the Euler step is shared
+                noise_text, noise_skip = noise_pred, output[2 * images:]
+                noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
+                noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
+                noise_uncond = scale = None
+        if fused is not None:
+            latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
+        else:
+            if noise_uncond is not None:
+                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
+            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_embeds}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)
+            pooled_embeds = outputs.pop("pooled_prompt_embeds", pooled_embeds)
 
     # 4. Decode (batched with other requests' decodes of the same size).
     if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size

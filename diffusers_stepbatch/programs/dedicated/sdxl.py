@@ -38,6 +38,7 @@ from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..options import PlanContext
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from .steps import denoising_steps
 from ...models.calls import freeze
 from ...models.denoiser_calls import run_rows
 from ...models.row_kernels import row_kernels_of
@@ -297,65 +298,61 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
     callback = args["callback_on_step_end"]
     # NOTE: the CFG combine and Euler step run batched with the other requests' where the scheduler allows it.
     fused = FusedEuler.for_scheduler(view.scheduler, latents)
-    with view.progress_bar(total=len(timesteps)) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if view._interrupt:
-                continue
-            # NOTE: as the pipelines do, guidance is re-read every step: callbacks may change `_guidance_scale`
-            # (diffusers' CFG-cutoff callbacks set it to 0 and keep only the conditional rows).
-            do_cfg = view.do_classifier_free_guidance
-            branches = 2 if do_cfg else 1
-            model_input = torch.cat([latents] * branches) if branches > 1 else latents
-            if hasattr(view.scheduler, "scale_model_input"):
-                model_input = view.scheduler.scale_model_input(model_input, t)
-            # NOTE: the UNet embeds timesteps as float32 either way; int timesteps (DPM) batch with float ones.
-            timestep = t.to(model_input.device).float().expand(model_input.shape[0])
-            inputs = {
-                "sample": model_input,
-                "timestep": timestep,
-                "encoder_hidden_states": conditioning["prompt_embeds"],
-                "text_embeds": conditioning.get("add_text_embeds"),
-                "time_ids": conditioning.get("add_time_ids"),
-                "timestep_cond": None if timestep_cond is None else timestep_cond.repeat(branches, 1),
-            }
-            shapes = [None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values()]
-            key = named_key(program="unet", **dict(zip(_UNET_FIELDS, shapes)),
-                            cross_attention_kwargs=freeze(cross_attention_kwargs), device=str(model_input.device))
-            inputs["lora"] = [call.adapters] * model_input.shape[0]
-            image_embeds = conditioning.get("ip_image_embeds")
-            if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
-                image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
-            if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
-                key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in image_embeds])
-                key += named_key(**{"ip_adapter: masks (shapes, or none)": mask_key(masks)})
-            inputs["image_embeds"] = (None if image_embeds is None else
-                                      [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
-            inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
-            first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
-            inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
-            noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i,
-                                        row_kernels=solo)
-            noise_uncond = scale = None
-            if do_cfg:
-                noise_uncond, noise_pred = noise_pred.chunk(2)
-                scale = view.guidance_scale
-                if view.guidance_rescale > 0.0 or fused is None:  # combined here; the Euler step may be shared
-                    noise_text = noise_pred
-                    noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
-                    if view.guidance_rescale > 0.0:
-                        noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
-                    noise_uncond = scale = None
-            if fused is not None:
-                latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
-            else:
-                latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, **conditioning}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                conditioning.update({name: value for name, value in outputs.items() if name in conditioning})
-            progress_bar.update()
+    for i, t in denoising_steps(view, timesteps, len(timesteps)):
+        # NOTE: as the pipelines do, guidance is re-read every step: callbacks may change `_guidance_scale`
+        # (diffusers' CFG-cutoff callbacks set it to 0 and keep only the conditional rows).
+        do_cfg = view.do_classifier_free_guidance
+        branches = 2 if do_cfg else 1
+        model_input = torch.cat([latents] * branches) if branches > 1 else latents
+        if hasattr(view.scheduler, "scale_model_input"):
+            model_input = view.scheduler.scale_model_input(model_input, t)
+        # NOTE: the UNet embeds timesteps as float32 either way; int timesteps (DPM) batch with float ones.
+        timestep = t.to(model_input.device).float().expand(model_input.shape[0])
+        inputs = {
+            "sample": model_input,
+            "timestep": timestep,
+            "encoder_hidden_states": conditioning["prompt_embeds"],
+            "text_embeds": conditioning.get("add_text_embeds"),
+            "time_ids": conditioning.get("add_time_ids"),
+            "timestep_cond": None if timestep_cond is None else timestep_cond.repeat(branches, 1),
+        }
+        shapes = [None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values()]
+        key = named_key(program="unet", **dict(zip(_UNET_FIELDS, shapes)),
+                        cross_attention_kwargs=freeze(cross_attention_kwargs), device=str(model_input.device))
+        inputs["lora"] = [call.adapters] * model_input.shape[0]
+        image_embeds = conditioning.get("ip_image_embeds")
+        if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
+            image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
+        if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
+            key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in image_embeds])
+            key += named_key(**{"ip_adapter: masks (shapes, or none)": mask_key(masks)})
+        inputs["image_embeds"] = (None if image_embeds is None else
+                                  [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
+        inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
+        first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
+        inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
+        noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i,
+                                    row_kernels=solo)
+        noise_uncond = scale = None
+        if do_cfg:
+            noise_uncond, noise_pred = noise_pred.chunk(2)
+            scale = view.guidance_scale
+            if view.guidance_rescale > 0.0 or fused is None:  # combined here; the Euler step may be shared
+                noise_text = noise_pred
+                noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
+                if view.guidance_rescale > 0.0:
+                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
+                noise_uncond = scale = None
+        if fused is not None:
+            latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
+        else:
+            latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, **conditioning}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            conditioning.update({name: value for name, value in outputs.items() if name in conditioning})
     return latents
 
 
@@ -368,6 +365,6 @@ def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_stat
     if masks is not None:
         cross_attention_kwargs = dict(cross_attention_kwargs or {}, ip_adapter_masks=masks)
     arguments = dict(sample=sample, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                     timestep_cond=timestep_cond, cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added,
-                     return_dict=False)
+                     timestep_cond=timestep_cond, cross_attention_kwargs=cross_attention_kwargs,
+                     added_cond_kwargs=added, return_dict=False)
     return run_rows(unet, arguments, lora=lora, ip_scales=ip_scales)[0]
