@@ -8,9 +8,15 @@ from pathlib import Path
 from diffusers_stepbatch import models
 
 PROGRAMS = Path(__file__).parents[1] / "diffusers_stepbatch" / "programs"
-# the planning modules of every program: each dedicated one, and the generic program's plan
-PLANS = sorted(path for path in (PROGRAMS / "dedicated").glob("*.py") if path.name != "__init__.py") + [
-    PROGRAMS / "generic" / "plan.py"]
+
+
+def registers_a_program(path: Path) -> bool:
+    return any(isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "register_program"
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
+               for decorator in node.decorator_list)
+
+
+PLANS = sorted(path for path in PROGRAMS.rglob("*.py") if registers_a_program(path))  # every program's planning
 CHECK_PARTS = {"run_check_inputs", "check_call_size", "check_generic_call", "check_given_embeds_not_repeated",
                "check_latent_patches"}
 
@@ -28,6 +34,7 @@ def test_dedicated_programs_import_no_model_module():
 
 
 def test_every_program_checks_its_call_through_one_entry_point():
+    assert {path.name for path in PLANS} >= {"flux.py", "sd3.py", "qwenimage.py", "sdxl.py", "sd.py", "plan.py"}
     for path in PLANS:
         names = {alias.name for node in imports(path) for alias in node.names}
         calls = {node.func.id for node in ast.walk(ast.parse(path.read_text()))

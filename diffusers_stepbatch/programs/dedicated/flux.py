@@ -49,6 +49,7 @@ from ..options import PlanContext, ProgramOptions
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
 from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
@@ -159,10 +160,8 @@ _SHARED_FIELDS = ("pooled text width", "guidance embedding", "joint_attention_kw
 def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
     """`view` is the request's own view of `pipe` (made at submit, so it keeps the scheduler of that moment)."""
     args, options = call.args, call.options
-    view._guidance_scale = args["guidance_scale"]
-    view._joint_attention_kwargs = args["joint_attention_kwargs"] or {}
-    view._current_timestep = None
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale",), joint_attention_kwargs=args["joint_attention_kwargs"] or {},
+               current_timestep=None)
     device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = view._joint_attention_kwargs.get("scale")

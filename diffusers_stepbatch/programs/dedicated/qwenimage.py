@@ -44,6 +44,7 @@ from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
 from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
@@ -135,10 +136,7 @@ def _log_ignored_guidance(pipe: QwenImagePipeline, args: dict[str, Any], has_neg
 def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                       call: QwenImageCall) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._attention_kwargs = args["attention_kwargs"] or {}
-    view._current_timestep = None
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale",), attention_kwargs=args["attention_kwargs"] or {}, current_timestep=None)
     device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.

@@ -23,6 +23,7 @@ from ...models.row_kernels import row_kernels_of
 from ..options import PlanContext
 from ..checks.program import check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
 from .sdxl import UNET_CHECKS, UNetCall, decode_item, unet_adapters, unet_denoise
 from ..checks.values import as_list, check_latents
 
@@ -59,11 +60,7 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any], context: PlanCo
 def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
                call: UNetCall) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._guidance_rescale = args["guidance_rescale"]
-    view._clip_skip = args["clip_skip"]
-    view._cross_attention_kwargs = args["cross_attention_kwargs"]
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale", "guidance_rescale", "clip_skip", "cross_attention_kwargs"))
     device = execution_device(pipe)
     lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
     lora_scale, text_adapters = text_lora_scale([pipe.text_encoder], lora_scale)

@@ -43,6 +43,7 @@ from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
 from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
@@ -120,11 +121,7 @@ def _texts(value: str | list[str], count: int, name: str, repeat_str: bool = Fal
 def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 call: SD3Call) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._skip_layer_guidance_scale = args["skip_layer_guidance_scale"]
-    view._clip_skip = args["clip_skip"]
-    view._joint_attention_kwargs = args["joint_attention_kwargs"]
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale", "skip_layer_guidance_scale", "clip_skip", "joint_attention_kwargs"))
     device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = (view._joint_attention_kwargs or {}).get("scale")

@@ -38,6 +38,7 @@ from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..options import PlanContext
 from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
 from .steps import denoising_steps
 from ...models.calls import freeze
 from ...models.denoiser_calls import run_rows
@@ -126,12 +127,8 @@ def _negative_texts(args, name: str, count: int) -> list[str]:
 def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipeline, call: UNetCall,
                  projection_dim: int) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._guidance_rescale = args["guidance_rescale"]
-    view._clip_skip = args["clip_skip"]
-    view._cross_attention_kwargs = args["cross_attention_kwargs"]
-    view._denoising_end = args["denoising_end"]
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale", "guidance_rescale", "clip_skip", "cross_attention_kwargs",
+                            "denoising_end"))
     device = execution_device(pipe)
     lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2],
                                                 (args["cross_attention_kwargs"] or {}).get("scale"))
