@@ -1,7 +1,8 @@
 """The model layer's contract, for every registered model with a packed forward, a TeaCache forward or LoRA rows:
 packed calls of several sizes equal the model's forward per call, the TeaCache forward at threshold 0 equals the
-model's forward (at a first step and at a later one), and a call under per-row LoRA equals each row run alone with
-its own adapters set on the model. The calls are those real tiny pipelines make (two sizes, two rows each)."""
+model's forward (at a first step and at a later one) and a skipping step adds its residual, and a call under per-row
+LoRA equals each row run alone with its own adapters set on the model. The calls are those real tiny pipelines make
+(two sizes, two rows each), and for the TeaCache forwards also calls made by hand (`MADE_CALLS`)."""
 
 import dataclasses
 import functools
@@ -15,13 +16,18 @@ from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models.calls import ModelCall, cut, describe_call, fill, run_call, slice_rows
 from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_pipeline, tiny_qwenimage_pipeline
 from diffusers_stepbatch.testing import tiny_sd3_pipeline, tiny_sd_pipeline
-from diffusers_stepbatch.testing.hunyuan_video_models import tiny_hunyuan_video15_pipeline
+from diffusers_stepbatch.testing.hunyuan_video_models import (
+    HunyuanVideo15Size,
+    tiny_hunyuan_video15_pipeline,
+    tiny_hunyuan_video15_transformer,
+)
 from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_qwenimage21_pipeline
 from diffusers_stepbatch.testing.image_models import tiny_z_image_pipeline
-from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, tiny_ltx2_pipeline
-from diffusers_stepbatch.toy.video import tiny_wan_pipeline
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline, tiny_wan_transformer
 
-from .references import TOLERANCE, max_diff, single_thread  # noqa: F401  (single_thread is a fixture)
+from .flux2_cases import CONFIGS as FLUX2_CONFIGS, flux2_call, flux2_transformer
+from .references import TOLERANCE, flux_pipe, max_diff, single_thread  # noqa: F401  (single_thread is a fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 PACKED_TOLERANCE = 1e-5  # packed and TeaCache forwards reorder a few sums against the model's own forward
@@ -179,6 +185,114 @@ def pipeline_reads(module: str, arguments: dict):
     if module == "qwenimage21":
         return lambda output: output[:, -arguments["hidden_states"].shape[1]:]
     return lambda output: output
+
+
+# ------------------------------------------------------------------------------ TeaCache forwards on made calls
+def flux_call():
+    transformer = flux_pipe("dev-wide").transformer
+    generator = torch.Generator().manual_seed(0)
+    rows, tokens, text = 3, 15, 7
+    return transformer, dict(
+        hidden_states=torch.randn(rows, tokens, transformer.config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(rows, text, transformer.config.joint_attention_dim, generator=generator),
+        pooled_projections=torch.randn(rows, transformer.config.pooled_projection_dim, generator=generator),
+        timestep=torch.tensor([0.9, 0.5, 0.1]), guidance=torch.tensor([1.0, 3.5, 7.0]),
+        img_ids=torch.randn(tokens, 3, generator=generator), txt_ids=torch.zeros(text, 3), joint_attention_kwargs={},
+        return_dict=False)
+
+
+def flux2_made_call(config, guidance_embeds):
+    model = flux2_transformer(config, guidance_embeds)
+    return model, flux2_call(model)
+
+
+HV15_SIZE = HunyuanVideo15Size(heads=4, head_dim=8, layers=2)
+
+
+def hv15_call(batch=2, frames=3, height=4, width=6):
+    model, generator = tiny_hunyuan_video15_transformer(HV15_SIZE), torch.Generator().manual_seed(1)
+    config = model.config
+    return model, dict(
+        hidden_states=torch.randn(batch, config.in_channels, frames, height, width, generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        encoder_hidden_states=torch.randn(batch, 7, config.text_embed_dim, generator=generator),
+        encoder_attention_mask=torch.tensor([[1] * 7, [1] * 4 + [0] * 3][:batch]),
+        encoder_hidden_states_2=torch.randn(batch, 5, config.text_embed_2_dim, generator=generator),
+        encoder_attention_mask_2=torch.tensor([[1] * 5, [1] * 2 + [0] * 3][:batch]),
+        image_embeds=torch.zeros(batch, 3, config.image_embed_dim), return_dict=False)
+
+
+def ltx2_call(frames=2, height=2, width=3, audio_frames=5):
+    model, generator = tiny_ltx2_transformer(LTX2Size()), torch.Generator().manual_seed(1)
+    config = model.config
+    return model, dict(
+        hidden_states=torch.randn(2, frames * height * width, config.in_channels, generator=generator),
+        audio_hidden_states=torch.randn(2, audio_frames, config.audio_in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(2, 6, config.caption_channels, generator=generator),
+        audio_encoder_hidden_states=torch.randn(2, 6, config.caption_channels, generator=generator),
+        timestep=torch.rand(2, generator=generator), encoder_attention_mask=torch.tensor([[1] * 6, [1] * 3 + [0] * 3]),
+        audio_encoder_attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]), num_frames=frames, height=height,
+        width=width, fps=25.0, audio_num_frames=audio_frames, return_dict=False)
+
+
+def wan_call(rows=2, frames=3, height=4, width=4):
+    model, generator = tiny_wan_transformer(heads=3, head_dim=8), torch.Generator().manual_seed(1)
+    timestep = torch.rand(rows, 1, generator=generator)[:, 0] * 1000  # NOTE: drawn as the packing tests draw it
+    text = torch.randn(rows, 16, 32, generator=generator)
+    video = torch.randn(rows, model.config.in_channels, frames, height, width, generator=generator)
+    return model, dict(hidden_states=video, timestep=timestep, encoder_hidden_states=text, return_dict=False)
+
+
+# case -> (a model and a call of its, each row's state (equal numbers: one state; None: no state), the threshold at
+# the computing step (0: the next step computes too), whether the residual the state keeps fits the call, tolerance)
+MADE_CALLS = {
+    "flux": (flux_call, [0, 0, 1], 0.4, lambda model, call, residual: residual.shape[0] == 2, 0.0),
+    **{f"flux2-{config}-{'guidance' if guidance else 'plain'}": (
+        functools.partial(flux2_made_call, config, guidance), [None, 0, 0], 0.0,
+        # the reference tokens included
+        lambda model, call, residual: residual.shape == (2, call["hidden_states"].shape[1], model.inner_dim), 1e-5)
+       for config in sorted(FLUX2_CONFIGS) for guidance in (False, True)},
+    "hunyuan_video15": (hv15_call, [0, None], 0.4, lambda model, call, residual: residual.shape == (
+        3 * 4 * 6, HV15_SIZE.heads * HV15_SIZE.head_dim), 1e-5),
+    "ltx2": (ltx2_call, [None, 0], 0.4, lambda model, call, residual: residual[0].shape[0] == 2 * 2 * 3, 1e-5),
+    "wan": (wan_call, [0, 0], 0.4, lambda model, call, residual: residual.shape == (2, 3 * 2 * 2, 24), 1e-5),
+}
+
+
+def outputs(output) -> list[torch.Tensor]:
+    return list(output) if isinstance(output, tuple) else [first_tensor(output)]
+
+
+@pytest.mark.parametrize("case", sorted(MADE_CALLS))
+def test_teacache_forward_with_every_row_computing_equals_the_model_forward(case):
+    """A step whose states compute (the first, by rule) equals the model's forward, rows without state beside;
+    each state keeps a residual of its own rows; at threshold 0 the next step computes too, even where the signal
+    did not move; a skipping step adds the residual, so with the same inputs its output is the computed one."""
+    build, rows, threshold, residual_fits, tolerance = MADE_CALLS[case]
+    model, call = build()
+    support = models.support_for(model)
+    states = {}
+    row_states = [None if row is None else states.setdefault(
+        row, TeaCacheState(threshold, support.teacache_coefficients, num_steps=10)) for row in rows]
+    with torch.no_grad():
+        want = outputs(model(**call))
+        got = outputs(support.teacache_forward(model, row_states, call))
+        assert max(max_diff(a, b) for a, b in zip(got, want)) <= tolerance
+        assert [state.computed_steps for state in states.values()] == [1] * len(states)
+        assert residual_fits(model, call, next(iter(states.values())).residual)
+        step = 1
+        if threshold == 0.0:
+            for state in states.values():
+                state.step = step
+            again = outputs(support.teacache_forward(model, row_states, call))
+            assert [(state.computed_steps, state.skipped_steps) for state in states.values()] == [(2, 0)] * len(states)
+            assert max(max_diff(a, b) for a, b in zip(again, want)) <= 1e-5
+            step = 2
+        for state in states.values():
+            state.step, state.threshold = step, 1e9
+        skipped = outputs(support.teacache_forward(model, row_states, call))
+    assert [state.skipped_steps for state in states.values()] == [1] * len(states)
+    assert max(max_diff(a, b) for a, b in zip(skipped, want)) <= 1e-5
 
 
 # adapters {name: weight} of a call's rows, in turn

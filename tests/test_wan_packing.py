@@ -269,22 +269,6 @@ def test_teacache_in_shared_packed_forwards_equals_teacache_alone():
     assert min(max_diff(solo[i], exact[i]) for i in (0, 2, 3)) > 10 * TOLERANCE, "TeaCache skipped no step"
 
 
-def test_teacache_forward_with_every_row_computing_equals_the_model_forward():
-    from diffusers_stepbatch.cache.teacache import TeaCacheState
-    from diffusers_stepbatch.models.wan.teacache import WAN_COEFFICIENTS, teacache_call
-
-    model = tiny_wan_transformer(heads=3, head_dim=8)
-    (part,) = _parts(model, [(2, 3, 4, 4)], torch.Generator().manual_seed(1))
-    arguments = dict(hidden_states=part.hidden_states, timestep=part.timestep,
-                     encoder_hidden_states=part.encoder_hidden_states, return_dict=False)
-    states = [TeaCacheState(0.4, WAN_COEFFICIENTS, num_steps=10)] * 2  # step 0: computes
-    with torch.no_grad():
-        (got,) = teacache_call(model, states, arguments)
-        (want,) = model(**arguments)
-    assert max_diff(got, want) <= 1e-5
-    assert states[0].computed_steps == 1 and states[0].residual.shape == (2, 3 * 2 * 2, 24)
-
-
 def test_threshold_zero_never_skips_even_where_the_published_polynomial_is_negative():
     from diffusers_stepbatch.cache import TeaCacheConfig
     from diffusers_stepbatch.models.wan.teacache import WAN_COEFFICIENTS
