@@ -93,6 +93,9 @@ class ModelSupport:
         lora_forward: `forward(model, arguments)`: for a model whose own forward has a LoRA layer input that maps to
             no rows (Qwen-Image 2.1's one t=0 timestep row per call), the call under per-row LoRA, as the model
             returns it; None: the model's forward.
+        context_parallel: `plan(model)`: the model's context-parallel plan (diffusers' `_cp_plan` form) where
+            diffusers gives the class none or one that doesn't fit this model's config, or a string saying why its
+            blocks can't run split (it then runs on rank 0 alone); None: diffusers' own.
     """
 
     row_lists: tuple[str, ...] = ()
@@ -112,6 +115,7 @@ class ModelSupport:
     lora_token_rows: Callable[[dict[str, Any]], list[torch.Tensor]] | None = None
     teacache_forward: Callable[[torch.nn.Module, list, dict[str, Any]], Any] | None = None
     lora_forward: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None
+    context_parallel: Callable[[torch.nn.Module], dict | str] | None = None
 
 
 DEFAULT_SUPPORT = ModelSupport()

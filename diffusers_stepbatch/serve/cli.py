@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import signal
 import sys
 from typing import Any
 
@@ -16,6 +18,8 @@ from .config import API_KEY_ENV, DTYPES, ServeConfig
 from .config_file import parse_with_config_file
 from .lora_adapters import parse_lora_modules
 from .request_id import configure_logging
+
+logger = logging.getLogger(__name__)
 
 
 def _number(text: str) -> int | float:
@@ -104,6 +108,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     knobs.add_argument("--vae-tiling", action="store_true", help="decode (and encode) in VAE tiles")
     knobs.add_argument("--warmup", type=int, default=defaults.warmup, metavar="N",
                        help="requests run at startup to prime the cost model (/health says 'warming' meanwhile)")
+    knobs.add_argument("--context-parallel", default=None, metavar="ulysses=N|ring=N",
+                       help="split the denoiser over the ranks of `torchrun --nproc-per-node N` (diffusers' "
+                       "ContextParallelConfig); rank 0 serves, the others follow its model calls")
     knobs.add_argument("--config", default=None, metavar="FILE",
                        help="a TOML file of these flags (names with - or _); flags on the command line win")
     add("--api-keys", default=None, metavar="FILE", help="a TOML file of keys, each a tenant with its own limits "
@@ -171,7 +178,33 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_s
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(args.log_level, args.log_format)  # NOTE: after the checks: a bad flag changes nothing
+    if config.context_parallel is not None:
+        config = _on_this_rank(config)
+        if config is None:
+            return  # a follower rank: rank 0 closed
     run(config, log_level=args.log_level, access_log=args.access_log)
+
+
+def _on_this_rank(config: ServeConfig) -> ServeConfig | None:
+    """Under `--context-parallel`: every rank loads the model; the followers make rank 0's model calls until it
+    closes (None), rank 0 goes on to serve (its config, on its own GPU)."""
+    import torch.distributed as dist
+
+    from ..parallel.ranks import rank_device, start_ranks
+    from .model import load_model
+
+    start_ranks()
+    if config.device.startswith("cuda"):
+        config = dataclasses.replace(config, device=str(rank_device()))
+    if dist.get_rank() == 0:
+        return config
+    model = load_model(config)
+    # NOTE: on SIGTERM / Ctrl-C rank 0 finishes its requests first, which needs every follower: they stop
+    # when rank 0 closes (or is gone)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, frame: logger.info("rank %d stops when rank 0 closes", dist.get_rank()))
+    model.sb.follow()
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ from ..pid.generic import plan_generic_pid_exit
 from ..registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from ..request_state import active_view
 from ...adapters.state import NOT_GIVEN
+from ...parallel.plans import splits_sequence
 from .proxies import DENOISER_NAMES, denoiser_names, plan_proxies
 from .turns import generic_program
 from .work_items import HOLDERS, Holder
@@ -159,7 +160,7 @@ def _unbatchable_reason(pipe, denoisers: list[str], args: dict[str, Any]) -> str
         return "perturbed-attention guidance sets attention processors on the shared denoiser for its whole call"
     for name in denoisers:
         for _, module in marked_modules(getattr(pipe, name)):
-            hooks = diffusers_hooks(module)
+            hooks = [hook for hook in diffusers_hooks(module) if not splits_sequence(hook)]
             if hooks:
                 return f"pipe.{name} has diffusers hooks ({list(hooks)}), whose state is not per request"
     return None
