@@ -111,7 +111,7 @@ def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
 # ---------------------------------------------------------------------------------------------------------------
 # The packed forward against the model's own forward, call by call.
 
-def _call(rows, grid, valid, valid_2, seed, image=False):
+def hv15_call(rows, grid, valid, valid_2, seed, image=False):
     generator = torch.Generator().manual_seed(seed)
     frames, height, width = grid
     mask, mask_2 = torch.zeros(rows, 12, dtype=torch.long), torch.zeros(rows, 8, dtype=torch.long)
@@ -124,24 +124,6 @@ def _call(rows, grid, valid, valid_2, seed, image=False):
                 encoder_hidden_states=torch.randn(rows, 12, 16, generator=generator), encoder_attention_mask=mask,
                 encoder_hidden_states_2=torch.randn(rows, 8, 32, generator=generator), encoder_attention_mask_2=mask_2,
                 image_embeds=image_embeds, return_dict=False)
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("method", ["recover_scatter", "flex"])
-def test_packed_forward_equals_the_models_forward_per_call(config, method):
-    model = tiny_hunyuan_video15_transformer(CONFIGS[config][0])
-    calls = [_call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # two rows, padded prompts, one without glyph text
-             _call(1, (3, 4, 8), [7], [8], 1),  # non-square, more frames
-             _call(1, (1, 8, 4), [2], [1], 2, image=True),  # image-conditioned: its image tokens kept
-             _call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]  # the first call's grid, other prompt lengths
-    keys = [pack_key(call) for call in calls]
-    assert None not in keys and len({key for key, _ in keys}) == 1
-    with torch.no_grad():
-        expected = [model(**call)[0] for call in calls]
-        packed = [out[0] for out in pack_calls(model, calls, method, [None] * len(calls))]
-    differences = [max_diff(got, want) for got, want in zip(packed, expected)]
-    assert max(differences) <= 1e-5, differences
-    assert [got.shape for got in packed] == [want.shape for want in expected]
 
 
 @pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
@@ -160,10 +142,10 @@ def test_forward_with_per_row_adapters_equals_set_adapters_per_row(config, forwa
     add_random_lora_adapters(model)
     if everywhere:
         add_lora_everywhere(model)
-    calls = [_call(1, (3, 4, 8), [7], [8], 1),  # sorts after the next call's rows
-             _call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # rows of one call in another packed order
-             _call(1, (1, 8, 4), [2], [1], 2, image=True),
-             _call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]
+    calls = [hv15_call(1, (3, 4, 8), [7], [8], 1),  # sorts after the next call's rows
+             hv15_call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # rows of one call in another packed order
+             hv15_call(1, (1, 8, 4), [2], [1], 2, image=True),
+             hv15_call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]
     counts = [call["hidden_states"].shape[0] for call in calls]
     sets = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}] if everywhere else ROW_ADAPTERS
     row_adapters = [sets[r % len(sets)] for r in range(sum(counts))]
@@ -191,12 +173,12 @@ def test_forward_with_per_row_adapters_equals_set_adapters_per_row(config, forwa
 def test_text_to_video_and_image_conditioned_calls_never_merge_by_rows():
     # NOTE: the model reads text-to-video from all image embeds of a call at once
     model = tiny_hunyuan_video15_transformer()
-    text_only = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 0))
-    with_image = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 1, image=True))
-    other_image = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 2, image=True))
+    text_only = describe_call(model, (), hv15_call(2, (1, 2, 2), [3, 3], [1, 1], 0))
+    with_image = describe_call(model, (), hv15_call(2, (1, 2, 2), [3, 3], [1, 1], 1, image=True))
+    other_image = describe_call(model, (), hv15_call(2, (1, 2, 2), [3, 3], [1, 1], 2, image=True))
     assert text_only.signature != with_image.signature and with_image.signature == other_image.signature
     assert support_for(model).refusal is None
-    assert pack_key(dict(_call(1, (1, 2, 2), [3], [1], 0), attention_kwargs={"other": 1})) is None
+    assert pack_key(dict(hv15_call(1, (1, 2, 2), [3], [1], 0), attention_kwargs={"other": 1})) is None
 
 
 def test_image_to_video_requests_of_different_sizes_pack_and_equal_their_solo_runs():

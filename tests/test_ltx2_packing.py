@@ -145,7 +145,7 @@ def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
 # ---------------------------------------------------------------------------------------------------------------
 # The packed forward against the model's own forward, call by call.
 
-def _call(model, rows, grid, audio_frames, text_length, seed, valid=None, coords=True, fps=25.0, per_token=False,
+def ltx2_call(model, rows, grid, audio_frames, text_length, seed, valid=None, coords=True, fps=25.0, per_token=False,
           cross_timestep=True):
     generator = torch.Generator().manual_seed(seed)
     frames, height, width = grid
@@ -169,38 +169,6 @@ def _call(model, rows, grid, audio_frames, text_length, seed, valid=None, coords
         call["video_coords"] = model.rope.prepare_video_coords(rows, frames, height, width, "cpu", fps=fps)
         call["audio_coords"] = model.audio_rope.prepare_audio_coords(rows, audio_frames, "cpu")
     return call
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("method", ["recover_scatter", "flex"])
-def test_packed_forward_equals_the_models_forward_per_call(config, method):
-    model = tiny_ltx2_transformer(CONFIGS[config])
-    _check_packed(model, method, [
-        _call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16]),  # two rows, one padded prompt
-        _call(model, 1, (3, 2, 4), 9, 16, 1, valid=[3]),  # non-square, more frames and audio
-        _call(model, 1, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0),  # RoPE made from the call's numbers
-        _call(model, 3, (2, 2, 2), 5, 16, 3)])  # the first call's token counts, other rows
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("cross_timestep", [True, False])
-def test_packed_forward_with_per_token_video_timesteps_equals_the_models_forward(config, cross_timestep):
-    model = tiny_ltx2_transformer(CONFIGS[config])
-    _check_packed(model, "recover_scatter", [
-        _call(model, 2, (2, 2, 2), 5, 16, 0, per_token=True, cross_timestep=cross_timestep),
-        _call(model, 1, (3, 2, 4), 9, 16, 1, per_token=True, cross_timestep=cross_timestep),
-        _call(model, 1, (2, 2, 2), 5, 16, 2, cross_timestep=cross_timestep)])  # per row, beside per-token rows
-
-
-def _check_packed(model, method, calls):
-    keys = [pack_key(call) for call in calls]
-    assert None not in keys and len({key for key, _ in keys}) == 1
-    with torch.no_grad():
-        expected = [model(**call) for call in calls]
-        packed = pack_calls(model, calls, method, [None] * len(calls))
-    differences = [max_diff(got, want) for outputs in zip(packed, expected) for got, want in zip(*outputs)]
-    assert max(differences) <= 1e-5, differences
-    assert [tuple(o.shape) for o, _ in packed] == [tuple(o.shape) for o, _ in expected]
 
 
 EVERY_LAYER_ADAPTERS = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}]
@@ -240,9 +208,9 @@ def test_forward_with_per_row_adapters_equals_set_adapters_per_row(per_token, fo
     add_random_lora_adapters(model)
     if everywhere:
         add_lora_everywhere(model)
-    calls = [_call(model, 1, (3, 2, 4), 9, 16, 1, per_token=per_token),  # sorts after the next call's rows
-             _call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16], per_token=per_token),
-             _call(model, 2, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0)]
+    calls = [ltx2_call(model, 1, (3, 2, 4), 9, 16, 1, per_token=per_token),  # sorts after the next call's rows
+             ltx2_call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16], per_token=per_token),
+             ltx2_call(model, 2, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0)]
 
     def packed(row_adapters):
         with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
@@ -270,7 +238,7 @@ def test_plain_forward_with_per_token_timesteps_maps_their_embeddings_to_rows():
 
     model = tiny_ltx2_transformer(CONFIGS["ltx2-split"])
     add_random_lora_adapters(model)
-    call = _call(model, 3, (2, 2, 2), 5, 16, 0, per_token=True)
+    call = ltx2_call(model, 3, (2, 2, 2), 5, 16, 0, per_token=True)
     (streams,) = support_for(model).lora_token_rows(call)
     assert streams.tolist() == [r for r in range(3) for _ in range(8)]
 
@@ -283,7 +251,7 @@ def test_plain_forward_with_per_token_timesteps_maps_their_embeddings_to_rows():
 
 def test_calls_the_packed_forward_does_not_reproduce_have_no_pack_key():
     model = tiny_ltx2_transformer()
-    call = _call(model, 2, (1, 2, 2), 3, 8, 0)
+    call = ltx2_call(model, 2, (1, 2, 2), 3, 8, 0)
     assert pack_key(dict(call, spatio_temporal_guidance_blocks=[])) is not None
     assert pack_key(dict(call, spatio_temporal_guidance_blocks=[0])) is None  # STG perturbs self-attention
     assert pack_key(dict(call, video_self_attention_mask=torch.ones(2, 4, 4))) is None

@@ -9,13 +9,15 @@ import functools
 
 import pytest
 import torch
+from diffusers import SD3Transformer2DModel
 
 from diffusers_stepbatch import models
 from diffusers_stepbatch.adapters.lora import per_row_lora
 from diffusers_stepbatch.cache.teacache import TeaCacheState
 from diffusers_stepbatch.models.calls import ModelCall, cut, describe_call, fill, run_call, slice_rows
 from diffusers_stepbatch.testing import add_random_lora_adapters, tiny_flux_pipeline, tiny_qwenimage_pipeline
-from diffusers_stepbatch.testing import tiny_sd3_pipeline, tiny_sd_pipeline
+from diffusers_stepbatch.models.packing import layout as layout_module
+from diffusers_stepbatch.testing import FluxSize, tiny_flux_transformer, tiny_sd3_pipeline, tiny_sd_pipeline
 from diffusers_stepbatch.testing.hunyuan_video_models import (
     HunyuanVideo15Size,
     tiny_hunyuan_video15_pipeline,
@@ -27,6 +29,9 @@ from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_lt
 from diffusers_stepbatch.toy.video import tiny_wan_pipeline, tiny_wan_transformer
 
 from .flux2_cases import CONFIGS as FLUX2_CONFIGS, flux2_call, flux2_transformer
+from .test_hunyuan_video15_packing import CONFIGS as HV15_CONFIGS, hv15_call as hv15_packing_call
+from .test_ltx2_packing import CONFIGS as LTX2_CONFIGS, ltx2_call as ltx2_packing_call
+from .test_wan_packing import wan_parts
 from .references import TOLERANCE, flux_pipe, max_diff, single_thread  # noqa: F401  (single_thread is a fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -209,7 +214,7 @@ def flux2_made_call(config, guidance_embeds):
 HV15_SIZE = HunyuanVideo15Size(heads=4, head_dim=8, layers=2)
 
 
-def hv15_call(batch=2, frames=3, height=4, width=6):
+def hv15_teacache_call(batch=2, frames=3, height=4, width=6):
     model, generator = tiny_hunyuan_video15_transformer(HV15_SIZE), torch.Generator().manual_seed(1)
     config = model.config
     return model, dict(
@@ -222,7 +227,7 @@ def hv15_call(batch=2, frames=3, height=4, width=6):
         image_embeds=torch.zeros(batch, 3, config.image_embed_dim), return_dict=False)
 
 
-def ltx2_call(frames=2, height=2, width=3, audio_frames=5):
+def ltx2_teacache_call(frames=2, height=2, width=3, audio_frames=5):
     model, generator = tiny_ltx2_transformer(LTX2Size()), torch.Generator().manual_seed(1)
     config = model.config
     return model, dict(
@@ -252,9 +257,9 @@ MADE_CALLS = {
         # the reference tokens included
         lambda model, call, residual: residual.shape == (2, call["hidden_states"].shape[1], model.inner_dim), 1e-5)
        for config in sorted(FLUX2_CONFIGS) for guidance in (False, True)},
-    "hunyuan_video15": (hv15_call, [0, None], 0.4, lambda model, call, residual: residual.shape == (
+    "hunyuan_video15": (hv15_teacache_call, [0, None], 0.4, lambda model, call, residual: residual.shape == (
         3 * 4 * 6, HV15_SIZE.heads * HV15_SIZE.head_dim), 1e-5),
-    "ltx2": (ltx2_call, [None, 0], 0.4, lambda model, call, residual: residual[0].shape[0] == 2 * 2 * 3, 1e-5),
+    "ltx2": (ltx2_teacache_call, [None, 0], 0.4, lambda model, call, residual: residual[0].shape[0] == 2 * 2 * 3, 1e-5),
     "wan": (wan_call, [0, 0], 0.4, lambda model, call, residual: residual.shape == (2, 3 * 2 * 2, 24), 1e-5),
 }
 
@@ -293,6 +298,139 @@ def test_teacache_forward_with_every_row_computing_equals_the_model_forward(case
         skipped = outputs(support.teacache_forward(model, row_states, call))
     assert [state.skipped_steps for state in states.values()] == [1] * len(states)
     assert max(max_diff(a, b) for a, b in zip(skipped, want)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------ packed forwards on made calls
+def ltx2_packed_calls(config, per_token=None):
+    """Calls of other grids, audio lengths and prompts (`per_token`: per-token video timesteps, with cross-attention
+    timesteps or without), or None for the plain set."""
+    model = tiny_ltx2_transformer(LTX2_CONFIGS[config])
+    if per_token is None:
+        return model, [ltx2_packing_call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16]),  # two rows, a padded prompt
+                       ltx2_packing_call(model, 1, (3, 2, 4), 9, 16, 1, valid=[3]),  # non-square, more frames and audio
+                       ltx2_packing_call(model, 1, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0),  # RoPE from numbers
+                       ltx2_packing_call(model, 3, (2, 2, 2), 5, 16, 3)]  # the first call's token counts, other rows
+    return model, [ltx2_packing_call(model, 2, (2, 2, 2), 5, 16, 0, per_token=True, cross_timestep=per_token),
+                   ltx2_packing_call(model, 1, (3, 2, 4), 9, 16, 1, per_token=True, cross_timestep=per_token),
+                   # per row, beside per-token rows
+                   ltx2_packing_call(model, 1, (2, 2, 2), 5, 16, 2, cross_timestep=per_token)]
+
+
+def hv15_packed_calls(config):
+    model = tiny_hunyuan_video15_transformer(HV15_CONFIGS[config][0])
+    return model, [hv15_packing_call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # two rows, padded prompts, one without glyphs
+                   hv15_packing_call(1, (3, 4, 8), [7], [8], 1),  # non-square, more frames
+                   hv15_packing_call(1, (1, 8, 4), [2], [1], 2, image=True),  # image-conditioned: image tokens kept
+                   hv15_packing_call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]  # the first call's grid, other prompts
+
+
+def image_ids(height, width):
+    ids = torch.zeros(height, width, 3)
+    ids[..., 1] = torch.arange(height)[:, None]
+    ids[..., 2] = torch.arange(width)[None, :]
+    return ids.reshape(-1, 3)
+
+
+# (rows, latent grid, text tokens): non-square grids, text lengths that differ, and a 16x token ratio
+PART_SHAPES = [(2, (2, 2), 8), (1, (2, 8), 5), (3, (8, 8), 8), (1, (4, 2), 3)]
+FLUX_SIZES = {
+    "default": (FluxSize(), True),
+    "wide-text": (FluxSize(num_layers=2, num_single_layers=2, attention_head_dim=8, num_attention_heads=4,
+                           joint_attention_dim=24, pooled_projection_dim=40, in_channels=8), False),
+    "single-blocks": (FluxSize(num_layers=1, num_single_layers=3, attention_head_dim=8, num_attention_heads=3), True),
+}
+SD3_CONFIGS = {
+    "patch1": dict(patch_size=1, num_layers=2, attention_head_dim=8, num_attention_heads=2, in_channels=4),
+    "patch2-dual": dict(patch_size=2, num_layers=3, attention_head_dim=4, num_attention_heads=4, in_channels=8,
+                        dual_attention_layers=(0, 1), qk_norm="rms_norm"),
+}
+WAN_CASES = ["t2v", "t2v-flex", "text-lengths", "per-token", "i2v", "i2v-image-kv", "flf2v"]
+
+
+def flux_packed_calls(size_name):
+    size, guidance = FLUX_SIZES[size_name]
+    transformer = tiny_flux_transformer(size, guidance_embeds=guidance, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    return transformer, [
+        dict(hidden_states=torch.randn(rows, h * w, size.in_channels, generator=generator),
+             encoder_hidden_states=torch.randn(rows, text, size.joint_attention_dim, generator=generator),
+             pooled_projections=torch.randn(rows, size.pooled_projection_dim, generator=generator),
+             timestep=torch.rand(rows, generator=generator),
+             guidance=torch.rand(rows, generator=generator) * 5 if guidance else None,
+             txt_ids=torch.zeros(text, 3), img_ids=image_ids(h, w), return_dict=False)
+        for rows, (h, w), text in PART_SHAPES]
+
+
+def sd3_packed_calls(config_name, skip_layers):
+    config = SD3_CONFIGS[config_name]
+    torch.manual_seed(1)
+    transformer = SD3Transformer2DModel(sample_size=32, out_channels=config["in_channels"], joint_attention_dim=32,
+                                        caption_projection_dim=16, pooled_projection_dim=32, **config).eval()
+    generator, patch = torch.Generator().manual_seed(0), config["patch_size"]
+    return transformer, [
+        dict(hidden_states=torch.randn(rows, config["in_channels"], 2 * h * patch, 2 * w * patch, generator=generator),
+             encoder_hidden_states=torch.randn(rows, text, 32, generator=generator),
+             pooled_projections=torch.randn(rows, 32, generator=generator),
+             timestep=torch.rand(rows, generator=generator) * 1000, skip_layers=skip_layers, return_dict=False)
+        for rows, (h, w), text in PART_SHAPES]
+
+
+def wan_packed_calls(case):
+    image_dim = 4 if case.startswith(("i2v", "flf2v")) else None
+    # NOTE: first-last-frame-to-video: two image embeddings per video, folded by the model's image pos_embed
+    model = tiny_wan_transformer(36 if image_dim else 16, heads=3, head_dim=8, layers=2, image_dim=image_dim,
+                                 image_kv=case == "i2v-image-kv", pos_embed_seq_len=10 if case == "flf2v" else None)
+    shapes = [(2, 3, 4, 4), (1, 2, 4, 6), (1, 3, 6, 4), (2, 1, 8, 8)]  # rows, frames, height, width (latent)
+    text_lengths = {"text-lengths": [16, 8, 16, 24], "i2v-image-kv": [512] * 4}.get(case)
+    parts = wan_parts(model, shapes, torch.Generator().manual_seed(0), per_token=case == "per-token",
+                      image_tokens=5 if image_dim else None, text_lengths=text_lengths,
+                      image_blocks=2 if case == "flf2v" else 1)
+    return model, [dict(hidden_states=part.hidden_states, timestep=part.timestep,
+                        encoder_hidden_states=part.encoder_hidden_states,
+                        encoder_hidden_states_image=part.encoder_hidden_states_image, return_dict=False)
+                   for part in parts]
+
+
+# case -> (a model and its calls of other sizes, the packed attention method, whether AdaLN values broadcast per
+# part (long rows' default) or go per token (the tiny shapes' default), the least mean output a mix-up would change)
+MADE_PACKS = {
+    **{f"flux-{size}-{'broadcast' if broadcast else 'per-token'}-{method}": (
+        functools.partial(flux_packed_calls, size), method, broadcast, None)
+       for size in FLUX_SIZES for broadcast in (False, True) for method in ("recover_scatter", "flex")},
+    **{f"sd3-{config}-skip{skip}-{'broadcast' if broadcast else 'per-token'}-{method}": (
+        functools.partial(sd3_packed_calls, config, skip), method, broadcast, None)
+       for config in SD3_CONFIGS for skip in (None, [1])
+       for broadcast, method in ((False, "recover_scatter"), (True, "recover_scatter"), (True, "flex"))},
+    **{f"wan-{case}": (functools.partial(wan_packed_calls, case), "flex" if case == "t2v-flex" else "auto", None, 1e-2)
+       for case in WAN_CASES},
+    **{f"ltx2-{config}-{method}": (functools.partial(ltx2_packed_calls, config), method, None, None)
+       for config in LTX2_CONFIGS for method in ("recover_scatter", "flex")},
+    **{f"ltx2-{config}-per-token-{'cross' if cross else 'plain'}": (
+        functools.partial(ltx2_packed_calls, config, cross), "recover_scatter", None, None)
+       for config in LTX2_CONFIGS for cross in (True, False)},
+    **{f"hunyuan_video15-{config}-{method}": (functools.partial(hv15_packed_calls, config), method, None, None)
+       for config in HV15_CONFIGS for method in ("recover_scatter", "flex")},
+}
+
+
+@pytest.mark.parametrize("case", sorted(MADE_PACKS))
+def test_packed_forward_on_made_calls_equals_the_model_per_call(case, monkeypatch):
+    build, method, broadcast, least_mean = MADE_PACKS[case]
+    if broadcast is not None:
+        monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
+    model, calls = build()
+    packing = models.support_for(model).packing
+    if packing.key is not None:  # None: only the model's dedicated program packs its calls (it keys them itself)
+        keys = [packing.key(call) for call in calls]
+        assert None not in keys and len({key for key, _ in keys}) == 1  # all of them pack together
+    with torch.no_grad():
+        expected = [outputs(model(**call)) for call in calls]
+        packed = [outputs(output) for output in packing.run(model, calls, method, [None] * len(calls))]
+    differences = [max_diff(got, want) for pair in zip(packed, expected) for got, want in zip(*pair)]
+    assert max(differences) <= 1e-5, differences
+    assert [[tuple(o.shape) for o in out] for out in packed] == [[tuple(o.shape) for o in out] for out in expected]
+    if least_mean is not None:  # outputs that a mix-up of rows would change
+        assert min(float(out[0].abs().mean()) for out in expected) > least_mean
 
 
 # adapters {name: weight} of a call's rows, in turn
