@@ -16,7 +16,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import support_for
 from diffusers_stepbatch.models.calls import describe_call
-from diffusers_stepbatch.models.hunyuan_video15.packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key
+from diffusers_stepbatch.models.hunyuan_video15.packing import hunyuan_video15_packing_unsupported, pack_key
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing.hunyuan_video_models import (
     HunyuanVideo15Size,
@@ -25,15 +25,11 @@ from diffusers_stepbatch.testing.hunyuan_video_models import (
 )
 
 from .references import (  # noqa: F401
-    ROW_ADAPTERS,
     TOLERANCE,
-    add_lora_everywhere,
-    call_row,
     max_diff,
     seeded,
     single_thread,
     submit_all,
-    with_adapters,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -124,50 +120,6 @@ def hv15_call(rows, grid, valid, valid_2, seed, image=False):
                 encoder_hidden_states=torch.randn(rows, 12, 16, generator=generator), encoder_attention_mask=mask,
                 encoder_hidden_states_2=torch.randn(rows, 8, 32, generator=generator), encoder_attention_mask_2=mask_2,
                 image_embeds=image_embeds, return_dict=False)
-
-
-@pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
-@pytest.mark.parametrize("forward", ["packed", "plain"])
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_forward_with_per_row_adapters_equals_set_adapters_per_row(config, forward, everywhere):
-    """Per-row LoRA in the model's own forward (rows on dim 0) and in the packed forward (over the packed video and
-    text streams, each call's embeddings (patch embedding, text refiner, ByT5 and image projections) on its own
-    rows, the blocks' modulation per row): every row as its plain forward after set_adapters. `every-layer`: an
-    adapter on every Linear and Conv layer of the model."""
-    from diffusers_stepbatch.adapters.lora import per_row_lora
-    from diffusers_stepbatch.models.hunyuan_video15.packing import token_rows
-    from diffusers_stepbatch.testing import add_random_lora_adapters
-
-    model = tiny_hunyuan_video15_transformer(CONFIGS[config][0])
-    add_random_lora_adapters(model)
-    if everywhere:
-        add_lora_everywhere(model)
-    calls = [hv15_call(1, (3, 4, 8), [7], [8], 1),  # sorts after the next call's rows
-             hv15_call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # rows of one call in another packed order
-             hv15_call(1, (1, 8, 4), [2], [1], 2, image=True),
-             hv15_call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]
-    counts = [call["hidden_states"].shape[0] for call in calls]
-    sets = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}] if everywhere else ROW_ADAPTERS
-    row_adapters = [sets[r % len(sets)] for r in range(sum(counts))]
-    with torch.no_grad():
-        if forward == "packed":
-            with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
-                packed = [out[0] for out in pack_calls(model, calls, "recover_scatter", [None] * len(calls))]
-        else:
-            packed, first = [], 0
-            for call, count in zip(calls, counts):
-                with per_row_lora(model, row_adapters[first:first + count]):
-                    packed.append(model(**call)[0])
-                first += count
-        first = 0
-        for call, count, out in zip(calls, counts, packed):
-            for r in range(count):
-                one = call_row(call, r, count)
-                want = with_adapters(model, row_adapters[first + r], model, **one)[0]
-                assert max_diff(out[r:r + 1], want) <= TOLERANCE, (first + r, row_adapters[first + r])
-                if first + r == 0:  # the adapters change the row
-                    assert max_diff(want, with_adapters(model, {}, model, **one)[0]) > 1e-3
-            first += count
 
 
 def test_text_to_video_and_image_conditioned_calls_never_merge_by_rows():

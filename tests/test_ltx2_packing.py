@@ -13,14 +13,13 @@ from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnPro
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import support_for
-from diffusers_stepbatch.models.ltx2.packing import ltx2_packing_unsupported, pack_calls, pack_key
+from diffusers_stepbatch.models.ltx2.packing import ltx2_packing_unsupported, pack_key
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
 
 from .references import (  # noqa: F401
     ROW_ADAPTERS,
     TOLERANCE,
-    add_lora_everywhere,
     call_row,
     max_diff,
     seeded,
@@ -171,9 +170,6 @@ def ltx2_call(model, rows, grid, audio_frames, text_length, seed, valid=None, co
     return call
 
 
-EVERY_LAYER_ADAPTERS = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}]
-
-
 def _check_per_row_adapters(model, calls, forward, sets=ROW_ADAPTERS):
     """`forward(row_adapters)` (one output pair per call) equals each row's plain forward after set_adapters."""
     counts = [call["hidden_states"].shape[0] for call in calls]
@@ -190,44 +186,6 @@ def _check_per_row_adapters(model, calls, forward, sets=ROW_ADAPTERS):
                 if first + r == 0:  # the adapters change the row
                     assert max_diff(want[0], with_adapters(model, {}, model, **one)[0]) > 1e-3
             first += count
-
-
-@pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
-@pytest.mark.parametrize("forward", ["packed", "plain"])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_forward_with_per_row_adapters_equals_set_adapters_per_row(per_token, forward, everywhere):
-    """Per-row LoRA in the model's own forward (rows on dim 0; per-token video timesteps as a token stream) and in
-    the packed forward (over the packed video, audio and prompt streams, per-row timestep embeddings on the
-    forward's rows): every row as its plain forward after set_adapters. `every-layer`: an adapter on every Linear
-    and Conv layer of the model."""
-    from diffusers_stepbatch.adapters.lora import per_row_lora
-    from diffusers_stepbatch.models.ltx2.packing import token_rows
-    from diffusers_stepbatch.testing import add_random_lora_adapters
-
-    model = tiny_ltx2_transformer(CONFIGS["ltx2-23"])
-    add_random_lora_adapters(model)
-    if everywhere:
-        add_lora_everywhere(model)
-    calls = [ltx2_call(model, 1, (3, 2, 4), 9, 16, 1, per_token=per_token),  # sorts after the next call's rows
-             ltx2_call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16], per_token=per_token),
-             ltx2_call(model, 2, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0)]
-
-    def packed(row_adapters):
-        with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
-            return pack_calls(model, calls, "recover_scatter", [None] * len(calls))
-
-    def plain(row_adapters):
-        outputs, first = [], 0
-        for call in calls:
-            count = call["hidden_states"].shape[0]
-            with per_row_lora(model, row_adapters[first:first + count],
-                              token_rows=support_for(model).lora_token_rows(call)):
-                outputs.append(model(**call))
-            first += count
-        return outputs
-
-    _check_per_row_adapters(model, calls, packed if forward == "packed" else plain,
-                            EVERY_LAYER_ADAPTERS if everywhere else ROW_ADAPTERS)
 
 
 def test_plain_forward_with_per_token_timesteps_maps_their_embeddings_to_rows():

@@ -32,7 +32,9 @@ from .flux2_cases import CONFIGS as FLUX2_CONFIGS, flux2_call, flux2_transformer
 from .test_hunyuan_video15_packing import CONFIGS as HV15_CONFIGS, hv15_call as hv15_packing_call
 from .test_ltx2_packing import CONFIGS as LTX2_CONFIGS, ltx2_call as ltx2_packing_call
 from .test_wan_packing import wan_parts
-from .references import TOLERANCE, flux_pipe, max_diff, single_thread  # noqa: F401  (single_thread is a fixture)
+from .references import ROW_ADAPTERS as REFERENCE_ROW_ADAPTERS
+from .references import TOLERANCE, add_lora_everywhere, call_row, flux_pipe, max_diff, with_adapters
+from .references import single_thread  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 PACKED_TOLERANCE = 1e-5  # packed and TeaCache forwards reorder a few sums against the model's own forward
@@ -431,6 +433,84 @@ def test_packed_forward_on_made_calls_equals_the_model_per_call(case, monkeypatc
     assert [[tuple(o.shape) for o in out] for out in packed] == [[tuple(o.shape) for o in out] for out in expected]
     if least_mean is not None:  # outputs that a mix-up of rows would change
         assert min(float(out[0].abs().mean()) for out in expected) > least_mean
+
+
+# ------------------------------------------------------------------------------ LoRA rows on made calls
+def wan_row(call: dict, row: int, rows: int) -> dict:
+    """`call_row`, with the row's image embeddings (several per row for first-last-frame-to-video)."""
+    one, image = call_row(call, row, rows), call.get("encoder_hidden_states_image")
+    if image is not None:
+        blocks = image.shape[0] // rows
+        one["encoder_hidden_states_image"] = image[row * blocks:(row + 1) * blocks]
+    return one
+
+
+def ltx2_lora_calls(per_token):
+    model = tiny_ltx2_transformer(LTX2_CONFIGS["ltx2-23"])
+    return model, [ltx2_packing_call(model, 1, (3, 2, 4), 9, 16, 1, per_token=per_token),  # sorts after the next
+                   ltx2_packing_call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16], per_token=per_token),
+                   ltx2_packing_call(model, 2, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0)]
+
+
+def hv15_lora_calls(config):
+    model = tiny_hunyuan_video15_transformer(HV15_CONFIGS[config][0])
+    return model, [hv15_packing_call(1, (3, 4, 8), [7], [8], 1),  # sorts after the next call's rows
+                   hv15_packing_call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # rows of one call in another packed order
+                   hv15_packing_call(1, (1, 8, 4), [2], [1], 2, image=True),
+                   hv15_packing_call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]
+
+
+EVERY_LAYER_ADAPTERS = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}]
+# case -> (a model and its calls, the packed attention method, the row of a call) for each forward (packed or the
+# model's own) and adapters (the test adapters, or one more on every Linear and Conv layer)
+MADE_LORA = {
+    **{f"wan-{case}": (functools.partial(wan_packed_calls, case), "auto", wan_row)
+       for case in ("t2v", "per-token", "i2v-image-kv", "flf2v")},
+    **{f"ltx2-{'per-token' if per_token else 'per-row'}": (functools.partial(ltx2_lora_calls, per_token),
+                                                           "recover_scatter", call_row)
+       for per_token in (False, True)},
+    **{f"hunyuan_video15-{config}": (functools.partial(hv15_lora_calls, config), "recover_scatter", call_row)
+       for config in HV15_CONFIGS},
+}
+
+
+@pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
+@pytest.mark.parametrize("forward", ["packed", "plain"])
+@pytest.mark.parametrize("case", sorted(MADE_LORA))
+def test_lora_rows_on_made_calls_equal_set_adapters_per_row(case, forward, everywhere):
+    """Per-row LoRA in the model's own forward (rows on dim 0, or the token streams the model joins itself) and in
+    its packed forward (over the packed token streams, each shape's own steps on its rows): every row as its plain
+    forward after set_adapters."""
+    build, method, row_of = MADE_LORA[case]
+    model, calls = build()
+    add_random_lora_adapters(model)
+    if everywhere:
+        add_lora_everywhere(model)
+    support = models.support_for(model)
+    counts = [call["hidden_states"].shape[0] for call in calls]
+    sets = EVERY_LAYER_ADAPTERS if everywhere else REFERENCE_ROW_ADAPTERS
+    row_adapters = [sets[r % len(sets)] for r in range(sum(counts))]
+    with torch.no_grad():
+        if forward == "packed":
+            with per_row_lora(model, row_adapters, token_rows=support.packing.token_rows(model, calls)):
+                results = [outputs(out) for out in support.packing.run(model, calls, method, [None] * len(calls))]
+        else:
+            results, first = [], 0
+            for call, count in zip(calls, counts):
+                streams = support.lora_token_rows(call) if support.lora_token_rows is not None else None
+                with per_row_lora(model, row_adapters[first:first + count], token_rows=streams):
+                    results.append(outputs(model(**call)))
+                first += count
+        first = 0
+        for call, count, result in zip(calls, counts, results):
+            for r in range(count):
+                one = row_of(call, r, count)
+                want = outputs(with_adapters(model, row_adapters[first + r], model, **one))
+                for got, expected in zip(result, want):  # every output (LTX-2: video, then audio)
+                    assert max_diff(got[r:r + 1], expected) <= TOLERANCE, (first + r, row_adapters[first + r])
+                if first + r == 0:  # the adapters change the row
+                    assert max_diff(want[0], outputs(with_adapters(model, {}, model, **one))[0]) > 1e-3
+            first += count
 
 
 # adapters {name: weight} of a call's rows, in turn
