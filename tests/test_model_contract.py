@@ -29,8 +29,11 @@ from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_lt
 from diffusers_stepbatch.toy.video import tiny_wan_pipeline, tiny_wan_transformer
 
 from .flux2_cases import CONFIGS as FLUX2_CONFIGS, flux2_call, flux2_transformer
+from .test_flux2_packing import flux2_parts
 from .test_hunyuan_video15_packing import CONFIGS as HV15_CONFIGS, hv15_call as hv15_packing_call
 from .test_ltx2_packing import CONFIGS as LTX2_CONFIGS, ltx2_call as ltx2_packing_call
+from .test_mixed_resolution_qwenimage import PARTS as QWENIMAGE_PARTS, TRANSFORMERS as QWENIMAGE_TRANSFORMERS
+from .test_mixed_resolution_qwenimage import random_part as qwenimage_part, tiny_transformer as qwenimage_transformer
 from .test_wan_packing import wan_parts
 from .references import ROW_ADAPTERS as REFERENCE_ROW_ADAPTERS
 from .references import TOLERANCE, add_lora_everywhere, call_row, flux_pipe, max_diff, with_adapters
@@ -393,31 +396,69 @@ def wan_packed_calls(case):
                    for part in parts]
 
 
+def flux2_packed_calls(config, guidance_embeds):
+    model = flux2_transformer(config, guidance_embeds)
+    parts = flux2_parts([(2, (4, 4), [], 8), (1, (2, 6), [(3, 3)], 5), (3, (6, 2), [(2, 2), (4, 3)], 12)])
+    if guidance_embeds:
+        for part in parts:
+            part.guidance = 4 * torch.rand(part.hidden_states.shape[0])
+    return model, [dict(hidden_states=p.hidden_states, encoder_hidden_states=p.encoder_hidden_states,
+                        timestep=p.timestep, guidance=p.guidance,
+                        img_ids=p.img_ids[None].expand(len(p.timestep), -1, -1), txt_ids=p.txt_ids, return_dict=False)
+                   for p in parts]
+
+
+def qwenimage_packed_calls(name):
+    """Grids 16x apart in tokens, equal token counts of other RoPE, an odd grid; padded text with its mask."""
+    transformer, generator = qwenimage_transformer(name), torch.Generator().manual_seed(1)
+    parts = [qwenimage_part(transformer, grid, lengths, padded, generator) for grid, lengths, padded in QWENIMAGE_PARTS]
+    return transformer, [dict(hidden_states=part.hidden_states, timestep=part.timestep,
+                              encoder_hidden_states=part.text, encoder_hidden_states_mask=part.text_mask,
+                              img_shapes=[part.img_shapes] * part.hidden_states.shape[0], return_dict=False)
+                         for part in parts]
+
+
+def outputs_not_near_zero(expected) -> bool:  # outputs that a mix-up of rows would change
+    return min(float(out[0].abs().mean()) for out in expected) > 1e-2
+
+
+def first_rows_differ(expected) -> bool:  # a row that read another's positions or modulation would show
+    return max_diff(expected[0][0][0], expected[0][0][1]) > 1e-2
+
+
 # case -> (a model and its calls of other sizes, the packed attention method, whether AdaLN values broadcast per
-# part (long rows' default) or go per token (the tiny shapes' default), the least mean output a mix-up would change)
+# part (long rows' default) or go per token (the tiny shapes' default), the tolerance, a check of the outputs)
 MADE_PACKS = {
     **{f"flux-{size}-{'broadcast' if broadcast else 'per-token'}-{method}": (
-        functools.partial(flux_packed_calls, size), method, broadcast, None)
+        functools.partial(flux_packed_calls, size), method, broadcast, 1e-5, None)
        for size in FLUX_SIZES for broadcast in (False, True) for method in ("recover_scatter", "flex")},
     **{f"sd3-{config}-skip{skip}-{'broadcast' if broadcast else 'per-token'}-{method}": (
-        functools.partial(sd3_packed_calls, config, skip), method, broadcast, None)
+        functools.partial(sd3_packed_calls, config, skip), method, broadcast, 1e-5, None)
        for config in SD3_CONFIGS for skip in (None, [1])
        for broadcast, method in ((False, "recover_scatter"), (True, "recover_scatter"), (True, "flex"))},
-    **{f"wan-{case}": (functools.partial(wan_packed_calls, case), "flex" if case == "t2v-flex" else "auto", None, 1e-2)
-       for case in WAN_CASES},
-    **{f"ltx2-{config}-{method}": (functools.partial(ltx2_packed_calls, config), method, None, None)
+    **{f"wan-{case}": (functools.partial(wan_packed_calls, case), "flex" if case == "t2v-flex" else "auto", None, 1e-5,
+                       outputs_not_near_zero) for case in WAN_CASES},
+    **{f"flux2-{config}-{'guidance' if guidance else 'plain'}-{method}": (
+        functools.partial(flux2_packed_calls, config, guidance), method, None, 1e-5, first_rows_differ)
+       for config in sorted(FLUX2_CONFIGS) for guidance in (False, True) for method in ("recover_scatter", "flex")},
+    **{f"qwenimage-{name}-{'broadcast' if broadcast else 'per-token'}-{method}": (
+        functools.partial(qwenimage_packed_calls, name), method, broadcast, TOLERANCE, None)
+       for name in QWENIMAGE_TRANSFORMERS
+       for broadcast, method in ((False, "recover_scatter"), (True, "recover_scatter"), (True, "flex"))},
+    **{f"ltx2-{config}-{method}": (functools.partial(ltx2_packed_calls, config), method, None, 1e-5, None)
        for config in LTX2_CONFIGS for method in ("recover_scatter", "flex")},
     **{f"ltx2-{config}-per-token-{'cross' if cross else 'plain'}": (
-        functools.partial(ltx2_packed_calls, config, cross), "recover_scatter", None, None)
+        functools.partial(ltx2_packed_calls, config, cross), "recover_scatter", None, 1e-5, None)
        for config in LTX2_CONFIGS for cross in (True, False)},
-    **{f"hunyuan_video15-{config}-{method}": (functools.partial(hv15_packed_calls, config), method, None, None)
+    **{f"hunyuan_video15-{config}-{method}": (functools.partial(hv15_packed_calls, config), method, None, 1e-5,
+                                                  None)
        for config in HV15_CONFIGS for method in ("recover_scatter", "flex")},
 }
 
 
 @pytest.mark.parametrize("case", sorted(MADE_PACKS))
 def test_packed_forward_on_made_calls_equals_the_model_per_call(case, monkeypatch):
-    build, method, broadcast, least_mean = MADE_PACKS[case]
+    build, method, broadcast, tolerance, check = MADE_PACKS[case]
     if broadcast is not None:
         monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
     model, calls = build()
@@ -429,10 +470,10 @@ def test_packed_forward_on_made_calls_equals_the_model_per_call(case, monkeypatc
         expected = [outputs(model(**call)) for call in calls]
         packed = [outputs(output) for output in packing.run(model, calls, method, [None] * len(calls))]
     differences = [max_diff(got, want) for pair in zip(packed, expected) for got, want in zip(*pair)]
-    assert max(differences) <= 1e-5, differences
+    assert len(packed) == len(calls)
+    assert max(differences) <= tolerance, differences
     assert [[tuple(o.shape) for o in out] for out in packed] == [[tuple(o.shape) for o in out] for out in expected]
-    if least_mean is not None:  # outputs that a mix-up of rows would change
-        assert min(float(out[0].abs().mean()) for out in expected) > least_mean
+    assert check is None or check(expected)
 
 
 # ------------------------------------------------------------------------------ LoRA rows on made calls
