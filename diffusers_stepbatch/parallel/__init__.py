@@ -1,12 +1,7 @@
 """One model over several ranks: diffusers' context parallelism driven by one engine on rank 0.
 
->>> # torchrun --nproc-per-node 2 script.py
->>> sb = StepBatched(pipe, parallel=ContextParallelConfig(ulysses_degree=2))
->>> if sb.rank > 0:
-...     sb.follow()          # returns when rank 0 closes
-... else:
-...     image = sb("a cat").images[0]
-...     sb.close()
+>>> sb = StepBatched(pipe, parallel=ContextParallelConfig(ulysses_degree=2))   # inside torchrun
+>>> sb.follow() if sb.rank > 0 else sb("a cat")
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ from .plans import ParallelModels, check_parallel_config, enable_context_paralle
 from .ranks import DEFAULT_TIMEOUT_S, check_same_weights, rank_device, start_ranks
 from .relay import CallRelay, RanksLost, follow, header_group
 
-# NOTE: a split reason (stats()["splits"]): packed forwards drive the model's blocks themselves, past the hooks
-# that split the sequence over the ranks, so under context parallelism each size runs its own (split) call
+# NOTE: packed forwards drive the model's blocks past the hooks that split the sequence over the ranks
 PACKING_OFF = "context parallel: a packed call can't run split over the ranks, each size runs its own call"
 
 __all__ = ["ContextParallelRun", "PACKING_OFF", "RanksLost", "start_context_parallel"]

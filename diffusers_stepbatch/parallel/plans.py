@@ -22,20 +22,17 @@ from .gloo_gather import use_padded_gathers_on_gloo
 DENOISERS = ("transformer", "transformer_2", "unet")
 
 
-# NOTE: diffusers' names for the hooks that split a call's sequence over the ranks and gather it back
 _SEQUENCE_HOOKS = ("cp_input---", "cp_output---")
 
 
 def splits_sequence(hook_name: str) -> bool:
-    """True for a context-parallel split or gather hook: it acts on each call alone and keeps no state between
-    calls, so calls of several requests may share the model."""
+    """True for a context-parallel split or gather hook: stateless, so requests may share the model."""
     return hook_name.startswith(_SEQUENCE_HOOKS)
 
 
 @dataclass
 class ParallelModels:
-    """The pipeline's models that run split over the ranks (component name -> model) and, for the other
-    denoisers, why they run on rank 0 alone."""
+    """Denoisers split over the ranks (name -> model), and why the others run on rank 0 alone."""
 
     split: dict[str, torch.nn.Module] = field(default_factory=dict)
     alone: dict[str, str] = field(default_factory=dict)
@@ -117,8 +114,7 @@ def _check_attention_backend(model: torch.nn.Module, config: Any) -> None:
 
 @contextlib.contextmanager
 def _one_device_when_no_accelerator() -> Iterator[None]:
-    # NOTE: diffusers picks a rank's device as `rank % torch.accelerator.device_count()`; on CPU ranks the
-    # count is 0, and the device it picks there is the CPU either way
+    # NOTE: diffusers divides by `torch.accelerator.device_count()`, 0 on CPU ranks
     if torch.accelerator.device_count() > 0:
         yield
         return
