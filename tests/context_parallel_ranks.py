@@ -24,7 +24,7 @@ from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.testing import tiny_flux_pipeline
 from diffusers_stepbatch.testing.hunyuan_video_models import tiny_hunyuan_video15_pipeline
 from diffusers_stepbatch.testing.image_models import tiny_flux2_pipeline, tiny_z_image_pipeline
-from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, tiny_ltx2_pipeline
+from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline
 from diffusers_stepbatch.testing.pipelines import tiny_qwenimage_pipeline
 from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
@@ -56,6 +56,11 @@ FAMILIES = {
                _video_calls([(16, 16, 5), (16, 32, 9), (32, 16, 5), (16, 16, 5)], max_sequence_length=16)),
     "ltx2": (tiny_ltx2_pipeline, _video_calls([(64, 64, 9), (64, 128, 9), (128, 64, 17), (64, 64, 9)],
                                               frame_rate=25.0, **LTX2_PLAIN)),
+    # LTX-2.3's interleaved RoPE, gated attention and timestep-modulated prompt
+    "ltx2.3": (lambda: tiny_ltx2_pipeline(LTX2Size(heads=4, head_dim=8, audio_heads=2, audio_head_dim=8,
+                                                   rope_type="interleaved", gated_attn=True, cross_attn_mod=True)),
+               _video_calls([(64, 64, 9), (64, 128, 17), (128, 64, 9), (64, 64, 9)], frame_rate=25.0,
+                            **LTX2_PLAIN)),
     "hunyuan-video-1.5": (tiny_hunyuan_video15_pipeline,
                           _video_calls([(16, 16, 5), (16, 32, 9), (32, 16, 5), (16, 16, 5)])),
 }

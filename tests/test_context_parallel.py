@@ -23,12 +23,12 @@ from diffusers_stepbatch.testing import tiny_flux_pipeline
 
 RANKS_SCRIPT = Path(__file__).with_name("context_parallel_ranks.py")
 TOLERANCE = 1e-4
-# NOTE: families whose denoiser runs split over the ranks (diffusers' plan, or the model layer's: Z-Image)
-SPLIT_FAMILIES = ["flux", "flux2", "qwenimage", "wan2.1", "wan2.2", "z-image"]
+# NOTE: families whose denoiser runs split over the ranks (diffusers' plan, or the model layer's: Z-Image, LTX-2)
+SPLIT_FAMILIES = ["flux", "flux2", "qwenimage", "wan2.1", "wan2.2", "z-image", "ltx2", "ltx2.3"]
 # families whose sizes share calls in the model's own forward (per-image lists), so nothing is packed
 OWN_MIXED_SIZES = {"z-image"}
 # families whose blocks can't run split (the model layer says why): rank 0 runs them alone
-ALONE_FAMILIES = {"ltx2": "widens its text mask to every head", "hunyuan-video-1.5": "query-by-key mask"}
+ALONE_FAMILIES = {"hunyuan-video-1.5": "query-by-key mask"}
 FAMILIES = [*SPLIT_FAMILIES, *ALONE_FAMILIES]
 TIME_LIMIT_S = 300
 
