@@ -155,5 +155,4 @@ def _is_transport_error(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistBackendError):
         return True
     text = str(exc).lower()
-    return any(sign in text for sign in ("connection closed", "connection reset", "broken pipe", "timed out",
-                                         "gloo", "nccl", "peer"))
+    return any(sign in text for sign in ("connection closed", "connection reset", "broken pipe", "timed out"))
