@@ -104,6 +104,13 @@ def test_a_model_whose_blocks_cant_run_split_runs_on_rank_0_alone_and_says_why(f
     assert leader["parallel"]["calls_relayed"] == follower["calls_followed"] == 0
 
 
+@pytest.mark.parametrize("family", ["flux", "wan2.1"])
+def test_per_request_state_is_refused_in_the_caller_under_context_parallelism(families, family):
+    refused = families[family][0]["refused"]
+    assert "teacache= can't run under context parallelism" in refused["teacache"], refused
+    assert "adapters= (per-request LoRA) can't run under context parallelism" in refused["adapters"], refused
+
+
 def test_wan22_splits_both_experts(families):
     leader, _ = families["wan2.2"]
     assert leader["parallel"]["split"] == ["transformer", "transformer_2"]
