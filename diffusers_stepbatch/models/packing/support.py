@@ -8,10 +8,8 @@ from ...module_scan import diffusers_hooks, marked_modules, own_attribute
 
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
-# NOTE: set on a model by the context-parallel relay (parallel/relay.py) when its packed calls run split over
-# the ranks: `packed(packing, calls, packed_attention)` (models/denoiser_calls.py calls it)
+# NOTE: the relay's packed-call runner on a model whose packed calls run split over the ranks (parallel/relay.py)
 SPLIT_PACKED = "_stepbatch_split_packed"
-# diffusers' names for the hooks that split a call's sequence over the ranks and gather it back
 _SEQUENCE_HOOKS = ("cp_input---", "cp_output---")
 
 
