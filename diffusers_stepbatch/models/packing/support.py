@@ -42,8 +42,7 @@ def unsupported_reason(transformer, processor_class: type | tuple[type, ...], ca
 
 
 def extra_attention_kwargs(kwargs: dict | None, name: str) -> str | None:
-    """A reason to keep sizes apart when attention kwargs hold more than the LoRA `scale` (they reach the
-    attention processor, which the packed forward does not call)."""
+    """Why sizes stay apart: attention kwargs beyond the LoRA `scale` (the packed forward skips the processor)."""
     extra = set(kwargs or {}) - {"scale"}
     return f"{name} {sorted(extra)} go to the attention processor" if extra else None
 
