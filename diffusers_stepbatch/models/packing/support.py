@@ -8,7 +8,6 @@ from ...module_scan import diffusers_hooks, marked_modules, own_attribute
 
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
-# NOTE: the relay's packed-call runner on a model whose packed calls run split over the ranks (parallel/relay.py)
 SPLIT_PACKED = "_stepbatch_split_packed"
 _SEQUENCE_HOOKS = ("cp_input---", "cp_output---")
 
