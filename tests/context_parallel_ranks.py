@@ -25,7 +25,7 @@ from diffusers_stepbatch.testing import tiny_flux_pipeline
 from diffusers_stepbatch.testing.hunyuan_video_models import tiny_hunyuan_video15_pipeline
 from diffusers_stepbatch.testing.image_models import tiny_flux2_pipeline, tiny_z_image_pipeline
 from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline
-from diffusers_stepbatch.testing.pipelines import tiny_qwenimage_pipeline
+from diffusers_stepbatch.testing.pipelines import tiny_qwenimage_pipeline, tiny_sd_pipeline
 from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 ULYSSES_2 = dict(ulysses_degree=2)
@@ -63,6 +63,11 @@ FAMILIES = {
                             **LTX2_PLAIN)),
     "hunyuan-video-1.5": (tiny_hunyuan_video15_pipeline,
                           _video_calls([(16, 16, 5), (16, 32, 9), (32, 16, 5), (16, 16, 5)])),
+    "hunyuan-video-1.5-cfg": (lambda: tiny_hunyuan_video15_pipeline(guidance_scale=3.0),
+                              _video_calls([(16, 16, 5), (16, 32, 9), (32, 16, 5), (16, 16, 9)],
+                                           negative_prompt="blurry")),
+    # a UNet has no context-parallel plan: rank 0 runs it alone
+    "sd": (tiny_sd_pipeline, _image_calls([(32, 32), (32, 48), (48, 32), (32, 32)])),
 }
 
 

@@ -23,14 +23,16 @@ from diffusers_stepbatch.testing import tiny_flux_pipeline
 
 RANKS_SCRIPT = Path(__file__).with_name("context_parallel_ranks.py")
 TOLERANCE = 1e-4
-# NOTE: families whose denoiser runs split over the ranks (diffusers' plan, or the model layer's: Z-Image, LTX-2)
-SPLIT_FAMILIES = ["flux", "flux2", "qwenimage", "wan2.1", "wan2.2", "z-image", "ltx2", "ltx2.3"]
+# NOTE: families whose denoiser runs split over the ranks (diffusers' plan, or the model layer's: Z-Image, LTX-2,
+# HunyuanVideo 1.5)
+SPLIT_FAMILIES = ["flux", "flux2", "qwenimage", "wan2.1", "wan2.2", "z-image", "ltx2", "ltx2.3", "hunyuan-video-1.5",
+                  "hunyuan-video-1.5-cfg"]
 # families whose sizes share calls in the model's own forward (per-image lists), so nothing is packed
 OWN_MIXED_SIZES = {"z-image"}
 # families whose packed calls run split (their plan splits only the forward's own inputs: parallel/packed.py)
 PACKED_SPLIT = {"flux", "flux2"}
-# families whose blocks can't run split (the model layer says why): rank 0 runs them alone
-ALONE_FAMILIES = {"hunyuan-video-1.5": "query-by-key mask"}
+# families whose denoiser has no plan: rank 0 runs them alone, and says why
+ALONE_FAMILIES = {"sd": "UNet2DConditionModel has no context-parallel plan"}
 FAMILIES = [*SPLIT_FAMILIES, *ALONE_FAMILIES]
 TIME_LIMIT_S = 300
 
@@ -102,11 +104,11 @@ def test_requests_of_different_sizes_equal_the_plain_pipeline_under_ulysses(fami
 
 
 @pytest.mark.parametrize("family", sorted(ALONE_FAMILIES))
-def test_a_model_whose_blocks_cant_run_split_runs_on_rank_0_alone_and_says_why(families, family):
+def test_a_model_without_a_plan_runs_on_rank_0_alone_and_says_why(families, family):
     leader, follower = families[family]
     assert max(leader["differences"]) <= TOLERANCE, leader["differences"]
     assert leader["parallel"]["split"] == []
-    assert ALONE_FAMILIES[family] in leader["parallel"]["alone"]["transformer"]
+    assert ALONE_FAMILIES[family] in leader["parallel"]["alone"]["unet"]
     assert leader["parallel"]["calls_relayed"] == follower["calls_followed"] == 0
 
 
