@@ -219,3 +219,13 @@ def follow_rank_0(config: ServeConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda number, frame: logger.info("rank %d stops when rank 0 closes", dist.get_rank()))
     model.sb.follow()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `diffusers-stepbatch` console script; `serve` is its one command."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="diffusers-stepbatch")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("serve", help="run the OpenAI-compatible image server", add_help=False)
+    parser.parse_args(argv[:1])  # the command; its flags are serve_main's
+    serve_main(argv[1:], prog="diffusers-stepbatch serve")
