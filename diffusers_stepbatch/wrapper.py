@@ -24,6 +24,7 @@ from .engine.metrics import CallRecord
 from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
 from .module_scan import scan_scope
+from .parallel import PACKING_OFF, start_context_parallel
 from .models.packing.attention import check_packed_attention
 from .programs import program_for, registered_pipelines
 from .programs.checks import check_call_inputs
@@ -36,8 +37,8 @@ from .programs.request_state import active_view_of, is_call_state
 from .signature import ENGINE_DEFAULT, signed, wrapper_signature
 from .streaming import stream_call
 
-_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "options", "pid", "_plan", "_signature", "_finalizer", "_calls",
-                             "_owner"})
+_OWN_ATTRIBUTES = frozenset({"pipe", "engine", "options", "pid", "parallel", "_plan", "_signature", "_finalizer",
+                             "_calls", "_owner"})
 _DEFAULT = ENGINE_DEFAULT  # "not given": a fresh PromptCache() for the engine, the engine's teacache for a call
 # NOTE: the exit-time finalizer waits this long for the engine thread at most (it is a daemon thread).
 _FINALIZER_JOIN_S = 2.0
@@ -75,6 +76,8 @@ class StepBatched:
         packed_attention: attention inside a packed call: "auto", "recover_scatter", "flex" or "varlen" (CUDA);
             same outputs (docs/guides/mixed-resolutions.md).
         exact: replaces the scheduler config's `exact` (every request's model calls its own; docs/conformance.md).
+        parallel: a diffusers `ContextParallelConfig`: inside `torchrun`, the denoiser runs split over the ranks;
+            rank 0 runs the engine, the others call `follow()` (docs/guides/gpu.md).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class StepBatched:
         mixed_resolution: bool = True,
         packed_attention: str = "auto",
         exact: bool | None = None,
+        parallel: Any = None,
         _owner: StepBatched | None = None,
     ):
         plan = program_for(pipe)
@@ -109,6 +113,12 @@ class StepBatched:
 
             quantize_transformer(pipe, weights=quantize)
         self.pid = _pid_options(pipe, decoder, pid_exit_step)
+        self.parallel = _owner.parallel if _owner is not None else None
+        if parallel is not None:
+            if teacache is not None:
+                raise ValueError("teacache= can't run under context parallelism: its forward drives the model's "
+                                 "blocks past the hooks that split the sequence over the ranks")
+            self.parallel = start_context_parallel(pipe, parallel)
         self.pipe = pipe
         self._plan = plan
         self._signature = inspect.signature(unhooked_class(pipe).__call__)
@@ -133,7 +143,10 @@ class StepBatched:
             config = dataclasses.replace(config, exact=exact)
         if not isinstance(mixed_resolution, bool):
             raise ValueError(f"mixed_resolution={mixed_resolution!r} must be True or False")
-        self.engine = EngineCore(config, mixed_shapes=mixed_resolution, on_idle=_freeing_models_of(pipe))
+        self.engine = EngineCore(config, mixed_shapes=mixed_resolution and self.parallel is None,
+                                 on_idle=_freeing_models_of(pipe))
+        if self.parallel is not None:
+            self.engine.packing_refusal = PACKING_OFF
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
         self._finalizer = weakref.finalize(self, self.engine.close, True, _FINALIZER_JOIN_S)
 
@@ -170,6 +183,9 @@ class StepBatched:
             raise TypeError(f"tenant={tenant!r} must be a str (a tenant's name) or None")
         if self.engine.in_engine_thread():
             raise RuntimeError("StepBatched cannot be called from its own engine thread (e.g. from a step callback)")
+        if self.parallel is not None and self.parallel.rank != 0:
+            raise RuntimeError(f"rank {self.parallel.rank} follows rank 0's model calls: call sb.follow() here and "
+                               "make the calls on rank 0")
         with self.engine.preparing():  # NOTE: an idle engine waits for this call to start it with the others
             with scan_scope():  # NOTE: planning and the prologue read what each model looks like in one walk
                 request = self._make_request(args, kwargs, priority, deadline)
@@ -187,6 +203,8 @@ class StepBatched:
         """Bind and plan a call (in the caller's thread) into a `Request` the engine can run."""
         options = self.options
         teacache = kwargs.pop("teacache", _DEFAULT)
+        if self.parallel is not None and not (teacache is _DEFAULT or teacache is None):
+            raise ValueError("teacache= can't run under context parallelism (see StepBatched's parallel=)")
         if teacache is not _DEFAULT:
             _check_option("teacache", teacache, TeaCacheConfig)
             if teacache is not None:
@@ -195,6 +213,9 @@ class StepBatched:
         adapters = kwargs.pop("adapters", NOT_GIVEN)
         if adapters is not NOT_GIVEN:
             check_feature(self.pipe, "adapters", "adapters=")
+            if self.parallel is not None and adapters:
+                raise ValueError("adapters= (per-request LoRA) can't run under context parallelism: the followers "
+                                 "don't see a request's adapters; fuse or set them on every rank before launch")
         pid = self.pid
         decoder = kwargs.pop("decoder", _DEFAULT)
         if decoder is not _DEFAULT:
@@ -264,6 +285,8 @@ class StepBatched:
         if self.options.prompt_cache is not None:
             snapshot["prompt_cache"] = dataclasses.asdict(self.options.prompt_cache.stats())
         snapshot.update(self.queue_lengths())
+        if self.parallel is not None:
+            snapshot["parallel"] = self.parallel.describe()
         return snapshot
 
     def queue_lengths(self) -> dict[str, int]:
@@ -281,9 +304,23 @@ class StepBatched:
 
         return register_collector(self.engine.metrics, registry)
 
+    def follow(self) -> int:
+        """Under context parallelism, on a rank > 0: make rank 0's model calls until it closes (returns the count)."""
+        if self.parallel is None:
+            raise RuntimeError("follow() is for the ranks of StepBatched(pipe, parallel=ContextParallelConfig(...))")
+        return self.parallel.follow()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank under context parallelism (0 runs the engine); 0 without it."""
+        return 0 if self.parallel is None else self.parallel.rank
+
     def close(self, cancel_pending: bool = False) -> None:
-        """Stop the engine thread; in-flight requests finish first unless `cancel_pending` cancels them."""
+        """Stop the engine thread; in-flight requests finish first unless `cancel_pending` cancels them. Under
+        context parallelism rank 0's close also ends the followers' `follow()`."""
         self.engine.close(cancel_pending=cancel_pending)
+        if self.parallel is not None and self._owner is None:
+            self.parallel.close()
 
     def __enter__(self) -> StepBatched:
         return self

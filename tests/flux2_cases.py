@@ -3,6 +3,8 @@
 import functools
 
 import numpy as np
+import torch
+from diffusers import Flux2Transformer2DModel
 from PIL import Image
 
 from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
@@ -23,3 +25,29 @@ def flux2_pipe(variant, config):
 def reference_image(height, width, seed):
     # NOTE: the FLUX.2 image processor wants both sides >= 64 px
     return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def flux2_transformer(config, guidance_embeds):
+    """A tiny `Flux2Transformer2DModel` of `CONFIGS[config]`."""
+    spec = CONFIGS[config]
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
+                                   attention_head_dim=spec["head_dim"], num_attention_heads=spec["heads"],
+                                   joint_attention_dim=16, axes_dims_rope=list(spec["axes_dims"]),
+                                   guidance_embeds=guidance_embeds).eval()
+
+
+def flux2_call(model, rows=3, height=3, width=4, references=((2, 2),), text=5):
+    """A call as the FLUX.2 pipelines make it: an edit row's reference tokens appended, with their own ids."""
+    def grid(h, w, t):
+        return torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w), torch.arange(1))
+
+    generator = torch.Generator().manual_seed(1)
+    img_ids = torch.cat([grid(height, width, 0)] + [grid(h, w, 10 + 10 * i) for i, (h, w) in enumerate(references)])
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text))
+    guidance = 4 * torch.rand(rows, generator=generator) if model.config.guidance_embeds else None
+    return dict(hidden_states=torch.randn(rows, img_ids.shape[0], 4, generator=generator),
+                encoder_hidden_states=torch.randn(rows, text, 16, generator=generator),
+                timestep=torch.rand(rows, generator=generator), guidance=guidance,
+                img_ids=img_ids[None].expand(rows, -1, -1), txt_ids=txt_ids[None].expand(rows, -1, -1),
+                return_dict=False)

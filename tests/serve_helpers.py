@@ -99,14 +99,16 @@ class ServerProcess:
     """`diffusers-stepbatch serve` in a subprocess on a free loopback port: `start()` waits until it is healthy,
     `stop(signal)` ends it (SIGTERM: gracefully; SIGKILL: a crash); `log()` is what it printed."""
 
-    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 120.0):
+    def __init__(self, *args: str, env: dict | None = None, startup_timeout: float = 120.0,
+                 launcher: list[str] | None = None):
         import os
         import sys
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        self.command = [sys.executable, "-m", "diffusers_stepbatch.serve", "--port", str(self.port),
+        # NOTE: `launcher`: what runs the module instead of this Python (torchrun's `python -m torch.distributed.run`)
+        self.command = [*(launcher or [sys.executable]), "-m", "diffusers_stepbatch.serve", "--port", str(self.port),
                         "--no-access-log", "--log-level", "warning", *args]
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
                         **(env or {}))

@@ -9,7 +9,6 @@ its solo run with the same TeaCache config, and a request with `teacache=None` e
 
 import pytest
 import torch
-from diffusers import Flux2Transformer2DModel
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
@@ -19,7 +18,7 @@ from diffusers_stepbatch.cache.teacache_fit import fit_coefficients
 from diffusers_stepbatch.models.flux2.teacache import FLUX2_COEFFICIENTS, signal_hook, teacache_call
 from diffusers_stepbatch.testing.image_models import tiny_flux2_klein_pipeline
 
-from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_pipe, reference_image
+from .flux2_cases import BUILDERS, COMMON, CONFIGS, flux2_call, flux2_pipe, flux2_transformer, reference_image
 from .references import (  # noqa: F401  (single_thread is a fixture)
     TOLERANCE, BlockTokenPasses, assert_polynomial_beats_a_constant, assert_teacache_shared_equals_alone, engine_held,
     held_out_changes, max_diff, seeded, single_thread,
@@ -28,70 +27,17 @@ from .references import (  # noqa: F401  (single_thread is a fixture)
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-
-def _model(config, guidance_embeds):
-    spec = CONFIGS[config]
-    torch.manual_seed(0)
-    return Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
-                                   attention_head_dim=spec["head_dim"], num_attention_heads=spec["heads"],
-                                   joint_attention_dim=16, axes_dims_rope=list(spec["axes_dims"]),
-                                   guidance_embeds=guidance_embeds).eval()
-
-
-def _arguments(model, rows=3, height=3, width=4, references=((2, 2),), text=5):
-    """A call as the FLUX.2 pipelines make it: an edit row's reference tokens appended, with their own ids."""
-    def grid(h, w, t):
-        return torch.cartesian_prod(torch.tensor([t]), torch.arange(h), torch.arange(w), torch.arange(1))
-
-    generator = torch.Generator().manual_seed(1)
-    img_ids = torch.cat([grid(height, width, 0)] + [grid(h, w, 10 + 10 * i) for i, (h, w) in enumerate(references)])
-    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text))
-    guidance = 4 * torch.rand(rows, generator=generator) if model.config.guidance_embeds else None
-    return dict(hidden_states=torch.randn(rows, img_ids.shape[0], 4, generator=generator),
-                encoder_hidden_states=torch.randn(rows, text, 16, generator=generator),
-                timestep=torch.rand(rows, generator=generator), guidance=guidance,
-                img_ids=img_ids[None].expand(rows, -1, -1), txt_ids=txt_ids[None].expand(rows, -1, -1),
-                return_dict=False)
-
-
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("guidance_embeds", [False, True])
-def test_teacache_forward_at_threshold_zero_equals_the_model_forward(config, guidance_embeds):
-    model = _model(config, guidance_embeds)
-    arguments = _arguments(model)
-    state = TeaCacheState(0.0, FLUX2_COEFFICIENTS, num_steps=10)
-    with torch.no_grad():
-        (want,) = model(**arguments)
-        (got,) = teacache_call(model, [None, state, state], arguments)
-    assert max_diff(got, want) <= 1e-5
-    tokens = arguments["hidden_states"].shape[1]  # the reference tokens included
-    assert state.computed_steps == 1 and state.residual.shape == (2, tokens, model.inner_dim)
-    # threshold 0 never skips, even where the signal did not move at all
-    state.step = 1
-    with torch.no_grad():
-        (again,) = teacache_call(model, [None, state, state], arguments)
-    assert state.computed_steps == 2 and state.skipped_steps == 0
-    assert max_diff(again, want) <= 1e-5
-    # a skipping row adds its residual: with the same inputs at the next step, the output is the computed one,
-    # beside a row that computes
-    state.step, state.threshold = 2, 1e9
-    with torch.no_grad():
-        (skipped,) = teacache_call(model, [None, state, state], arguments)
-    assert state.skipped_steps == 1
-    assert max_diff(skipped, want) <= 1e-5
-
-
-def test_teacache_forward_leaves_the_klein_kv_calls_to_the_model():
-    model = _model("narrow", False)
-    arguments = dict(_arguments(model, rows=1), kv_cache_mode="extract", num_ref_tokens=4)
+def test_teacache_forward_leaves_the_klein_kv_calls_to_theflux2_transformer():
+    model = flux2_transformer("narrow", False)
+    arguments = dict(flux2_call(model, rows=1), kv_cache_mode="extract", num_ref_tokens=4)
     assert teacache_call(model, [TeaCacheState(0.4, FLUX2_COEFFICIENTS, 10)], arguments) is None
     assert support_for(model).teacache_forward is teacache_call
     assert support_for(model).teacache_coefficients == FLUX2_COEFFICIENTS
 
 
 def test_signal_hook_records_the_signal_the_teacache_forward_decides_on():
-    model = _model("wide", True)
-    arguments = _arguments(model, rows=2)
+    model = flux2_transformer("wide", True)
+    arguments = flux2_call(model, rows=2)
     state = TeaCacheState(0.4, FLUX2_COEFFICIENTS, num_steps=10)
     recorded = []
     hook = signal_hook(model, recorded.append)

@@ -16,7 +16,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import support_for
 from diffusers_stepbatch.models.calls import describe_call
-from diffusers_stepbatch.models.hunyuan_video15.packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key
+from diffusers_stepbatch.models.hunyuan_video15.packing import hunyuan_video15_packing_unsupported, pack_key
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing.hunyuan_video_models import (
     HunyuanVideo15Size,
@@ -25,15 +25,11 @@ from diffusers_stepbatch.testing.hunyuan_video_models import (
 )
 
 from .references import (  # noqa: F401
-    ROW_ADAPTERS,
     TOLERANCE,
-    add_lora_everywhere,
-    call_row,
     max_diff,
     seeded,
     single_thread,
     submit_all,
-    with_adapters,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -111,7 +107,7 @@ def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
 # ---------------------------------------------------------------------------------------------------------------
 # The packed forward against the model's own forward, call by call.
 
-def _call(rows, grid, valid, valid_2, seed, image=False):
+def hv15_call(rows, grid, valid, valid_2, seed, image=False):
     generator = torch.Generator().manual_seed(seed)
     frames, height, width = grid
     mask, mask_2 = torch.zeros(rows, 12, dtype=torch.long), torch.zeros(rows, 8, dtype=torch.long)
@@ -126,77 +122,15 @@ def _call(rows, grid, valid, valid_2, seed, image=False):
                 image_embeds=image_embeds, return_dict=False)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("method", ["recover_scatter", "flex"])
-def test_packed_forward_equals_the_models_forward_per_call(config, method):
-    model = tiny_hunyuan_video15_transformer(CONFIGS[config][0])
-    calls = [_call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # two rows, padded prompts, one without glyph text
-             _call(1, (3, 4, 8), [7], [8], 1),  # non-square, more frames
-             _call(1, (1, 8, 4), [2], [1], 2, image=True),  # image-conditioned: its image tokens kept
-             _call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]  # the first call's grid, other prompt lengths
-    keys = [pack_key(call) for call in calls]
-    assert None not in keys and len({key for key, _ in keys}) == 1
-    with torch.no_grad():
-        expected = [model(**call)[0] for call in calls]
-        packed = [out[0] for out in pack_calls(model, calls, method, [None] * len(calls))]
-    differences = [max_diff(got, want) for got, want in zip(packed, expected)]
-    assert max(differences) <= 1e-5, differences
-    assert [got.shape for got in packed] == [want.shape for want in expected]
-
-
-@pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
-@pytest.mark.parametrize("forward", ["packed", "plain"])
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_forward_with_per_row_adapters_equals_set_adapters_per_row(config, forward, everywhere):
-    """Per-row LoRA in the model's own forward (rows on dim 0) and in the packed forward (over the packed video and
-    text streams, each call's embeddings (patch embedding, text refiner, ByT5 and image projections) on its own
-    rows, the blocks' modulation per row): every row as its plain forward after set_adapters. `every-layer`: an
-    adapter on every Linear and Conv layer of the model."""
-    from diffusers_stepbatch.adapters.lora import per_row_lora
-    from diffusers_stepbatch.models.hunyuan_video15.packing import token_rows
-    from diffusers_stepbatch.testing import add_random_lora_adapters
-
-    model = tiny_hunyuan_video15_transformer(CONFIGS[config][0])
-    add_random_lora_adapters(model)
-    if everywhere:
-        add_lora_everywhere(model)
-    calls = [_call(1, (3, 4, 8), [7], [8], 1),  # sorts after the next call's rows
-             _call(2, (2, 4, 4), [5, 12], [0, 3], 0),  # rows of one call in another packed order
-             _call(1, (1, 8, 4), [2], [1], 2, image=True),
-             _call(3, (2, 4, 4), [5, 5, 4], [0, 0, 2], 3)]
-    counts = [call["hidden_states"].shape[0] for call in calls]
-    sets = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}] if everywhere else ROW_ADAPTERS
-    row_adapters = [sets[r % len(sets)] for r in range(sum(counts))]
-    with torch.no_grad():
-        if forward == "packed":
-            with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
-                packed = [out[0] for out in pack_calls(model, calls, "recover_scatter", [None] * len(calls))]
-        else:
-            packed, first = [], 0
-            for call, count in zip(calls, counts):
-                with per_row_lora(model, row_adapters[first:first + count]):
-                    packed.append(model(**call)[0])
-                first += count
-        first = 0
-        for call, count, out in zip(calls, counts, packed):
-            for r in range(count):
-                one = call_row(call, r, count)
-                want = with_adapters(model, row_adapters[first + r], model, **one)[0]
-                assert max_diff(out[r:r + 1], want) <= TOLERANCE, (first + r, row_adapters[first + r])
-                if first + r == 0:  # the adapters change the row
-                    assert max_diff(want, with_adapters(model, {}, model, **one)[0]) > 1e-3
-            first += count
-
-
 def test_text_to_video_and_image_conditioned_calls_never_merge_by_rows():
     # NOTE: the model reads text-to-video from all image embeds of a call at once
     model = tiny_hunyuan_video15_transformer()
-    text_only = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 0))
-    with_image = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 1, image=True))
-    other_image = describe_call(model, (), _call(2, (1, 2, 2), [3, 3], [1, 1], 2, image=True))
+    text_only = describe_call(model, (), hv15_call(2, (1, 2, 2), [3, 3], [1, 1], 0))
+    with_image = describe_call(model, (), hv15_call(2, (1, 2, 2), [3, 3], [1, 1], 1, image=True))
+    other_image = describe_call(model, (), hv15_call(2, (1, 2, 2), [3, 3], [1, 1], 2, image=True))
     assert text_only.signature != with_image.signature and with_image.signature == other_image.signature
     assert support_for(model).refusal is None
-    assert pack_key(dict(_call(1, (1, 2, 2), [3], [1], 0), attention_kwargs={"other": 1})) is None
+    assert pack_key(dict(hv15_call(1, (1, 2, 2), [3], [1], 0), attention_kwargs={"other": 1})) is None
 
 
 def test_image_to_video_requests_of_different_sizes_pack_and_equal_their_solo_runs():

@@ -13,14 +13,13 @@ from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnPro
 
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.models import support_for
-from diffusers_stepbatch.models.ltx2.packing import ltx2_packing_unsupported, pack_calls, pack_key
+from diffusers_stepbatch.models.ltx2.packing import ltx2_packing_unsupported, pack_key
 from diffusers_stepbatch.programs import generic, program_for
 from diffusers_stepbatch.testing.ltx_models import LTX2_PLAIN, LTX2Size, tiny_ltx2_pipeline, tiny_ltx2_transformer
 
 from .references import (  # noqa: F401
     ROW_ADAPTERS,
     TOLERANCE,
-    add_lora_everywhere,
     call_row,
     max_diff,
     seeded,
@@ -145,7 +144,7 @@ def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
 # ---------------------------------------------------------------------------------------------------------------
 # The packed forward against the model's own forward, call by call.
 
-def _call(model, rows, grid, audio_frames, text_length, seed, valid=None, coords=True, fps=25.0, per_token=False,
+def ltx2_call(model, rows, grid, audio_frames, text_length, seed, valid=None, coords=True, fps=25.0, per_token=False,
           cross_timestep=True):
     generator = torch.Generator().manual_seed(seed)
     frames, height, width = grid
@@ -171,41 +170,6 @@ def _call(model, rows, grid, audio_frames, text_length, seed, valid=None, coords
     return call
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("method", ["recover_scatter", "flex"])
-def test_packed_forward_equals_the_models_forward_per_call(config, method):
-    model = tiny_ltx2_transformer(CONFIGS[config])
-    _check_packed(model, method, [
-        _call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16]),  # two rows, one padded prompt
-        _call(model, 1, (3, 2, 4), 9, 16, 1, valid=[3]),  # non-square, more frames and audio
-        _call(model, 1, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0),  # RoPE made from the call's numbers
-        _call(model, 3, (2, 2, 2), 5, 16, 3)])  # the first call's token counts, other rows
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("cross_timestep", [True, False])
-def test_packed_forward_with_per_token_video_timesteps_equals_the_models_forward(config, cross_timestep):
-    model = tiny_ltx2_transformer(CONFIGS[config])
-    _check_packed(model, "recover_scatter", [
-        _call(model, 2, (2, 2, 2), 5, 16, 0, per_token=True, cross_timestep=cross_timestep),
-        _call(model, 1, (3, 2, 4), 9, 16, 1, per_token=True, cross_timestep=cross_timestep),
-        _call(model, 1, (2, 2, 2), 5, 16, 2, cross_timestep=cross_timestep)])  # per row, beside per-token rows
-
-
-def _check_packed(model, method, calls):
-    keys = [pack_key(call) for call in calls]
-    assert None not in keys and len({key for key, _ in keys}) == 1
-    with torch.no_grad():
-        expected = [model(**call) for call in calls]
-        packed = pack_calls(model, calls, method, [None] * len(calls))
-    differences = [max_diff(got, want) for outputs in zip(packed, expected) for got, want in zip(*outputs)]
-    assert max(differences) <= 1e-5, differences
-    assert [tuple(o.shape) for o, _ in packed] == [tuple(o.shape) for o, _ in expected]
-
-
-EVERY_LAYER_ADAPTERS = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}]
-
-
 def _check_per_row_adapters(model, calls, forward, sets=ROW_ADAPTERS):
     """`forward(row_adapters)` (one output pair per call) equals each row's plain forward after set_adapters."""
     counts = [call["hidden_states"].shape[0] for call in calls]
@@ -224,44 +188,6 @@ def _check_per_row_adapters(model, calls, forward, sets=ROW_ADAPTERS):
             first += count
 
 
-@pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
-@pytest.mark.parametrize("forward", ["packed", "plain"])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_forward_with_per_row_adapters_equals_set_adapters_per_row(per_token, forward, everywhere):
-    """Per-row LoRA in the model's own forward (rows on dim 0; per-token video timesteps as a token stream) and in
-    the packed forward (over the packed video, audio and prompt streams, per-row timestep embeddings on the
-    forward's rows): every row as its plain forward after set_adapters. `every-layer`: an adapter on every Linear
-    and Conv layer of the model."""
-    from diffusers_stepbatch.adapters.lora import per_row_lora
-    from diffusers_stepbatch.models.ltx2.packing import token_rows
-    from diffusers_stepbatch.testing import add_random_lora_adapters
-
-    model = tiny_ltx2_transformer(CONFIGS["ltx2-23"])
-    add_random_lora_adapters(model)
-    if everywhere:
-        add_lora_everywhere(model)
-    calls = [_call(model, 1, (3, 2, 4), 9, 16, 1, per_token=per_token),  # sorts after the next call's rows
-             _call(model, 2, (2, 2, 2), 5, 16, 0, valid=[10, 16], per_token=per_token),
-             _call(model, 2, (1, 4, 2), 3, 8, 2, coords=False, fps=24.0)]
-
-    def packed(row_adapters):
-        with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
-            return pack_calls(model, calls, "recover_scatter", [None] * len(calls))
-
-    def plain(row_adapters):
-        outputs, first = [], 0
-        for call in calls:
-            count = call["hidden_states"].shape[0]
-            with per_row_lora(model, row_adapters[first:first + count],
-                              token_rows=support_for(model).lora_token_rows(call)):
-                outputs.append(model(**call))
-            first += count
-        return outputs
-
-    _check_per_row_adapters(model, calls, packed if forward == "packed" else plain,
-                            EVERY_LAYER_ADAPTERS if everywhere else ROW_ADAPTERS)
-
-
 def test_plain_forward_with_per_token_timesteps_maps_their_embeddings_to_rows():
     """The model's own forward flattens per-token video timesteps ([rows * tokens]) before embedding them: the
     model layer's token rows map them to their rows."""
@@ -270,7 +196,7 @@ def test_plain_forward_with_per_token_timesteps_maps_their_embeddings_to_rows():
 
     model = tiny_ltx2_transformer(CONFIGS["ltx2-split"])
     add_random_lora_adapters(model)
-    call = _call(model, 3, (2, 2, 2), 5, 16, 0, per_token=True)
+    call = ltx2_call(model, 3, (2, 2, 2), 5, 16, 0, per_token=True)
     (streams,) = support_for(model).lora_token_rows(call)
     assert streams.tolist() == [r for r in range(3) for _ in range(8)]
 
@@ -283,7 +209,7 @@ def test_plain_forward_with_per_token_timesteps_maps_their_embeddings_to_rows():
 
 def test_calls_the_packed_forward_does_not_reproduce_have_no_pack_key():
     model = tiny_ltx2_transformer()
-    call = _call(model, 2, (1, 2, 2), 3, 8, 0)
+    call = ltx2_call(model, 2, (1, 2, 2), 3, 8, 0)
     assert pack_key(dict(call, spatio_temporal_guidance_blocks=[])) is not None
     assert pack_key(dict(call, spatio_temporal_guidance_blocks=[0])) is None  # STG perturbs self-attention
     assert pack_key(dict(call, video_self_attention_mask=torch.ones(2, 4, 4))) is None

@@ -4,94 +4,15 @@ import logging
 
 import pytest
 import torch
-from diffusers import SD3Transformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
 from diffusers_stepbatch.cache import TeaCacheConfig
-from diffusers_stepbatch.models.packing import layout as layout_module
-from diffusers_stepbatch.models.flux.packing import FluxPart, flux_packed_forward
-from diffusers_stepbatch.models.sd3.packing import SD3Part, sd3_packed_forward
-from diffusers_stepbatch.testing import FluxSize, tiny_flux_pipeline, tiny_flux_transformer
+from diffusers_stepbatch.testing import tiny_flux_pipeline
 
 from .references import TOLERANCE, family_pipe, flux_pipe, in_lockstep, max_diff, seeded
 
 PACK_ALWAYS = SchedulerConfig(max_batch_size=16, cost_aware=False)
-
-
-def image_ids(height, width):
-    ids = torch.zeros(height, width, 3)
-    ids[..., 1] = torch.arange(height)[:, None]
-    ids[..., 2] = torch.arange(width)[None, :]
-    return ids.reshape(-1, 3)
-
-
-# (rows, latent grid, text tokens): non-square grids, text lengths that differ, and a 16x token ratio
-PART_SHAPES = [(2, (2, 2), 8), (1, (2, 8), 5), (3, (8, 8), 8), (1, (4, 2), 3)]
-
-
-@pytest.mark.parametrize("size, guidance", [
-    (FluxSize(), True),
-    (FluxSize(num_layers=2, num_single_layers=2, attention_head_dim=8, num_attention_heads=4, joint_attention_dim=24,
-              pooled_projection_dim=40, in_channels=8), False),
-    (FluxSize(num_layers=1, num_single_layers=3, attention_head_dim=8, num_attention_heads=3), True),
-])
-@pytest.mark.parametrize("broadcast", [False, True])
-@pytest.mark.parametrize("packed_attention", ["recover_scatter", "flex"])
-def test_flux_packed_forward_equals_the_model_per_shape(size, guidance, broadcast, packed_attention, monkeypatch):
-    # NOTE: per-token AdaLN values (the tiny shapes' default) and per-part broadcasts (long rows' default)
-    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
-    transformer = tiny_flux_transformer(size, guidance_embeds=guidance, seed=3)
-    generator = torch.Generator().manual_seed(0)
-    parts = [
-        FluxPart(torch.randn(rows, h * w, size.in_channels, generator=generator),
-                 torch.randn(rows, text, size.joint_attention_dim, generator=generator),
-                 torch.randn(rows, size.pooled_projection_dim, generator=generator),
-                 torch.rand(rows, generator=generator),
-                 torch.rand(rows, generator=generator) * 5 if guidance else None,
-                 torch.zeros(text, 3), image_ids(h, w))
-        for rows, (h, w), text in PART_SHAPES
-    ]
-    with torch.no_grad():
-        packed = flux_packed_forward(transformer, parts, packed_attention=packed_attention)
-        for part, got in zip(parts, packed):
-            want = transformer(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
-                               pooled_projections=part.pooled_projections, timestep=part.timestep,
-                               guidance=part.guidance, txt_ids=part.txt_ids, img_ids=part.img_ids,
-                               return_dict=False)[0]
-            assert got.shape == want.shape
-            assert max_diff(got, want) <= 1e-5
-
-
-@pytest.mark.parametrize("config", [
-    dict(patch_size=1, num_layers=2, attention_head_dim=8, num_attention_heads=2, in_channels=4),
-    dict(patch_size=2, num_layers=3, attention_head_dim=4, num_attention_heads=4, in_channels=8,
-         dual_attention_layers=(0, 1), qk_norm="rms_norm"),
-])
-@pytest.mark.parametrize("skip_layers", [None, [1]])
-@pytest.mark.parametrize("broadcast, packed_attention", [(False, "recover_scatter"), (True, "recover_scatter"),
-                                                         (True, "flex")])
-def test_sd3_packed_forward_equals_the_model_per_shape(config, skip_layers, broadcast, packed_attention, monkeypatch):
-    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
-    torch.manual_seed(1)
-    transformer = SD3Transformer2DModel(sample_size=32, out_channels=config["in_channels"], joint_attention_dim=32,
-                                        caption_projection_dim=16, pooled_projection_dim=32, **config).eval()
-    generator = torch.Generator().manual_seed(0)
-    patch = config["patch_size"]
-    parts = [
-        SD3Part(torch.randn(rows, config["in_channels"], 2 * h * patch, 2 * w * patch, generator=generator),
-                torch.randn(rows, text, 32, generator=generator), torch.randn(rows, 32, generator=generator),
-                torch.rand(rows, generator=generator) * 1000)
-        for rows, (h, w), text in PART_SHAPES
-    ]
-    with torch.no_grad():
-        packed = sd3_packed_forward(transformer, parts, skip_layers=skip_layers, packed_attention=packed_attention)
-        for part, got in zip(parts, packed):
-            want = transformer(hidden_states=part.hidden_states, encoder_hidden_states=part.encoder_hidden_states,
-                               pooled_projections=part.pooled_projections, timestep=part.timestep,
-                               skip_layers=skip_layers, return_dict=False)[0]
-            assert got.shape == want.shape
-            assert max_diff(got, want) <= 1e-5
 
 
 class PackedCalls:

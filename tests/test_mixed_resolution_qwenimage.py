@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffusers_stepbatch import SchedulerConfig, StepBatched
-from diffusers_stepbatch.models.packing import layout as layout_module
 from diffusers_stepbatch.models.qwenimage.packing import (
     QwenImagePart,
     qwenimage_packed_forward,
@@ -72,25 +71,6 @@ def random_part(transformer, grid, lengths, padded, generator):
 def model_forward(transformer, hidden, timestep, text, mask, grid):
     return transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text,
                        encoder_hidden_states_mask=mask, img_shapes=[[grid]] * hidden.shape[0], return_dict=False)[0]
-
-
-@pytest.mark.parametrize("name", list(TRANSFORMERS))
-@pytest.mark.parametrize("broadcast, packed_attention", [(False, "recover_scatter"), (True, "recover_scatter"),
-                                                         (True, "flex")])
-@torch.no_grad()
-def test_packed_forward_equals_model_forward_per_part(name, broadcast, packed_attention, monkeypatch):
-    # NOTE: per-token AdaLN values (the tiny shapes' default) and per-part broadcasts (long rows' default)
-    monkeypatch.setattr(layout_module, "_BROADCAST_MIN_TOKENS", 0 if broadcast else 10**9)
-    transformer = tiny_transformer(name)
-    generator = torch.Generator().manual_seed(1)
-    parts = [random_part(transformer, grid, lengths, padded, generator) for grid, lengths, padded in PARTS]
-    got = qwenimage_packed_forward(transformer, parts, packed_attention=packed_attention)
-    assert len(got) == len(parts)
-    for part, output in zip(parts, got):
-        want = model_forward(transformer, part.hidden_states, part.timestep, part.text, part.text_mask,
-                             part.img_shapes[0])
-        assert output.shape == want.shape
-        assert max_diff(output, want) <= TOLERANCE, part.img_shapes
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMERS))

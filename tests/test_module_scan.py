@@ -306,7 +306,7 @@ def test_unhooked_dtype_follows_diffusers_rules_for_kept_fp32_modules_and_buffer
 
 
 def test_proxies_answer_the_planned_dtype_and_ask_diffusers_for_a_hooked_model():
-    from diffusers_stepbatch.programs.generic.intercept import ModelProxy
+    from diffusers_stepbatch.programs.generic.proxies import ModelProxy
 
     pipe = tiny_flux_pipeline()
     transformer = pipe.transformer
@@ -322,7 +322,7 @@ def test_proxies_answer_the_planned_dtype_and_ask_diffusers_for_a_hooked_model()
 
 
 def _proxy(model):
-    from diffusers_stepbatch.programs.generic.intercept import ModelProxy
+    from diffusers_stepbatch.programs.generic.proxies import ModelProxy
 
     with scan_scope():
         return ModelProxy(model, {"__call__": "denoise"}, submit=None, walk=planned_model(model))

@@ -135,3 +135,31 @@ def test_requests_spread_over_both_replicas_and_a_killed_replica_fails_only_its_
     survivors = [_generate(ray_app, 500 + i) for i in range(4)]
     assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in survivors)
     assert time.monotonic() - killed_at < 120
+
+
+def test_a_replica_spanning_two_ranks_serves_with_context_parallelism(ray_app):
+    import torch
+    from ray import serve
+
+    from diffusers_stepbatch.serve.ray import build_app
+    from diffusers_stepbatch.toy import load_pipeline
+
+    from .serve_helpers import TOY_CALL, pixels
+
+    serve.run(build_app({"model": "toy", "context_parallel": "ulysses=2", "num_replicas": 1}), name="split",
+              route_prefix="/split")
+    try:
+        url = f"{ray_app}/split"
+        assert wait_for(lambda: _status(f"{url}/health") == 200, timeout=120, interval=0.5)
+        response = _generate(url, seed=3, steps=6)
+        assert isinstance(response, httpx.Response) and response.status_code == 200, _answer(response)
+        stats = serve.get_app_handle("split").engine_stats.remote().result()
+    finally:
+        serve.delete("split")
+    assert stats["parallel"]["split"] == ["transformer"] and stats["parallel"]["calls_relayed"] > 0, stats
+    want = load_pipeline()("a red circle at the top left on a white background", height=64, width=64,
+                           generator=torch.Generator().manual_seed(3),
+                           **{**TOY_CALL, "num_inference_steps": 6}).images[0]
+    got = decode_b64(response.json()["data"][0]["b64_json"])
+    # PNG is lossless: only fp32 differences <= 1e-4 before uint8 rounding may flip a level
+    assert np.abs(pixels(got) - pixels(want)).max() <= 1

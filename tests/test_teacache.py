@@ -75,29 +75,6 @@ def test_threshold_zero_equals_no_cache_exactly(flux_name, true_cfg):
     assert torch.equal(got, expected)
 
 
-def test_forward_with_every_row_computing_is_bit_identical_to_the_model():
-    pipe = flux_pipe("dev-wide")
-    transformer = pipe.transformer
-    generator = torch.Generator().manual_seed(0)
-    rows, tokens, text = 3, 15, 7
-    inputs = dict(
-        hidden_states=torch.randn(rows, tokens, transformer.config.in_channels, generator=generator),
-        encoder_hidden_states=torch.randn(rows, text, transformer.config.joint_attention_dim, generator=generator),
-        pooled_projections=torch.randn(rows, transformer.config.pooled_projection_dim, generator=generator),
-        timestep=torch.tensor([0.9, 0.5, 0.1]),
-        guidance=torch.tensor([1.0, 3.5, 7.0]),
-        img_ids=torch.randn(tokens, 3, generator=generator),
-        txt_ids=torch.zeros(text, 3),
-        joint_attention_kwargs={},
-    )
-    states = [TeaCacheState(0.4, FLUX_COEFFICIENTS, num_steps=10) for _ in range(2)]
-    with torch.no_grad():
-        expected = transformer(**inputs, return_dict=False)[0]
-        got = flux_teacache_forward(transformer, [states[0], states[0], states[1]], **inputs)
-    assert torch.equal(got, expected)
-    assert [s.computed_steps for s in states] == [1, 1] and states[0].residual.shape[0] == 2
-
-
 def test_each_request_decides_for_itself_inside_a_merged_batch():
     """Rows that skip never enter the blocks; the others run them; outputs equal each row's solo forward."""
     pipe = flux_pipe("dev-tiny")
@@ -273,7 +250,6 @@ def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program
     from diffusers import FluxKontextPipeline
 
     from diffusers_stepbatch import models
-    from diffusers_stepbatch.programs.dedicated import flux as flux_program
     from diffusers_stepbatch.testing import tiny_flux_pipeline
 
     pipe = tiny_flux_pipeline(guidance_embeds=True)
@@ -291,12 +267,10 @@ def test_a_failed_packed_call_leaves_teacache_states_as_before_its_retry(program
             return outputs
         return wrapped
 
-    if program == "generic":
-        support = models.support_for(pipe.transformer)
-        packing = dataclasses.replace(support.packing, run=failing_once(support.packing.run))
-        monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, packing=packing))
-    else:
-        monkeypatch.setattr(flux_program, "flux_packed_forward", failing_once(flux_program.flux_packed_forward))
+    # NOTE: both programs run packed calls through the model's support (models/denoiser_calls.py)
+    support = models.support_for(pipe.transformer)
+    packing = dataclasses.replace(support.packing, run=failing_once(support.packing.run))
+    monkeypatch.setitem(models._SUPPORT, type(pipe.transformer), dataclasses.replace(support, packing=packing))
     requests = [dict(prompt=f"a shape {i}", height=h, width=w, num_inference_steps=steps, max_sequence_length=16,
                      guidance_scale=3.5, output_type="pt", seed=i)
                 for i, ((h, w), steps) in enumerate(zip([(32, 32), (32, 48), (48, 32)], (8, 9, 10)))]

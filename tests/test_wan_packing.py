@@ -13,19 +13,16 @@ import torch
 from PIL import Image
 
 from diffusers_stepbatch import StepBatched
-from diffusers_stepbatch.models.wan.packing import WanPart, wan_packed_forward
+from diffusers_stepbatch.models.wan.packing import WanPart
 from diffusers_stepbatch.programs import generic, program_for
-from diffusers_stepbatch.toy.video import tiny_wan_pipeline, tiny_wan_transformer
+from diffusers_stepbatch.toy.video import tiny_wan_pipeline
 
 from .references import (  # noqa: F401
-    ROW_ADAPTERS,
     TOLERANCE,
-    add_lora_everywhere,
     max_diff,
     seeded,
     single_thread,
     submit_all,
-    with_adapters,
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -143,7 +140,7 @@ def test_wan22_experts_run_in_one_engine_step_with_rows_grouped_per_expert(confi
     assert stats["mixed"]["calls"] > 0
 
 
-def _parts(model, shapes, generator, per_token=False, image_tokens=None, text_lengths=None, image_blocks=1):
+def wan_parts(model, shapes, generator, per_token=False, image_tokens=None, text_lengths=None, image_blocks=1):
     parts = []
     for i, (rows, frames, height, width) in enumerate(shapes):
         tokens = frames * (height // 2) * (width // 2)
@@ -154,81 +151,6 @@ def _parts(model, shapes, generator, per_token=False, image_tokens=None, text_le
         video = torch.randn(rows, model.config.in_channels, frames, height, width, generator=generator)
         parts.append(WanPart(video, timestep if per_token else timestep[:, 0], text, image))
     return parts
-
-
-@pytest.mark.parametrize("case", ["t2v", "t2v-flex", "text-lengths", "per-token", "i2v", "i2v-image-kv", "flf2v"])
-def test_packed_forward_equals_the_model_forward_per_shape(case):
-    image_dim = 4 if case.startswith(("i2v", "flf2v")) else None
-    # NOTE: first-last-frame-to-video: two image embeddings per video, folded by the model's image pos_embed
-    model = tiny_wan_transformer(36 if image_dim else 16, heads=3, head_dim=8, layers=2, image_dim=image_dim,
-                                 image_kv=case == "i2v-image-kv", pos_embed_seq_len=10 if case == "flf2v" else None)
-    shapes = [(2, 3, 4, 4), (1, 2, 4, 6), (1, 3, 6, 4), (2, 1, 8, 8)]  # rows, frames, height, width (latent)
-    text_lengths = {"text-lengths": [16, 8, 16, 24], "i2v-image-kv": [512] * 4}.get(case)
-    parts = _parts(model, shapes, torch.Generator().manual_seed(0), per_token=case == "per-token",
-                   image_tokens=5 if image_dim else None, text_lengths=text_lengths,
-                   image_blocks=2 if case == "flf2v" else 1)
-    with torch.no_grad():
-        packed = wan_packed_forward(model, parts, packed_attention="flex" if case == "t2v-flex" else "auto")
-        own = [model(part.hidden_states, part.timestep, part.encoder_hidden_states,
-                     part.encoder_hidden_states_image, return_dict=False)[0] for part in parts]
-    assert [tuple(out.shape) for out in packed] == [tuple(out.shape) for out in own]
-    assert max(max_diff(got, want) for got, want in zip(packed, own)) <= 1e-5
-    assert min(float(out.abs().mean()) for out in own) > 1e-2  # outputs that a mix-up of rows would change
-
-
-@pytest.mark.parametrize("everywhere", [False, True], ids=["adapters", "every-layer"])
-@pytest.mark.parametrize("forward", ["packed", "plain"])
-@pytest.mark.parametrize("case", ["t2v", "per-token", "i2v-image-kv", "flf2v"])
-def test_forward_with_per_row_adapters_equals_set_adapters_per_row(case, forward, everywhere):
-    """Per-row LoRA in the model's own forward (rows on dim 0) and in the packed forward (over its token streams,
-    and on each shape's rows where it runs per shape: patch embedding, image embedding, cross-attention keys and
-    values): every row as its plain forward after set_adapters. `every-layer`: an adapter on every Linear and
-    Conv layer of the model."""
-    from diffusers_stepbatch.adapters.lora import per_row_lora
-    from diffusers_stepbatch.models.wan.packing import token_rows
-    from diffusers_stepbatch.testing import add_random_lora_adapters
-
-    image_dim = 4 if case.startswith(("i2v", "flf2v")) else None
-    model = tiny_wan_transformer(36 if image_dim else 16, heads=3, head_dim=8, layers=2, image_dim=image_dim,
-                                 image_kv=case == "i2v-image-kv", pos_embed_seq_len=10 if case == "flf2v" else None)
-    add_random_lora_adapters(model)
-    if everywhere:
-        add_lora_everywhere(model)
-    shapes = [(2, 3, 4, 4), (1, 2, 4, 6), (1, 3, 6, 4), (2, 1, 8, 8)]  # rows, frames, height, width (latent)
-    blocks = 2 if case == "flf2v" else 1
-    parts = _parts(model, shapes, torch.Generator().manual_seed(0), per_token=case == "per-token",
-                   image_tokens=5 if image_dim else None, text_lengths=[512] * 4 if case == "i2v-image-kv" else None,
-                   image_blocks=blocks)
-    sets = [{"all": 0.5}, {"a": 1.0, "all": 0.3}, {}, {"b": 0.5, "c": 0.6}] if everywhere else ROW_ADAPTERS
-    row_adapters = [sets[r % len(sets)] for r in range(sum(rows for rows, *_ in shapes))]
-
-    def own(part, rows):  # the model's forward on rows of one part
-        image = part.encoder_hidden_states_image
-        return model(part.hidden_states[rows], part.timestep[rows], part.encoder_hidden_states[rows],
-                     None if image is None else image[rows.start * blocks:rows.stop * blocks], return_dict=False)[0]
-
-    with torch.no_grad():
-        if forward == "packed":
-            calls = [dict(hidden_states=p.hidden_states, timestep=p.timestep,
-                          encoder_hidden_states=p.encoder_hidden_states,
-                          encoder_hidden_states_image=p.encoder_hidden_states_image) for p in parts]
-            with per_row_lora(model, row_adapters, token_rows=token_rows(model, calls)):
-                outputs = wan_packed_forward(model, parts)
-        else:
-            outputs, first = [], 0
-            for part in parts:
-                count = part.hidden_states.shape[0]
-                with per_row_lora(model, row_adapters[first:first + count]):
-                    outputs.append(own(part, slice(0, count)))
-                first += count
-        first = 0
-        for part, out in zip(parts, outputs):
-            for r in range(part.hidden_states.shape[0]):
-                want = with_adapters(model, row_adapters[first + r], own, part, slice(r, r + 1))
-                assert max_diff(out[r:r + 1], want) <= TOLERANCE, (first + r, row_adapters[first + r])
-                if first + r == 0:  # the adapters change the row
-                    assert max_diff(want, with_adapters(model, {}, own, part, slice(0, 1))) > 1e-3
-            first += part.hidden_states.shape[0]
 
 
 def test_an_other_attention_processor_keeps_sizes_apart_and_exact():
@@ -267,22 +189,6 @@ def test_teacache_in_shared_packed_forwards_equals_teacache_alone():
     assert stats["mixed"]["calls"] > 0 and stats["mixed"]["sizes_per_call"] > 1, stats["mixed"]
     assert max_diff(solo[1], exact[1]) <= TOLERANCE  # teacache=None: every step computed
     assert min(max_diff(solo[i], exact[i]) for i in (0, 2, 3)) > 10 * TOLERANCE, "TeaCache skipped no step"
-
-
-def test_teacache_forward_with_every_row_computing_equals_the_model_forward():
-    from diffusers_stepbatch.cache.teacache import TeaCacheState
-    from diffusers_stepbatch.models.wan.teacache import WAN_COEFFICIENTS, teacache_call
-
-    model = tiny_wan_transformer(heads=3, head_dim=8)
-    (part,) = _parts(model, [(2, 3, 4, 4)], torch.Generator().manual_seed(1))
-    arguments = dict(hidden_states=part.hidden_states, timestep=part.timestep,
-                     encoder_hidden_states=part.encoder_hidden_states, return_dict=False)
-    states = [TeaCacheState(0.4, WAN_COEFFICIENTS, num_steps=10)] * 2  # step 0: computes
-    with torch.no_grad():
-        (got,) = teacache_call(model, states, arguments)
-        (want,) = model(**arguments)
-    assert max_diff(got, want) <= 1e-5
-    assert states[0].computed_steps == 1 and states[0].residual.shape == (2, 3 * 2 * 2, 24)
 
 
 def test_threshold_zero_never_skips_even_where_the_published_polynomial_is_negative():

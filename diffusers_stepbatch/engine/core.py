@@ -12,7 +12,7 @@ import functools
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,6 +69,7 @@ class EngineCore:
         self.timer = timer or CallTimer()  # device-true call times for the cost models (engine/timing.py)
         self.packing = PackingCostModel(self.costs)
         self.mixed_shapes = mixed_shapes  # items of different shapes may share a packed call (`WorkItem.pack`)
+        self.packing_refusal: str | None = None  # why not, where a rule (not the caller) turned packing off
         self.metrics = EngineMetrics()
         self._name = name
         self._wakeup = threading.Condition()
@@ -338,12 +339,18 @@ class EngineCore:
             return [[request] for members in groups.values() for request in members]
         calls: list[list[Request] | _PackedCall] = []
         packable: dict[Any, list[Any]] = defaultdict(list)
+        refused: Counter = Counter()
         for group_key, members in groups.items():
             pack = members[0].pending.pack
             if self.mixed_shapes and pack is not None:
                 packable[(group_key[0], pack.key)].append(group_key)
             else:
                 calls.extend(self._chunk(group_key, members))
+                if self.packing_refusal is not None and group_key[0] == "denoise":
+                    refused[group_key[0]] += 1
+        for kind, shapes in refused.items():
+            if shapes > 1:  # NOTE: the model layer refuses such packs itself (hooks on the model); say why here
+                self.metrics.splits.add(f"{kind}: {self.packing_refusal}", shapes - 1)
         for pack_key, group_keys in packable.items():
             item_rows = [[r.pending.rows for r in groups[group_key]] for group_key in group_keys]
             parts = [(group_key, sum(rows)) for group_key, rows in zip(group_keys, item_rows)]

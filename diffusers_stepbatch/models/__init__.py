@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,18 +47,20 @@ class Packing:
 
     Args:
         unsupported: why the model can't run packed calls now (other attention processors, hooks), or None.
-        key: (what must match for calls to pack, tokens per row), or None when this call can't pack.
+        key: `key(arguments)`: (what must match for calls to pack, tokens per row), or None when this call can't
+            pack; None: only the model's dedicated program packs its calls (it keys them itself).
         run: `run(model, calls, packed_attention, teacache)`: one output per call (its arguments by name), as the
             model returns it; `teacache[i]` holds call i's per-row TeaCache states or None.
         token_rows: `token_rows(model, calls)`: per token stream of the packed call (the `[tokens, ...]` or
             `[1, tokens, ...]` inputs its LoRA layers see), each token's row, rows numbered across the calls in
-            order; None: calls with per-request LoRA don't pack.
+            order, or None when they don't map to rows (each call then runs apart); None: calls with per-request
+            LoRA don't pack.
     """
 
     unsupported: Callable[[torch.nn.Module], "str | None"]
-    key: Callable[[dict[str, Any]], "tuple[Any, int] | None"]
+    key: Callable[[dict[str, Any]], "tuple[Any, int] | None"] | None
     run: Callable[[torch.nn.Module, list[dict[str, Any]], str, list], list[Any]]
-    token_rows: Callable[[torch.nn.Module, list[dict[str, Any]]], list[torch.Tensor]] | None = None
+    token_rows: Callable[[torch.nn.Module, list[dict[str, Any]]], "list[torch.Tensor] | None"] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class ModelSupport:
         lora_forward: `forward(model, arguments)`: for a model whose own forward has a LoRA layer input that maps to
             no rows (Qwen-Image 2.1's one t=0 timestep row per call), the call under per-row LoRA, as the model
             returns it; None: the model's forward.
+        context_parallel: `plan(model)`: the model's context-parallel plan (diffusers' `_cp_plan` form) where
+            diffusers gives the class none or one that doesn't fit this model's config, or a string saying why its
+            blocks can't run split (it then runs on rank 0 alone); None: diffusers' own.
     """
 
     row_lists: tuple[str, ...] = ()
@@ -109,13 +115,14 @@ class ModelSupport:
     lora_token_rows: Callable[[dict[str, Any]], list[torch.Tensor]] | None = None
     teacache_forward: Callable[[torch.nn.Module, list, dict[str, Any]], Any] | None = None
     lora_forward: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None
+    context_parallel: Callable[[torch.nn.Module], dict | str] | None = None
 
 
 DEFAULT_SUPPORT = ModelSupport()
 _SUPPORT: dict[type, ModelSupport] = {}
 _REGISTERED_BY: dict[type, str] = {}  # class -> the module that registered it
 # NOTE: the modules of this package that are shared machinery, not one denoiser class's rules
-SHARED_MODULES = frozenset({"calls", "merge_checks", "packed_calls", "packing", "row_kernels"})
+SHARED_MODULES = frozenset({"calls", "merge_checks", "denoiser_calls", "packing", "row_kernels"})
 
 
 def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], Callable[[], ModelSupport]]:
@@ -131,9 +138,12 @@ def register_model(model_class: type) -> Callable[[Callable[[], ModelSupport]], 
     return decorate
 
 
-def support_for(model: torch.nn.Module) -> ModelSupport:
-    """The support of the model's class or nearest registered base class."""
+def support_for(model: torch.nn.Module, through_compile: bool = False) -> ModelSupport:
+    """The support of the model's class or nearest registered base class. `through_compile`: of the model a
+    `torch.compile` wrapper holds (dedicated programs drive its submodules as they drive the model's own)."""
     _load_modules()
+    if through_compile:
+        model = getattr(model, "_orig_mod", model)
     for cls in type(model).__mro__:
         support = _SUPPORT.get(cls)
         if support is not None:
@@ -153,13 +163,23 @@ def model_modules() -> list[str]:
 
 
 _loaded = False
+_loading = False
+# NOTE: requests planned in several threads at once must not see a half-filled registry while another loads it
+_load_lock = threading.RLock()
 
 
 def _load_modules() -> None:
     # NOTE: lazily, once: each module imports its diffusers model class (and registers it)
-    global _loaded
+    global _loaded, _loading
     if _loaded:
         return
-    _loaded = True
-    for name in model_modules():
-        importlib.import_module(f"{__name__}.{name}")
+    with _load_lock:
+        if _loaded or _loading:  # a model module's import asking again gets what is registered so far
+            return
+        _loading = True
+        try:
+            for name in model_modules():
+                importlib.import_module(f"{__name__}.{name}")
+            _loaded = True
+        finally:
+            _loading = False

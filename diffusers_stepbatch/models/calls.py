@@ -11,6 +11,7 @@ import copy
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,14 +290,22 @@ def fill(template: Any, rows: dict[str, Any]) -> Any:
 
 def run_call(model: torch.nn.Module, call: ModelCall, rows: dict[str, Any]) -> Any:
     """Call the model with the described call's arguments, row inputs taken from `rows`."""
-    named = fill(call.template, rows)
+    target, args, kwargs = bound_call(model, call, fill(call.template, rows))
+    return target(*args, **kwargs)
+
+
+def bound_call(model: torch.nn.Module, call: ModelCall, arguments: dict[str, Any]
+               ) -> tuple[Callable[..., Any], tuple, dict[str, Any]]:
+    """(what to call, its positional arguments, its keyword arguments) for the described call's `arguments`
+    (its template filled with row inputs)."""
+    named = dict(arguments)
     target = model if call.method == "forward" else getattr(model, call.method)  # NOTE: forward via hooks
     if call.parameters is None:
         positional = [named.pop(f"__arg{i}") for i in range(len(named)) if f"__arg{i}" in named]
-        return target(*positional, **named)
+        return target, tuple(positional), named
     self_name = next(iter(call.parameters.parameters))
     bound = inspect.BoundArguments(call.parameters, {self_name: model, **named})
-    return target(*bound.args[1:], **bound.kwargs)
+    return target, tuple(bound.args[1:]), bound.kwargs
 
 
 class NotRowWise(ValueError):

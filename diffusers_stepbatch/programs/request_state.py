@@ -19,6 +19,15 @@ _SOURCE = "_stepbatch_source"
 _active: contextvars.ContextVar[Any] = contextvars.ContextVar("stepbatch_active_view", default=None)
 
 
+def begin_call(view: Any, args: dict[str, Any], names: tuple[str, ...] = (), **values: Any) -> None:
+    """What a pipeline's `__call__` sets on itself first (`_<name>` of `names`' call arguments, then of `values`)."""
+    for name in names:
+        setattr(view, f"_{name}", args[name])
+    for name, value in values.items():
+        setattr(view, f"_{name}", value)
+    view._interrupt = False
+
+
 def record_view(pipe: Any, view: Any) -> None:
     view.__dict__[_SOURCE] = weakref.ref(pipe)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import signal
 import sys
 from typing import Any
 
@@ -16,6 +18,8 @@ from .config import API_KEY_ENV, DTYPES, ServeConfig
 from .config_file import parse_with_config_file
 from .lora_adapters import parse_lora_modules
 from .request_id import configure_logging
+
+logger = logging.getLogger(__name__)
 
 
 def _number(text: str) -> int | float:
@@ -104,6 +108,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     knobs.add_argument("--vae-tiling", action="store_true", help="decode (and encode) in VAE tiles")
     knobs.add_argument("--warmup", type=int, default=defaults.warmup, metavar="N",
                        help="requests run at startup to prime the cost model (/health says 'warming' meanwhile)")
+    knobs.add_argument("--context-parallel", default=None, metavar="ulysses=N|ring=N",
+                       help="split the denoiser over the ranks of `torchrun --nproc-per-node N` (diffusers' "
+                       "ContextParallelConfig); rank 0 serves, the others follow its model calls")
     knobs.add_argument("--config", default=None, metavar="FILE",
                        help="a TOML file of these flags (names with - or _); flags on the command line win")
     add("--api-keys", default=None, metavar="FILE", help="a TOML file of keys, each a tenant with its own limits "
@@ -171,14 +178,44 @@ def serve_main(argv: list[str] | None = None, prog: str = "python -m diffusers_s
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(args.log_level, args.log_format)  # NOTE: after the checks: a bad flag changes nothing
+    if config.context_parallel is not None:
+        config = _on_this_rank(config)
+        if config is None:
+            return  # a follower rank: rank 0 closed
     run(config, log_level=args.log_level, access_log=args.access_log)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The `diffusers-stepbatch` console script; `serve` is its one command."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="diffusers-stepbatch")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("serve", help="run the OpenAI-compatible image server", add_help=False)
-    parser.parse_args(argv[:1])  # the command; its flags are serve_main's
-    serve_main(argv[1:], prog="diffusers-stepbatch serve")
+def _on_this_rank(config: ServeConfig) -> ServeConfig | None:
+    """Under `--context-parallel`: rank 0 goes on to serve (its config, on its own GPU); the other ranks follow
+    its model calls until it closes (None)."""
+    import torch.distributed as dist
+
+    from ..parallel.ranks import start_ranks
+
+    start_ranks()
+    if dist.get_rank() == 0:
+        return _on_rank_device(config)
+    follow_rank_0(config)
+    return None
+
+
+def _on_rank_device(config: ServeConfig) -> ServeConfig:
+    from ..parallel.ranks import rank_device
+
+    return dataclasses.replace(config, device=str(rank_device())) if config.device.startswith("cuda") else config
+
+
+def follow_rank_0(config: ServeConfig) -> None:
+    """A follower rank: load the model `config` names and make rank 0's model calls until it closes."""
+    import torch.distributed as dist
+
+    from ..parallel.ranks import start_ranks
+    from .model import load_model
+
+    start_ranks()
+    model = load_model(_on_rank_device(config))
+    # NOTE: on SIGTERM / Ctrl-C rank 0 finishes its requests first, which needs every follower: they stop
+    # when rank 0 closes (or is gone)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, frame: logger.info("rank %d stops when rank 0 closes", dist.get_rank()))
+    model.sb.follow()

@@ -37,6 +37,8 @@ class ServeConfig:
             (`--call-default`), the step cap (None: the preset's, else the scheduler's `num_train_timesteps`).
         lora_modules, lora_dir, max_loras: LoRA adapters by name (`serve/lora_adapters.py`).
         quantize, offload, compile, compile_backend, attention_backend, vae_tiling, warmup: `launch_knobs.py`.
+        context_parallel: "ulysses=N", "ring=N" or both ("ulysses=2,ring=2"): the denoiser split over the ranks
+            `torchrun --nproc-per-node` started (rank 0 serves; docs/guides/gpu.md).
         api_keys, fair_share: a TOML file of tenant keys (`serve.tenants`); share rows by their weights.
         state_dir, jobs_db, resume, job_lease_s, jobs_poll_s, replica_name: the video jobs' database (SQLite in
             `state_dir`, or a URL), restarts and replicas (docs/reference/server.md).
@@ -89,6 +91,7 @@ class ServeConfig:
     attention_backend: str | None = None
     vae_tiling: bool = False
     warmup: int = 0
+    context_parallel: str | None = None
     # tenants (docs/guides/serving.md, "Tenants and keys")
     api_keys: str | None = None
     fair_share: bool = True
@@ -121,6 +124,16 @@ class ServeConfig:
             raise ValueError(f"offload={self.offload!r} is not one of 'model', 'sequential', 'group'")
         if self.quantize not in (None, "qint8", "qint4", "qfloat8"):
             raise ValueError(f"quantize={self.quantize!r} is not one of 'qint8', 'qint4', 'qfloat8'")
+        if self.context_parallel is not None:
+            parse_context_parallel(self.context_parallel)
+            # NOTE: the followers see only a call's inputs, not a request's adapters or TeaCache state
+            for name in ("teacache", "lora_dir", "offload"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}={getattr(self, name)!r} can't run under context_parallel (rank 0 "
+                                     "alone would know a request's state); leave one of them out")
+            if self.lora_modules:
+                raise ValueError("lora_modules can't run under context_parallel (rank 0 alone would know a "
+                                 "request's adapters); fuse the adapter into the weights before launch")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
         if self.max_steps is not None and self.max_steps < 1:
@@ -166,3 +179,17 @@ class ServeConfig:
 
         fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
         return SchedulerConfig(**{name: getattr(self, name) for name in fields if hasattr(self, name)})
+
+
+def parse_context_parallel(text: str) -> dict[str, int]:
+    """`--context-parallel` as `ContextParallelConfig` degrees: "ulysses=2,ring=2" -> {"ulysses_degree": 2, ...}."""
+    degrees = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        if name not in ("ulysses", "ring") or not value.isdigit() or int(value) < 1 or f"{name}_degree" in degrees:
+            raise ValueError(f"context_parallel={text!r}: expected ulysses=N, ring=N or both, comma-separated "
+                             "(e.g. 'ulysses=2')")
+        degrees[f"{name}_degree"] = int(value)
+    if all(degree == 1 for degree in degrees.values()):
+        raise ValueError(f"context_parallel={text!r} splits over one rank: give ulysses or ring a degree above 1")
+    return degrees

@@ -173,6 +173,7 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
         teacache=None if config.teacache is None else TeaCacheConfig(threshold=config.teacache),
         decoder=config.decoder,
         pid_exit_step=config.pid_exit_step,
+        parallel=_context_parallel(config),
     )
     lora = None
     if config.lora_modules or config.lora_dir:
@@ -198,3 +199,13 @@ def serve_pipeline(pipe: Any, config: ServeConfig, *, call_defaults: dict[str, A
     return ServingModel(sb=sb, name=config.model_name, call_defaults=defaults, created=int(time.time()),
                         sizes=sizes, edits=edits, generic_twin=twin, max_steps=max_steps,
                         preset=preset.hub_id if preset else None, lora=lora)
+
+
+def _context_parallel(config: ServeConfig) -> Any:
+    if config.context_parallel is None:
+        return None
+    from diffusers import ContextParallelConfig
+
+    from .config import parse_context_parallel
+
+    return ContextParallelConfig(**parse_context_parallel(config.context_parallel))

@@ -1,11 +1,9 @@
 """The same server as a Ray Serve deployment: one `StepBatched` engine per replica (one replica per GPU).
 
->>> from ray import serve
->>> from diffusers_stepbatch.serve.ray import build_app
->>> serve.run(build_app({"model": "toy", "num_replicas": 2}), route_prefix="/")
+>>> serve.run(build_app({"model": "toy", "num_replicas": 2}), route_prefix="/")   # or examples/ray_serve.yaml
 
-or `serve run examples/ray_serve.yaml`. Each replica batches what Ray's proxy sends it; a replica's death fails
-only its in-flight requests (docs/guides/serving.md).
+A replica's death fails only its in-flight requests (docs/guides/serving.md). With `context_parallel`
+("ulysses=N") a replica spans N GPUs and starts its N - 1 follower ranks itself.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from ray import serve
 
 from .app import create_app
 from .config import ServeConfig
+from .local_ranks import start_local_ranks
 from .model import load_model
 
 DEPLOYMENT_NAME = "StepBatchedImages"
@@ -32,9 +31,13 @@ class ImageServer:
         import ray
 
         self.config = ServeConfig(**config)
+        self.followers = start_local_ranks(self.config) if self.config.context_parallel else []
         self.model = load_model(self.config)
         context = ray.get_runtime_context()
         self.replica = context.get_actor_name() or context.get_actor_id()  # what ray.get_actor(name) takes
+
+    def engine_stats(self) -> dict:  # NOTE: through a deployment handle
+        return self.model.sb.stats()
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.config, model=self.model, close_model=True, replica=self.replica)

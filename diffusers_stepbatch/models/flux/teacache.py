@@ -18,7 +18,6 @@ from diffusers.utils import apply_lora_scale
 from ...cache.teacache import TeaCacheState
 from ...cache.teacache_fit import change_pairs, fit_coefficients, sampled_change_pairs  # noqa: F401  (the old path)
 from ...cache.teacache_rows import dense_rows
-from ..packing.support import reproduces_call
 from .packing import REPRODUCED_ARGUMENTS, text_image_rotary
 
 FLUX_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
@@ -27,8 +26,11 @@ FLUX_COEFFICIENTS = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e0
 def teacache_call(transformer, states: Sequence[TeaCacheState | None], arguments: dict) -> Any:
     """A `FluxTransformer2DModel` call (its arguments by name) with per-row TeaCache decisions, as the model
     returns it; None when the call has arguments this forward doesn't reproduce (ControlNet residuals, ...)."""
-    if not reproduces_call(arguments, REPRODUCED_ARGUMENTS, "joint_attention_kwargs"):
-        return None  # NOTE: e.g. IP-Adapter image embeddings, which the model's own forward turns into tokens
+    # NOTE: attention kwargs reach the blocks' attention processors as in the model's forward, all but IP-Adapter
+    # image embeddings, which the model's own forward turns into tokens first
+    if any(value is not None for name, value in arguments.items() if name not in REPRODUCED_ARGUMENTS) or \
+            "ip_adapter_image_embeds" in (arguments.get("joint_attention_kwargs") or {}):
+        return None
     ids = {name: arguments[name][0] if arguments[name].ndim == 3 else arguments[name]
            for name in ("txt_ids", "img_ids")}
     output = flux_teacache_forward(

@@ -17,6 +17,7 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel
 
 from .. import ModelSupport, Packing, register_model
+from .context_parallel import hunyuan_video15_context_parallel_plan
 from .packing import hunyuan_video15_packing_unsupported, pack_calls, pack_key, token_rows
 from .teacache import HUNYUAN_VIDEO15_COEFFICIENTS, teacache_call
 
@@ -33,4 +34,4 @@ def _hunyuan_video15() -> ModelSupport:
                         packing=Packing(unsupported=hunyuan_video15_packing_unsupported, key=pack_key,
                                         run=pack_calls, token_rows=token_rows),
                         teacache_coefficients=HUNYUAN_VIDEO15_COEFFICIENTS, teacache_forward=teacache_call,
-                        lora_rows=True)
+                        lora_rows=True, context_parallel=hunyuan_video15_context_parallel_plan)

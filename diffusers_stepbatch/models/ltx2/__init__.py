@@ -16,6 +16,7 @@ import torch
 from diffusers import LTX2VideoTransformer3DModel
 
 from .. import ModelSupport, Packing, register_model
+from .context_parallel import ltx2_context_parallel_plan
 from .packing import ltx2_packing_unsupported, pack_calls, pack_key, token_rows
 from .teacache import LTX2_COEFFICIENTS, teacache_call
 
@@ -36,4 +37,4 @@ def _ltx2() -> ModelSupport:
     return ModelSupport(trusted=True, packing=Packing(unsupported=ltx2_packing_unsupported, key=pack_key,
                                                       run=pack_calls, token_rows=token_rows),
                         teacache_coefficients=LTX2_COEFFICIENTS, teacache_forward=teacache_call, lora_rows=True,
-                        lora_token_rows=timestep_token_rows)
+                        lora_token_rows=timestep_token_rows, context_parallel=ltx2_context_parallel_plan)

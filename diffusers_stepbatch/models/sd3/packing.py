@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
 from ...adapters.lora import lora_layers
@@ -51,6 +52,36 @@ def sd3_packed_forward(transformer, parts: Sequence[SD3Part], joint_attention_kw
     """
     return _forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs, skip_layers=skip_layers,
                     packed_attention=packed_attention)
+
+
+def pack_calls(transformer, calls: Sequence[dict], packed_attention: str, teacache: Sequence) -> list:
+    """`Packing.run`: one packed forward for calls of different latent sizes and text lengths (their arguments by
+    name, all with the same `skip_layers` and attention kwargs); each call's output as the model returns it."""
+    skips = {None if c.get("skip_layers") is None else tuple(c["skip_layers"]) for c in calls}
+    if len(skips) > 1:
+        raise ValueError(f"calls with skip_layers {sorted(skips, key=str)} can't share one packed forward; pack the "
+                         "calls of each skip set apart")
+    outputs = sd3_packed_forward(transformer, _parts(calls), calls[0].get("joint_attention_kwargs"),
+                                 skip_layers=calls[0].get("skip_layers"), packed_attention=packed_attention)
+    return [(out,) if not c.get("return_dict", True) else Transformer2DModelOutput(sample=out)
+            for c, out in zip(calls, outputs)]
+
+
+def token_rows(transformer, calls: Sequence[dict]) -> list[torch.Tensor] | None:
+    """`Packing.token_rows`: each token's row in the image and text streams of `pack_calls`' forward; None when
+    the patch embedding holds LoRA layers (it runs per size, so its inputs map to no packed stream)."""
+    layers = lora_layers(transformer)
+    if any(layer in layers for layer in transformer.pos_embed.modules()):
+        return None
+    patch = transformer.config.patch_size
+    return PackedLayout(rows=[c["hidden_states"].shape[0] for c in calls],
+                        lengths=[((c["hidden_states"].shape[2] // patch) * (c["hidden_states"].shape[3] // patch),
+                                  c["encoder_hidden_states"].shape[1]) for c in calls]).token_rows
+
+
+def _parts(calls: Sequence[dict]) -> list[SD3Part]:
+    return [SD3Part(c["hidden_states"], c["encoder_hidden_states"], c["pooled_projections"], c["timestep"])
+            for c in calls]
 
 
 @apply_lora_scale("joint_attention_kwargs")

@@ -15,6 +15,7 @@ from typing import Any
 from diffusers import ZImageTransformer2DModel
 
 from .. import ModelSupport, register_model
+from .context_parallel import z_image_context_parallel_plan
 from .lora import lora_token_rows
 from .teacache import Z_IMAGE_COEFFICIENTS, teacache_call
 
@@ -29,4 +30,5 @@ def _controlnet_refusal(model, arguments: dict[str, Any]) -> str | None:
 def _z_image() -> ModelSupport:
     return ModelSupport(row_lists=("x", "cap_feats", "siglip_feats", "image_noise_mask"), output_lists_are_rows=True,
                         refusal=_controlnet_refusal, trusted=True, teacache_coefficients=Z_IMAGE_COEFFICIENTS,
-                        teacache_forward=teacache_call, lora_rows=True, lora_token_rows=lora_token_rows)
+                        teacache_forward=teacache_call, lora_rows=True, lora_token_rows=lora_token_rows,
+                        context_parallel=z_image_context_parallel_plan)

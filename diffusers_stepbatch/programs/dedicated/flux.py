@@ -23,27 +23,22 @@ from ...adapters.ip_adapter import (
     bind_scale_setter,
     flux_ip_image_embeds,
     ip_key_fields,
-    per_row_ip_scales,
     plan_flux_ip_adapter,
 )
 from ...adapters.lora import lora_layers
 from ...adapters.state import (
     AdapterState,
-    lora_rows,
     request_adapters,
     text_lora_scale,
     without_lora_scale,
 )
 from ...buffers import stack_rows
 from ...cache.prompt import cached_encode, encoder_namespace, encoders_are_deterministic
-from ...cache.teacache import TeaCacheState, kept_on_failure
-from ...models.flux.teacache import flux_teacache_forward
 from ...decoders.vae import vae_decode_item
 from ...engine.batch import Packable, WorkItem
 from ...engine.split_reasons import named_key
 from ...module_scan import execution_device
 from ...models.packing.attention import check_can_run as check_packed_attention_runs
-from ...models.flux.packing import FluxPart, flux_packed_forward, flux_packing_unsupported, flux_token_streams
 from ...models.row_kernels import row_kernels_of
 from ...models.packing.support import extra_attention_kwargs, packing_refused
 from ..cache_hooks import hooked_denoiser
@@ -52,16 +47,16 @@ from ..fused_update import FusedEuler
 from ..cfg import transformer_activation_bytes
 from ..options import PlanContext, ProgramOptions
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
+from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
-from ...models.packed_calls import run_packed
+from ...models.denoiser_calls import run_packed, run_rows
+from ...cache.teacache import TeaCacheState
 from ..checks.values import (
     as_list,
-    check_call_size,
-    check_given_embeds_not_repeated,
-    check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
 )
@@ -84,22 +79,15 @@ class FluxCall:
     ip: IPAdapterState | None = None  # this request's IP-Adapter (adapters/ip_adapter.py); None: no IP-Adapter
 
 
+# NOTE: FluxPipeline reads no PipelineCallback's tensor inputs
+_CHECKS = ProgramChecks(latent_patches=True, embeds_as_given="FluxPipeline", pipeline_callbacks=False)
+
+
 @register_program(FluxPipeline, features=("teacache", "adapters"))
 def plan_flux(pipe: FluxPipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a FluxPipeline call in the caller's thread and return its step program."""
     args, pid, height, width = plan_main_size(pipe, args, context)
-    check_latent_patches(height, width, pipe)
-    run_check_inputs(
-        pipe, args["prompt"], args["prompt_2"], height, width,
-        negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
-        prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
-        pooled_prompt_embeds=args["pooled_prompt_embeds"],
-        negative_pooled_prompt_embeds=args["negative_pooled_prompt_embeds"],
-        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
-        max_sequence_length=args["max_sequence_length"],
-    )
-    size = check_call_size(args, args["sigmas"])
-    check_given_embeds_not_repeated(args, size.per_prompt, "FluxPipeline")
+    size = check_program_call(pipe, args, height, width, _CHECKS)
     steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
 
     has_negative = args["negative_prompt"] is not None or (
@@ -172,10 +160,8 @@ _SHARED_FIELDS = ("pooled text width", "guidance embedding", "joint_attention_kw
 def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Generator[WorkItem, Any, Any]:
     """`view` is the request's own view of `pipe` (made at submit, so it keeps the scheduler of that moment)."""
     args, options = call.args, call.options
-    view._guidance_scale = args["guidance_scale"]
-    view._joint_attention_kwargs = args["joint_attention_kwargs"] or {}
-    view._current_timestep = None
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale",), joint_attention_kwargs=args["joint_attention_kwargs"] or {},
+               current_timestep=None)
     device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = view._joint_attention_kwargs.get("scale")
@@ -256,59 +242,51 @@ def flux_program(pipe: FluxPipeline, view: FluxPipeline, call: FluxCall) -> Gene
     # update of the engine step where the scheduler allows it (programs/fused_update.py).
     fused = FusedEuler.for_scheduler(view.scheduler, latents, options.buffers, workspace)
     solo = row_kernels_of(pipe.transformer)
-    with view.progress_bar(total=num_inference_steps) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if call.pid is not None and i == call.pid.exit_step:
-                break  # PiD early exit: PiD decodes this x_t (step 4)
-            if view._interrupt:
-                continue
-            view._current_timestep = t
-            for state in call.teacache or ():
-                state.step = i
-            together = not call.do_true_cfg or options.cfg_policy.batch_branches(device, branch_bytes)
-            outputs = []
-            if hooked is not None:
-                yield from hooked.take_turn()
-            for group in ([range(branches)] if together else [[0], [1]]):
-                rows = [(b, j) for b in group for j in range(images)]
-                inputs = {
-                    "hidden_states": [latents[j] for _, j in rows],
-                    "timestep": [scaled_timesteps[i]] * len(rows),
-                    "guidance": None if guidance is None else [guidance[j] for _, j in rows],
-                    "pooled_projections": [text_pooled[b * images + j] for b, j in rows],
-                    "encoder_hidden_states": [text[b * images + j] for b, j in rows],
-                    "teacache": [teacache[b] for b, _ in rows],
-                    "lora": [call.adapters] * len(rows),
-                    # per row: one image embedding per IP-Adapter, the negative ones on the true-CFG rows
-                    "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
-                    "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
-                }
-                run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
-                outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack,
-                                               row_kernels=solo)))
-            noise_pred, uncond, scale = outputs[0], None, None
-            if call.do_true_cfg:
-                noise_pred, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
-                scale = args["true_cfg_scale"]
-            if fused is not None:
-                latents = yield from fused.step(t, latents, noise_pred, uncond, scale)
+    # NOTE: up to PiD's early exit, whose decode is step 4
+    for i, t in denoising_steps(view, timesteps, num_inference_steps, call.pid, call.teacache, current_timestep=True):
+        together = not call.do_true_cfg or options.cfg_policy.batch_branches(device, branch_bytes)
+        outputs = []
+        if hooked is not None:
+            yield from hooked.take_turn()
+        for group in ([range(branches)] if together else [[0], [1]]):
+            rows = [(b, j) for b in group for j in range(images)]
+            inputs = {
+                "hidden_states": [latents[j] for _, j in rows],
+                "timestep": [scaled_timesteps[i]] * len(rows),
+                "guidance": None if guidance is None else [guidance[j] for _, j in rows],
+                "pooled_projections": [text_pooled[b * images + j] for b, j in rows],
+                "encoder_hidden_states": [text[b * images + j] for b, j in rows],
+                "teacache": [teacache[b] for b, _ in rows],
+                "lora": [call.adapters] * len(rows),
+                # per row: one image embedding per IP-Adapter, the negative ones on the true-CFG rows
+                "ip_embeds": None if ip_embeds is None else [tuple(e[j] for e in ip_embeds[b]) for b, j in rows],
+                "ip_scales": [None if call.ip is None else call.ip.row()] * len(rows),
+            }
+            run = denoise if hooked is None else hooked.run(denoise, [("cond", "uncond")[b] for b in group])
+            outputs.append((yield WorkItem("denoise", key, inputs, run, rows=len(rows), step=i, pack=pack,
+                                           row_kernels=solo)))
+        noise_pred, uncond, scale = outputs[0], None, None
+        if call.do_true_cfg:
+            noise_pred, uncond = outputs if len(outputs) == 2 else noise_pred.chunk(2)
+            scale = args["true_cfg_scale"]
+        if fused is not None:
+            latents = yield from fused.step(t, latents, noise_pred, uncond, scale)
+        else:
+            if uncond is not None:
+                noise_pred = (workspace.guide(noise_pred, uncond, scale) if workspace
+                              else uncond + scale * (noise_pred - uncond))
+            if workspace is not None:
+                latents = workspace.scheduler_step(view.scheduler, noise_pred, t, latents)
             else:
-                if uncond is not None:
-                    noise_pred = (workspace.guide(noise_pred, uncond, scale) if workspace
-                                  else uncond + scale * (noise_pred - uncond))
-                if workspace is not None:
-                    latents = workspace.scheduler_step(view.scheduler, noise_pred, t, latents)
-                else:
-                    latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, "prompt_embeds": embeds[0]}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                if "prompt_embeds" in outputs:
-                    embeds[0] = outputs.pop("prompt_embeds")
-                    text = torch.cat(embeds) if call.do_true_cfg else embeds[0]
-            progress_bar.update()
+                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, "prompt_embeds": embeds[0]}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            if "prompt_embeds" in outputs:
+                embeds[0] = outputs.pop("prompt_embeds")
+                text = torch.cat(embeds) if call.do_true_cfg else embeds[0]
     view._current_timestep = None
     if hooked is not None:
         hooked.release()
@@ -400,7 +378,7 @@ def _encode_text(pipe, device, max_sequence_length, lora_scale, prompt, prompt_2
 
 def _packing_reason(transformer, joint_attention_kwargs, call) -> str | None:
     """Why this request's forwards can't pack with other sizes, or None."""
-    return (flux_packing_unsupported(transformer)
+    return (support_for(transformer, through_compile=True).packing.unsupported(transformer)
             or extra_attention_kwargs(joint_attention_kwargs, "joint_attention_kwargs")
             or ("IP-Adapter image tokens are not wired into packed forwards yet" if call.ip is not None else None))
 
@@ -414,44 +392,40 @@ def _packable(reason, transformer, joint_attention_kwargs, shared_key, ids, toke
 
 
 def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
-    parts = [
-        FluxPart(
-            hidden_states=torch.stack(inputs["hidden_states"]),
-            encoder_hidden_states=torch.stack(inputs["encoder_hidden_states"]),
-            pooled_projections=torch.stack(inputs["pooled_projections"]),
-            timestep=torch.stack(inputs["timestep"]),
-            guidance=None if inputs["guidance"] is None else torch.stack(inputs["guidance"]),
-            txt_ids=txt_ids, img_ids=img_ids, teacache=inputs["teacache"],
-        )
-        for (txt_ids, img_ids), inputs in shapes
-    ]
+    calls = [_arguments(txt_ids, img_ids, joint_attention_kwargs, None, inputs)
+             for (txt_ids, img_ids), inputs in shapes]
     # NOTE: per-row LoRA maps the packed streams (text, image, the single blocks' joint tokens) to rows
-    return run_packed(
-        transformer,
-        packed=functools.partial(flux_packed_forward, transformer, parts,
-                                 joint_attention_kwargs=joint_attention_kwargs, packed_attention=packed_attention),
-        per_shape=lambda: [_denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
+    outputs = run_packed(
+        transformer, support_for(transformer, through_compile=True).packing, calls, packed_attention,
+        [inputs["teacache"] for _, inputs in shapes],
+        per_shape=lambda: [_call(transformer, txt_ids, img_ids, joint_attention_kwargs, None, **inputs)
                            for (txt_ids, img_ids), inputs in shapes],
-        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
-        token_rows=lambda: flux_token_streams(parts),
-        teacache=[state for part in parts for state in part.teacache or ()])
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None)
+    return [output[0] for output in outputs]
 
 
-def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, hidden_states, timestep, guidance,
-             pooled_projections, encoder_hidden_states, teacache, lora, ip_embeds, ip_scales):
-    inputs = {
-        "hidden_states": stack_rows(buffers, "hidden_states", hidden_states),
-        "timestep": stack_rows(buffers, "timestep", timestep),
-        "guidance": stack_rows(buffers, "guidance", guidance),
-        "pooled_projections": stack_rows(buffers, "pooled_projections", pooled_projections),
-        "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", encoder_hidden_states),
-    }
+def _denoise(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, **inputs):
+    return _call(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, **inputs)[0]
+
+
+def _call(transformer, txt_ids, img_ids, joint_attention_kwargs, buffers, teacache, lora, ip_embeds, ip_scales,
+          **rows):
+    """The transformer's output tuple for these rows, each with its request's TeaCache state, LoRA and IP scales."""
+    arguments = _arguments(txt_ids, img_ids, joint_attention_kwargs, buffers, rows)
     if ip_embeds is not None:
-        joint_attention_kwargs = dict(joint_attention_kwargs,
-                                      ip_adapter_image_embeds=[torch.stack(rows) for rows in zip(*ip_embeds)])
-    with kept_on_failure(teacache), lora_rows(transformer, lora), per_row_ip_scales(ip_scales):
-        if any(state is not None for state in teacache):
-            return flux_teacache_forward(transformer, teacache, **inputs, txt_ids=txt_ids, img_ids=img_ids,
-                                         joint_attention_kwargs=joint_attention_kwargs)
-        return transformer(**inputs, txt_ids=txt_ids, img_ids=img_ids,
-                           joint_attention_kwargs=joint_attention_kwargs, return_dict=False)[0]
+        arguments["joint_attention_kwargs"] = dict(
+            joint_attention_kwargs, ip_adapter_image_embeds=[torch.stack(embeds) for embeds in zip(*ip_embeds)])
+    return run_rows(transformer, arguments, support=support_for(transformer, through_compile=True), lora=lora,
+                    teacache=teacache, ip_scales=ip_scales)
+
+
+def _arguments(txt_ids, img_ids, joint_attention_kwargs, buffers, rows) -> dict[str, Any]:
+    """`FluxTransformer2DModel.forward`'s arguments for these rows (lists of row tensors), batched."""
+    return {
+        "hidden_states": stack_rows(buffers, "hidden_states", rows["hidden_states"]),
+        "timestep": stack_rows(buffers, "timestep", rows["timestep"]),
+        "guidance": stack_rows(buffers, "guidance", rows["guidance"]),
+        "pooled_projections": stack_rows(buffers, "pooled_projections", rows["pooled_projections"]),
+        "encoder_hidden_states": stack_rows(buffers, "encoder_hidden_states", rows["encoder_hidden_states"]),
+        "txt_ids": txt_ids, "img_ids": img_ids, "joint_attention_kwargs": joint_attention_kwargs, "return_dict": False,
+    }

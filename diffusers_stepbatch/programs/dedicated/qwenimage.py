@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import QwenImagePipeline
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.qwenimage import pipeline_qwenimage
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
@@ -27,40 +26,32 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from ...adapters.lora import lora_layers
 from ...adapters.state import (
     AdapterState,
-    lora_rows,
     request_adapters,
     text_encoder_state,
     without_lora_scale,
 )
-from ...cache.teacache import TeaCacheState, kept_on_failure
+from ...cache.teacache import TeaCacheState
 from ...decoders.vae import vae_decode_item
 from ...engine.batch import Packable, WorkItem
 from ...engine.split_reasons import named_key
 from ...module_scan import execution_device
 from ...models.packing.attention import check_can_run as check_packed_attention_runs
-from ...models.qwenimage.packing import (
-    QwenImagePart,
-    packed_token_rows,
-    qwenimage_packed_forward,
-    qwenimage_packing_unsupported,
-)
-from ...models.qwenimage.teacache import teacache_call
 from ...models.packing.support import extra_attention_kwargs, packing_refused
 from ..cache_hooks import hooked_denoiser
 from ..callbacks import run_step_callback
 from ..fused_update import FusedEuler
 from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
+from .steps import denoising_steps
 from ...models import support_for
 from ...models.calls import freeze
-from ...models.packed_calls import run_packed
+from ...models.denoiser_calls import run_packed, run_rows
 from ...models.row_kernels import row_kernels_of
 from ..checks.values import (
     as_list,
-    check_call_size,
-    check_latent_patches,
     check_latents,
     check_num_images_per_prompt,
 )
@@ -90,18 +81,8 @@ class QwenImageCall:
 @register_program(QwenImagePipeline, features=("adapters", "teacache"))
 def plan_qwenimage(pipe: QwenImagePipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a QwenImagePipeline call in the caller's thread and return its step program."""
-    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
-        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
     args, pid, height, width = plan_main_size(pipe, args, context)
-    check_latent_patches(height, width, pipe)
-    run_check_inputs(
-        pipe, args["prompt"], height, width, negative_prompt=args["negative_prompt"],
-        prompt_embeds=args["prompt_embeds"], negative_prompt_embeds=args["negative_prompt_embeds"],
-        prompt_embeds_mask=args["prompt_embeds_mask"], negative_prompt_embeds_mask=args["negative_prompt_embeds_mask"],
-        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
-        max_sequence_length=args["max_sequence_length"],
-    )
-    size = check_call_size(args, args["sigmas"])
+    size = check_program_call(pipe, args, height, width, ProgramChecks(latent_patches=True))
     steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if pipe.transformer.config.guidance_embeds and args["guidance_scale"] is None:
         raise ValueError("guidance_scale is required for a guidance-distilled Qwen-Image transformer")
@@ -155,16 +136,13 @@ def _log_ignored_guidance(pipe: QwenImagePipeline, args: dict[str, Any], has_neg
 def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
                       call: QwenImageCall) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._attention_kwargs = args["attention_kwargs"] or {}
-    view._current_timestep = None
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale",), attention_kwargs=args["attention_kwargs"] or {}, current_timestep=None)
     device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     # NOTE: the LoRA scale is in each row's adapter weights (call.adapters), not in the shared kwargs.
     attention_kwargs = without_lora_scale(view._attention_kwargs)
     # Module scans before the first work item, so that they run in the caller's thread (`start_in_caller`).
-    packing_reason = (qwenimage_packing_unsupported(pipe.transformer)
+    packing_reason = (support_for(pipe.transformer, through_compile=True).packing.unsupported(pipe.transformer)
                       or extra_attention_kwargs(attention_kwargs, "attention_kwargs"))
     hooked = hooked_denoiser(pipe.transformer, view)
 
@@ -220,47 +198,39 @@ def qwenimage_program(pipe: QwenImagePipeline, view: QwenImagePipeline,
     callback = args["callback_on_step_end"]
     # NOTE: the Euler step runs batched with the other requests' steps where the scheduler allows it.
     fused = FusedEuler.for_scheduler(view.scheduler, latents)
-    with view.progress_bar(total=num_inference_steps) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if call.pid is not None and i == call.pid.exit_step:
-                break  # PiD early exit: PiD decodes this x_t (step 4)
-            if view._interrupt:
-                continue
-            view._current_timestep = t
-            for state in call.teacache or ():
-                state.step = i
-            timestep = t.expand(latents.shape[0]).to(latents.dtype)
-            images = latents.shape[0]
-            inputs = {
-                "hidden_states": torch.cat([latents] * len(branches)),
-                "timestep": torch.cat([timestep / 1000] * len(branches)),
-                "guidance": None if guidance is None else torch.cat([guidance] * len(branches)),
-                "text": [embeds[j] for embeds, _ in branches for j in range(images)],
-                "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
-                "lora": [call.adapters] * (len(branches) * images),
-                "teacache": [state for state in call.teacache or [None] * len(branches) for _ in range(images)],
-            }
-            if hooked is not None:
-                yield from hooked.take_turn()
-            noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
-                                        pack=pack, row_kernels=solo)
-            if call.do_true_cfg:
-                noise_pred, negative_pred = noise_pred.chunk(2)
-                combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)
-                cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-                noise_norm = torch.norm(combined, dim=-1, keepdim=True)
-                noise_pred = combined * (cond_norm / noise_norm)
-            if fused is not None:  # the Euler step, shared with the other requests of this engine step
-                latents = yield from fused.step(t, latents, noise_pred)
-            else:
-                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                branches[0] = (outputs.pop("prompt_embeds", branches[0][0]), branches[0][1])
-            progress_bar.update()
+    # NOTE: up to PiD's early exit, whose decode is step 4
+    for i, t in denoising_steps(view, timesteps, num_inference_steps, call.pid, call.teacache, current_timestep=True):
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)
+        images = latents.shape[0]
+        inputs = {
+            "hidden_states": torch.cat([latents] * len(branches)),
+            "timestep": torch.cat([timestep / 1000] * len(branches)),
+            "guidance": None if guidance is None else torch.cat([guidance] * len(branches)),
+            "text": [embeds[j] for embeds, _ in branches for j in range(images)],
+            "text_mask": [None if mask is None else mask[j] for _, mask in branches for j in range(images)],
+            "lora": [call.adapters] * (len(branches) * images),
+            "teacache": [state for state in call.teacache or [None] * len(branches) for _ in range(images)],
+        }
+        if hooked is not None:
+            yield from hooked.take_turn()
+        noise_pred = yield WorkItem("denoise", key, inputs, denoise, rows=len(branches) * images, step=i,
+                                    pack=pack, row_kernels=solo)
+        if call.do_true_cfg:
+            noise_pred, negative_pred = noise_pred.chunk(2)
+            combined = negative_pred + args["true_cfg_scale"] * (noise_pred - negative_pred)
+            cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+            noise_norm = torch.norm(combined, dim=-1, keepdim=True)
+            noise_pred = combined * (cond_norm / noise_norm)
+        if fused is not None:  # the Euler step, shared with the other requests of this engine step
+            latents = yield from fused.step(t, latents, noise_pred)
+        else:
+            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, "prompt_embeds": branches[0][0]}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            branches[0] = (outputs.pop("prompt_embeds", branches[0][0]), branches[0][1])
     view._current_timestep = None
     if hooked is not None:
         hooked.release()
@@ -325,22 +295,24 @@ def _packable(reason, transformer, attention_kwargs, shared_key, grid, tokens, p
 
 def _packed_denoise(transformer, attention_kwargs, packed_attention, shapes):
     """One packed forward for several grids' batches; text padding is dropped per row, not masked."""
-    parts = [
-        QwenImagePart(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"], text=inputs["text"],
-                      text_mask=inputs["text_mask"], img_shapes=[grid], teacache=inputs["teacache"])
-        for grid, inputs in shapes
-    ]
-    return run_packed(
-        transformer,
-        packed=functools.partial(qwenimage_packed_forward, transformer, parts, attention_kwargs=attention_kwargs,
-                                 packed_attention=packed_attention),
-        per_shape=lambda: [_denoise(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes],
-        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None,
-        token_rows=lambda: packed_token_rows(parts),
-        teacache=[state for part in parts for state in part.teacache])
+    # NOTE: each row's text as its own entry of its own length (the packed forward takes them so)
+    calls = [dict(hidden_states=inputs["hidden_states"], timestep=inputs["timestep"],
+                  encoder_hidden_states=inputs["text"], encoder_hidden_states_mask=inputs["text_mask"],
+                  img_shapes=[[grid]], attention_kwargs=attention_kwargs, return_dict=False)
+             for grid, inputs in shapes]
+    outputs = run_packed(
+        transformer, support_for(transformer, through_compile=True).packing, calls, packed_attention,
+        [inputs["teacache"] for _, inputs in shapes],
+        per_shape=lambda: [_call(transformer, grid, attention_kwargs, **inputs) for grid, inputs in shapes],
+        lora=[row for _, inputs in shapes for row in inputs["lora"]] if lora_layers(transformer) else None)
+    return [output[0] for output in outputs]
 
 
-def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora, teacache):
+def _denoise(transformer, grid, attention_kwargs, **inputs):
+    return _call(transformer, grid, attention_kwargs, **inputs)[0]
+
+
+def _call(transformer, grid, attention_kwargs, hidden_states, timestep, guidance, text, text_mask, lora, teacache):
     """One forward over rows whose prompt embeddings may differ in length: pad to the longest and mask."""
     lengths = [row.shape[0] for row in text]
     longest = max(lengths)
@@ -354,7 +326,6 @@ def _denoise(transformer, grid, attention_kwargs, hidden_states, timestep, guida
     arguments = dict(hidden_states=hidden_states, timestep=timestep, guidance=guidance, encoder_hidden_states_mask=mask,
                      encoder_hidden_states=embeds, img_shapes=[[grid]] * hidden_states.shape[0],
                      attention_kwargs=attention_kwargs, return_dict=False)
-    with kept_on_failure(teacache), lora_rows(transformer, lora):
-        # NOTE: None where TeaCache can't reproduce the call (a config or processor it doesn't know): it computes
-        output = teacache_call(transformer, teacache, arguments) if any(s is not None for s in teacache) else None
-        return (output if output is not None else transformer(**arguments))[0]
+    # NOTE: where TeaCache can't reproduce the call (a config or processor it doesn't know), it computes
+    return run_rows(transformer, arguments, support=support_for(transformer, through_compile=True), lora=lora,
+                    teacache=teacache)

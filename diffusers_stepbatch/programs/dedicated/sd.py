@@ -21,9 +21,10 @@ from ...engine.batch import WorkItem
 from ...module_scan import execution_device
 from ...models.row_kernels import row_kernels_of
 from ..options import PlanContext
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
-from .sdxl import UNetCall, check_unet_call, decode_item, unet_adapters, unet_denoise
+from ..request_state import begin_call
+from .sdxl import UNET_CHECKS, UNetCall, decode_item, unet_adapters, unet_denoise
 from ..checks.values import as_list, check_latents
 
 
@@ -35,12 +36,8 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any], context: PlanCo
         size = pipe.unet.config.sample_size
         height, width = (size, size) if isinstance(size, int) else size[:2]
         height, width = height * pipe.vae_scale_factor, width * pipe.vae_scale_factor
-    run_check_inputs(
-        pipe, args["prompt"], height, width, None, args["negative_prompt"], args["prompt_embeds"],
-        args["negative_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
-        args["callback_on_step_end_tensor_inputs"],
-    )
-    steps, num_prompts, num_images, _ = check_unet_call(pipe, args, "Stable Diffusion")
+    size = check_program_call(pipe, args, height, width, UNET_CHECKS)
+    steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     do_cfg = args["guidance_scale"] > 1 and pipe.unet.config.time_cond_proj_dim is None
     negative = args["negative_prompt"]
     if do_cfg and args["negative_prompt_embeds"] is None and negative is not None:
@@ -63,11 +60,7 @@ def plan_sd(pipe: StableDiffusionPipeline, args: dict[str, Any], context: PlanCo
 def sd_program(pipe: StableDiffusionPipeline, view: StableDiffusionPipeline,
                call: UNetCall) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._guidance_rescale = args["guidance_rescale"]
-    view._clip_skip = args["clip_skip"]
-    view._cross_attention_kwargs = args["cross_attention_kwargs"]
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale", "guidance_rescale", "clip_skip", "cross_attention_kwargs"))
     device = execution_device(pipe)
     lora_scale = (args["cross_attention_kwargs"] or {}).get("scale")
     lora_scale, text_adapters = text_lora_scale([pipe.text_encoder], lora_scale)

@@ -16,19 +16,17 @@ from typing import Any
 
 import torch
 from diffusers import StableDiffusion3Pipeline
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
     StableDiffusion3PipelineOutput,
     calculate_shift,
     retrieve_timesteps,
 )
 
-from ...adapters.ip_adapter import IPAdapterState, bind_scale_setter, ip_key_fields, per_row_ip_scales
-from ...adapters.lora import lora_layers, streams_ambiguous
+from ...adapters.ip_adapter import IPAdapterState, bind_scale_setter, ip_key_fields
+from ...adapters.lora import lora_layers
 from ...adapters.sd3_ip_adapter import plan_sd3_ip_adapter, sd3_ip_image_embeds
 from ...adapters.state import (
     AdapterState,
-    lora_rows,
     request_adapters,
     text_lora_scale,
     without_lora_scale,
@@ -38,20 +36,20 @@ from ...engine.batch import Packable, WorkItem
 from ...engine.split_reasons import named_key
 from ...module_scan import execution_device
 from ...models.packing.attention import check_can_run as check_packed_attention_runs
-from ...models.packing.layout import PackedLayout
-from ...models.sd3.packing import SD3Part, sd3_packed_forward, sd3_packing_unsupported
 from ...models.packing.support import extra_attention_kwargs, packing_refused
 from ..callbacks import run_step_callback
 from ..fused_update import FusedEuler
 from ..options import PlanContext
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
+from .steps import denoising_steps
+from ...models import support_for
 from ...models.calls import freeze
+from ...models.denoiser_calls import run_packed, run_rows
 from ...models.row_kernels import row_kernels_of
 from ..checks.values import (
-    check_call_size,
-    check_given_embeds_not_repeated,
     check_latents,
     check_num_images_per_prompt,
 )
@@ -80,20 +78,8 @@ class SD3Call:
 @register_program(StableDiffusion3Pipeline, features=("adapters",))
 def plan_sd3(pipe: StableDiffusion3Pipeline, args: dict[str, Any], context: PlanContext) -> PlannedRequest:
     """Validate a StableDiffusion3Pipeline call in the caller's thread and return its step program."""
-    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
-        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
     args, pid, height, width = plan_main_size(pipe, args, context)
-    run_check_inputs(
-        pipe, args["prompt"], args["prompt_2"], args["prompt_3"], height, width,
-        negative_prompt=args["negative_prompt"], negative_prompt_2=args["negative_prompt_2"],
-        negative_prompt_3=args["negative_prompt_3"], prompt_embeds=args["prompt_embeds"],
-        negative_prompt_embeds=args["negative_prompt_embeds"], pooled_prompt_embeds=args["pooled_prompt_embeds"],
-        negative_pooled_prompt_embeds=args["negative_pooled_prompt_embeds"],
-        callback_on_step_end_tensor_inputs=args["callback_on_step_end_tensor_inputs"],
-        max_sequence_length=args["max_sequence_length"],
-    )
-    size = check_call_size(args, args["sigmas"])
-    check_given_embeds_not_repeated(args, size.per_prompt, "StableDiffusion3Pipeline")
+    size = check_program_call(pipe, args, height, width, ProgramChecks(embeds_as_given="StableDiffusion3Pipeline"))
     steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if args["prompt_embeds"] is None:
         for name in ("prompt_2", "prompt_3"):
@@ -135,11 +121,7 @@ def _texts(value: str | list[str], count: int, name: str, repeat_str: bool = Fal
 def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
                 call: SD3Call) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._skip_layer_guidance_scale = args["skip_layer_guidance_scale"]
-    view._clip_skip = args["clip_skip"]
-    view._joint_attention_kwargs = args["joint_attention_kwargs"]
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale", "skip_layer_guidance_scale", "clip_skip", "joint_attention_kwargs"))
     device = execution_device(pipe)
     per_prompt = check_num_images_per_prompt(args["num_images_per_prompt"])
     lora_scale = (view._joint_attention_kwargs or {}).get("scale")
@@ -148,7 +130,7 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     # A module scan before the first work item, so that it runs in the caller's thread (`start_in_caller`).
     packing_reason = (("an IP-Adapter is loaded (its image tokens are not wired into packed forwards)"
                        if call.ip is not None else None)
-                      or sd3_packing_unsupported(pipe.transformer)
+                      or support_for(pipe.transformer, through_compile=True).packing.unsupported(pipe.transformer)
                       or extra_attention_kwargs(jak, "joint_attention_kwargs"))
 
     # 1. Text: [positive] or [positive, negative], repeated for num_images_per_prompt.
@@ -207,57 +189,51 @@ def sd3_program(pipe: StableDiffusion3Pipeline, view: StableDiffusion3Pipeline,
     callback = args["callback_on_step_end"]
     # NOTE: the CFG combine and Euler step run batched with the other requests' where the scheduler allows it.
     fused = FusedEuler.for_scheduler(view.scheduler, latents)
-    with view.progress_bar(total=num_inference_steps) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if call.pid is not None and i == call.pid.exit_step:
-                break  # PiD early exit: PiD decodes this x_t (step 4)
-            if view._interrupt:
-                continue
-            images = latents.shape[0]
-            # NOTE: re-read every step, as the pipeline does: callbacks may change `_guidance_scale`.
-            do_cfg = view.do_classifier_free_guidance
-            start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
-            skipping = (do_cfg and skip_layers is not None
-                        and num_inference_steps * start < i < num_inference_steps * stop)
-            hidden, text, text_pooled = [latents] * (2 if do_cfg else 1), [prompt_embeds], [pooled_embeds]
-            skips = [None] * len(hidden) * images
-            if skipping:  # the conditional rows again, with the pipeline's original (pre-callback) embeddings
-                hidden, text, text_pooled = hidden + [latents], text + [embeds[0]], text_pooled + [pooled[0]]
-                skips += [tuple(skip_layers)] * images
-            inputs = {
-                "hidden_states": torch.cat(hidden),
-                "timestep": t.expand(len(skips)),
-                "encoder_hidden_states": torch.cat(text),
-                "pooled_projections": torch.cat(text_pooled),
-                "skip_layers": skips,
-                "lora": [call.adapters] * len(skips),
-                **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
-            }
-            output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack,
-                                    row_kernels=solo)
-            noise_pred, noise_uncond, scale = output, None, None
-            if do_cfg:
-                noise_uncond, noise_pred = output[:images], output[images:2 * images]
-                scale = view.guidance_scale
-                if skipping:  # the skip-layer term: combined here, only the Euler step is shared
-                    noise_text, noise_skip = noise_pred, output[2 * images:]
-                    noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
-                    noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
-                    noise_uncond = scale = None
-            if fused is not None:
-                latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
-            else:
-                if noise_uncond is not None:
-                    noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
-                latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_embeds}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)
-                pooled_embeds = outputs.pop("pooled_prompt_embeds", pooled_embeds)
-            progress_bar.update()
+    for i, t in denoising_steps(view, timesteps, num_inference_steps, call.pid):  # up to PiD's exit (step 4)
+        images = latents.shape[0]
+        # NOTE: re-read every step, as the pipeline does: callbacks may change `_guidance_scale`.
+        do_cfg = view.do_classifier_free_guidance
+        start, stop = args["skip_layer_guidance_start"], args["skip_layer_guidance_stop"]
+        skipping = (do_cfg and skip_layers is not None
+                    and num_inference_steps * start < i < num_inference_steps * stop)
+        hidden, text, text_pooled = [latents] * (2 if do_cfg else 1), [prompt_embeds], [pooled_embeds]
+        skips = [None] * len(hidden) * images
+        if skipping:  # the conditional rows again, with the pipeline's original (pre-callback) embeddings
+            hidden, text, text_pooled = hidden + [latents], text + [embeds[0]], text_pooled + [pooled[0]]
+            skips += [tuple(skip_layers)] * images
+        inputs = {
+            "hidden_states": torch.cat(hidden),
+            "timestep": t.expand(len(skips)),
+            "encoder_hidden_states": torch.cat(text),
+            "pooled_projections": torch.cat(text_pooled),
+            "skip_layers": skips,
+            "lora": [call.adapters] * len(skips),
+            **_ip_rows(call, ip_embeds, do_cfg, images, len(skips)),
+        }
+        output = yield WorkItem("denoise", key, inputs, denoise, rows=len(skips), step=i, pack=pack,
+                                row_kernels=solo)
+        noise_pred, noise_uncond, scale = output, None, None
+        if do_cfg:
+            noise_uncond, noise_pred = output[:images], output[images:2 * images]
+            scale = view.guidance_scale
+            if skipping:  # the skip-layer term: combined here, only the Euler step is shared
+                noise_text, noise_skip = noise_pred, output[2 * images:]
+                noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
+                noise_pred = noise_pred + (noise_text - noise_skip) * view._skip_layer_guidance_scale
+                noise_uncond = scale = None
+        if fused is not None:
+            latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
+        else:
+            if noise_uncond is not None:
+                noise_pred = noise_uncond + scale * (noise_pred - noise_uncond)
+            latents = view.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, "prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled_embeds}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)
+            pooled_embeds = outputs.pop("pooled_prompt_embeds", pooled_embeds)
 
     # 4. Decode (batched with other requests' decodes of the same size).
     if call.pid is not None:  # PiD early exit (programs/pid/exit.py): x_t and its sigma -> the requested size
@@ -354,40 +330,36 @@ def _packable(reason, transformer, joint_attention_kwargs, shared_key, tokens,
 
 def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shapes):
     """One packed forward per distinct skip set, each over that set's rows of every shape."""
-    layers = lora_layers(transformer)
-    if any(layer in layers for layer in transformer.pos_embed.modules()):
-        # NOTE: the packed forward embeds patches per size (inputs of one size's rows): per-row LoRA there
-        # can't be mapped to the packed rows, so each shape runs its own forward (adapters still per row).
-        return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
+    packing, per_row_lora = support_for(transformer, through_compile=True).packing, bool(lora_layers(transformer))
     outputs = [None] * len(shapes)
-    skip_sets = dict.fromkeys(skip for _, inputs in shapes for skip in inputs["skip_layers"])
-    for skip in skip_sets:
-        parts, picked, lora = [], [], []
+    for skip in dict.fromkeys(skip for _, inputs in shapes for skip in inputs["skip_layers"]):
+        picked = []  # (shape, its rows in this skip set, those rows' inputs)
         for index, (_, inputs) in enumerate(shapes):
             rows = [r for r, row_skip in enumerate(inputs["skip_layers"]) if row_skip == skip]
-            if not rows:
-                continue
-            rows_index = torch.tensor(rows, device=inputs["hidden_states"].device)
-            pick = lambda name: inputs[name].index_select(0, rows_index)  # noqa: E731
-            parts.append(SD3Part(pick("hidden_states"), pick("encoder_hidden_states"), pick("pooled_projections"),
-                                 pick("timestep")))
-            picked.append((index, rows_index, len(inputs["skip_layers"])))
-            lora += [inputs["lora"][r] for r in rows]
-        patch = transformer.config.patch_size
-        layout = PackedLayout(rows=[p.hidden_states.shape[0] for p in parts],
-                              lengths=[((p.hidden_states.shape[2] // patch) * (p.hidden_states.shape[3] // patch),
-                                        p.encoder_hidden_states.shape[1]) for p in parts])
-        if layers and streams_ambiguous(len(lora), layout.token_rows):
-            return [_denoise(transformer, joint_attention_kwargs, **inputs) for _, inputs in shapes]
-        with lora_rows(transformer, lora, token_rows=layout.token_rows):  # streams: image, then text tokens
-            results = sd3_packed_forward(transformer, parts, joint_attention_kwargs=joint_attention_kwargs,
-                                         skip_layers=None if skip is None else list(skip),
-                                         packed_attention=packed_attention)
-        for (index, rows_index, total), result in zip(picked, results):
+            if rows:
+                picked.append((index, torch.tensor(rows, device=inputs["hidden_states"].device), inputs))
+        parts = [_picked_rows(inputs, rows) for _, rows, inputs in picked]
+        calls = [dict(hidden_states=part["hidden_states"], encoder_hidden_states=part["encoder_hidden_states"],
+                      pooled_projections=part["pooled_projections"], timestep=part["timestep"],
+                      joint_attention_kwargs=joint_attention_kwargs, skip_layers=None if skip is None else list(skip),
+                      return_dict=False) for part in parts]
+        # NOTE: per-row LoRA maps the packed streams (image, then text tokens) to rows
+        results = run_packed(transformer, packing, calls, packed_attention, [None] * len(calls),
+                             per_shape=lambda: [(_denoise(transformer, joint_attention_kwargs, **part),)
+                                                for part in parts],
+                             lora=[row for part in parts for row in part["lora"]] if per_row_lora else None)
+        for (index, rows, inputs), (result, *_) in zip(picked, results):
             if outputs[index] is None:
-                outputs[index] = result.new_empty((total, *result.shape[1:]))
-            outputs[index].index_copy_(0, rows_index, result)
+                outputs[index] = result.new_empty((len(inputs["skip_layers"]), *result.shape[1:]))
+            outputs[index].index_copy_(0, rows, result)
     return outputs
+
+
+def _picked_rows(inputs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """The denoise inputs of `rows` (rows of one skip set, in a call without IP-Adapter embeddings)."""
+    picked = {name: inputs[name].index_select(0, rows)
+              for name in ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")}
+    return dict(picked, **{name: [inputs[name][r] for r in rows.tolist()] for name in ("skip_layers", "lora")})
 
 
 def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encoder_hidden_states, pooled_projections,
@@ -402,14 +374,12 @@ def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encod
         kwargs = joint_attention_kwargs
         if ip_embeds is not None:  # the transformer projects each row's embeddings at that row's timestep
             kwargs = dict(joint_attention_kwargs or {}, ip_adapter_image_embeds=pick(ip_embeds))
-        scales = per_row_ip_scales([ip_scales[r] for r in rows] if ip_scales is not None else [])
-        with lora_rows(transformer, [lora[r] for r in rows]), scales:
-            output = transformer(
-                hidden_states=pick(hidden_states), timestep=pick(timestep),
-                encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
-                joint_attention_kwargs=kwargs, return_dict=False,
-                skip_layers=None if skip is None else list(skip),
-            )[0]
+        arguments = dict(hidden_states=pick(hidden_states), timestep=pick(timestep),
+                         encoder_hidden_states=pick(encoder_hidden_states), pooled_projections=pick(pooled_projections),
+                         joint_attention_kwargs=kwargs, return_dict=False,
+                         skip_layers=None if skip is None else list(skip))
+        output = run_rows(transformer, arguments, lora=[lora[r] for r in rows],
+                          ip_scales=[ip_scales[r] for r in rows] if ip_scales is not None else None)[0]
         if whole:
             return output
         if outputs is None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, StableDiffusionXLPipeline
-from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.stable_diffusion_xl.pipeline_output import StableDiffusionXLPipelineOutput
 from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg, retrieve_timesteps
 
@@ -25,11 +24,10 @@ from ...adapters.ip_adapter import (
     bind_scale_setter,
     ip_image_embeds,
     ip_key_fields,
-    per_row_ip_scales,
     plan_ip_adapter,
 )
 from ...adapters.ip_masks import batched_masks, mask_key, mask_rows, without_masks
-from ...adapters.state import AdapterState, lora_rows, request_adapters, text_lora_scale, without_lora_scale
+from ...adapters.state import AdapterState, request_adapters, text_lora_scale, without_lora_scale
 from ...decoders.vae import decode_alone_on_cpu, vae_decode_item
 from ...engine.batch import WorkItem
 from ...engine.split_reasons import named_key
@@ -38,15 +36,14 @@ from ..callbacks import run_step_callback
 from ..fused_update import FusedEuler
 from ..pid.exit import PiDExit, pid_exit_decode, plan_main_size
 from ..options import PlanContext
-from ..checks.pipeline import run_check_inputs
+from ..checks.program import ProgramChecks, check_program_call
 from ..registry import PlannedRequest, register_program, request_pipeline
+from ..request_state import begin_call
+from .steps import denoising_steps
 from ...models.calls import freeze
+from ...models.denoiser_calls import run_rows
 from ...models.row_kernels import row_kernels_of
-from ..checks.values import (
-    as_list,
-    check_call_size,
-    check_latents,
-)
+from ..checks.values import as_list, check_latents
 
 
 @dataclass
@@ -70,15 +67,8 @@ _UNET_FIELDS = ("latent size", "timestep dtype", "text length", "pooled text wid
                 "timestep_cond (guidance embedding)")
 
 
-def check_unet_call(pipe, args: dict[str, Any], name: str) -> tuple[int, int, int, int]:
-    """Checks SD and SDXL share; returns (steps, num_prompts, num_images, per_prompt)."""
-    legacy = sorted(option for option in (args.get("kwargs") or {}) if option in ("callback", "callback_steps"))
-    if legacy:
-        raise ValueError(f"{legacy} are deprecated and not supported by StepBatched; use callback_on_step_end")
-    if isinstance(args["callback_on_step_end"], (PipelineCallback, MultiPipelineCallbacks)):
-        args["callback_on_step_end_tensor_inputs"] = args["callback_on_step_end"].tensor_inputs
-    size = check_call_size(args, args["timesteps"] if args["timesteps"] is not None else args["sigmas"])
-    return size.steps, size.num_prompts, size.num_images, size.per_prompt
+# SD and SDXL: a custom `timesteps` or `sigmas` schedule, SD-era callbacks refused
+UNET_CHECKS = ProgramChecks(schedule=("timesteps", "sigmas"), legacy_callbacks=True)
 
 
 @register_program(StableDiffusionXLPipeline, features=("adapters",))
@@ -88,13 +78,8 @@ def plan_sdxl(pipe: StableDiffusionXLPipeline, args: dict[str, Any], context: Pl
     if pid is not None and args["denoising_end"] is not None:
         raise ValueError(f"denoising_end={args['denoising_end']!r} hands the latent to a refiner; with a PiD "
                          "decoder use pid_exit_step to choose where the main model stops")
-    run_check_inputs(
-        pipe, args["prompt"], args["prompt_2"], height, width, None, args["negative_prompt"], args["negative_prompt_2"],
-        args["prompt_embeds"], args["negative_prompt_embeds"], args["pooled_prompt_embeds"],
-        args["negative_pooled_prompt_embeds"], args["ip_adapter_image"], args["ip_adapter_image_embeds"],
-        args["callback_on_step_end_tensor_inputs"],
-    )
-    steps, num_prompts, num_images, _ = check_unet_call(pipe, args, "SDXL")
+    size = check_program_call(pipe, args, height, width, UNET_CHECKS)
+    steps, num_prompts, num_images = size.steps, size.num_prompts, size.num_images
     if args["prompt_embeds"] is None and args["prompt_2"] is not None:
         if len(as_list(args["prompt_2"])) != num_prompts:
             raise ValueError(f"prompt_2 has {len(as_list(args['prompt_2']))} entries for {num_prompts} prompts")
@@ -142,12 +127,8 @@ def _negative_texts(args, name: str, count: int) -> list[str]:
 def sdxl_program(pipe: StableDiffusionXLPipeline, view: StableDiffusionXLPipeline, call: UNetCall,
                  projection_dim: int) -> Generator[WorkItem, Any, Any]:
     args = call.args
-    view._guidance_scale = args["guidance_scale"]
-    view._guidance_rescale = args["guidance_rescale"]
-    view._clip_skip = args["clip_skip"]
-    view._cross_attention_kwargs = args["cross_attention_kwargs"]
-    view._denoising_end = args["denoising_end"]
-    view._interrupt = False
+    begin_call(view, args, ("guidance_scale", "guidance_rescale", "clip_skip", "cross_attention_kwargs",
+                            "denoising_end"))
     device = execution_device(pipe)
     lora_scale, text_adapters = text_lora_scale([pipe.text_encoder, pipe.text_encoder_2],
                                                 (args["cross_attention_kwargs"] or {}).get("scale"))
@@ -314,65 +295,61 @@ def unet_denoise(view, pipe, call: UNetCall, latents: torch.Tensor, timesteps: t
     callback = args["callback_on_step_end"]
     # NOTE: the CFG combine and Euler step run batched with the other requests' where the scheduler allows it.
     fused = FusedEuler.for_scheduler(view.scheduler, latents)
-    with view.progress_bar(total=len(timesteps)) as progress_bar:
-        for i, t in enumerate(timesteps):
-            if view._interrupt:
-                continue
-            # NOTE: as the pipelines do, guidance is re-read every step: callbacks may change `_guidance_scale`
-            # (diffusers' CFG-cutoff callbacks set it to 0 and keep only the conditional rows).
-            do_cfg = view.do_classifier_free_guidance
-            branches = 2 if do_cfg else 1
-            model_input = torch.cat([latents] * branches) if branches > 1 else latents
-            if hasattr(view.scheduler, "scale_model_input"):
-                model_input = view.scheduler.scale_model_input(model_input, t)
-            # NOTE: the UNet embeds timesteps as float32 either way; int timesteps (DPM) batch with float ones.
-            timestep = t.to(model_input.device).float().expand(model_input.shape[0])
-            inputs = {
-                "sample": model_input,
-                "timestep": timestep,
-                "encoder_hidden_states": conditioning["prompt_embeds"],
-                "text_embeds": conditioning.get("add_text_embeds"),
-                "time_ids": conditioning.get("add_time_ids"),
-                "timestep_cond": None if timestep_cond is None else timestep_cond.repeat(branches, 1),
-            }
-            shapes = [None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values()]
-            key = named_key(program="unet", **dict(zip(_UNET_FIELDS, shapes)),
-                            cross_attention_kwargs=freeze(cross_attention_kwargs), device=str(model_input.device))
-            inputs["lora"] = [call.adapters] * model_input.shape[0]
-            image_embeds = conditioning.get("ip_image_embeds")
-            if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
-                image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
-            if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
-                key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in image_embeds])
-                key += named_key(**{"ip_adapter: masks (shapes, or none)": mask_key(masks)})
-            inputs["image_embeds"] = (None if image_embeds is None else
-                                      [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
-            inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
-            first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
-            inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
-            noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i,
-                                        row_kernels=solo)
-            noise_uncond = scale = None
-            if do_cfg:
-                noise_uncond, noise_pred = noise_pred.chunk(2)
-                scale = view.guidance_scale
-                if view.guidance_rescale > 0.0 or fused is None:  # combined here; the Euler step may be shared
-                    noise_text = noise_pred
-                    noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
-                    if view.guidance_rescale > 0.0:
-                        noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
-                    noise_uncond = scale = None
-            if fused is not None:
-                latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
-            else:
-                latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
-            if callback is not None:
-                tensors = {"latents": latents, **conditioning}
-                callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
-                outputs = run_step_callback(callback, view, i, t, callback_kwargs)
-                latents = outputs.pop("latents", latents)
-                conditioning.update({name: value for name, value in outputs.items() if name in conditioning})
-            progress_bar.update()
+    for i, t in denoising_steps(view, timesteps, len(timesteps)):
+        # NOTE: as the pipelines do, guidance is re-read every step: callbacks may change `_guidance_scale`
+        # (diffusers' CFG-cutoff callbacks set it to 0 and keep only the conditional rows).
+        do_cfg = view.do_classifier_free_guidance
+        branches = 2 if do_cfg else 1
+        model_input = torch.cat([latents] * branches) if branches > 1 else latents
+        if hasattr(view.scheduler, "scale_model_input"):
+            model_input = view.scheduler.scale_model_input(model_input, t)
+        # NOTE: the UNet embeds timesteps as float32 either way; int timesteps (DPM) batch with float ones.
+        timestep = t.to(model_input.device).float().expand(model_input.shape[0])
+        inputs = {
+            "sample": model_input,
+            "timestep": timestep,
+            "encoder_hidden_states": conditioning["prompt_embeds"],
+            "text_embeds": conditioning.get("add_text_embeds"),
+            "time_ids": conditioning.get("add_time_ids"),
+            "timestep_cond": None if timestep_cond is None else timestep_cond.repeat(branches, 1),
+        }
+        shapes = [None if v is None else (tuple(v.shape[1:]), v.dtype) for v in inputs.values()]
+        key = named_key(program="unet", **dict(zip(_UNET_FIELDS, shapes)),
+                        cross_attention_kwargs=freeze(cross_attention_kwargs), device=str(model_input.device))
+        inputs["lora"] = [call.adapters] * model_input.shape[0]
+        image_embeds = conditioning.get("ip_image_embeds")
+        if image_embeds is not None and not do_cfg and call.do_cfg:  # a CFG cutoff kept the conditional rows
+            image_embeds = [e[e.shape[0] // 2:] for e in image_embeds]
+        if image_embeds is not None:  # per row: a tuple with one tensor per IP-Adapter
+            key += ip_key_fields(call.ip, [tuple(e.shape[1:]) for e in image_embeds])
+            key += named_key(**{"ip_adapter: masks (shapes, or none)": mask_key(masks)})
+        inputs["image_embeds"] = (None if image_embeds is None else
+                                  [tuple(e[r] for e in image_embeds) for r in range(model_input.shape[0])])
+        inputs["ip_scales"] = [None if call.ip is None else call.ip.row()] * model_input.shape[0]
+        first_row = model_input.shape[0] if call.do_cfg and not do_cfg else 0  # a CFG cutoff: conditional half
+        inputs["ip_masks"] = mask_rows(masks, model_input.shape[0], first_row)
+        noise_pred = yield WorkItem("denoise", key, inputs, run, rows=model_input.shape[0], step=i,
+                                    row_kernels=solo)
+        noise_uncond = scale = None
+        if do_cfg:
+            noise_uncond, noise_pred = noise_pred.chunk(2)
+            scale = view.guidance_scale
+            if view.guidance_rescale > 0.0 or fused is None:  # combined here; the Euler step may be shared
+                noise_text = noise_pred
+                noise_pred = noise_uncond + scale * (noise_text - noise_uncond)
+                if view.guidance_rescale > 0.0:
+                    noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=view.guidance_rescale)
+                noise_uncond = scale = None
+        if fused is not None:
+            latents = yield from fused.step(t, latents, noise_pred, noise_uncond, scale)
+        else:
+            latents = view.scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
+        if callback is not None:
+            tensors = {"latents": latents, **conditioning}
+            callback_kwargs = {name: tensors[name] for name in args["callback_on_step_end_tensor_inputs"]}
+            outputs = run_step_callback(callback, view, i, t, callback_kwargs)
+            latents = outputs.pop("latents", latents)
+            conditioning.update({name: value for name, value in outputs.items() if name in conditioning})
     return latents
 
 
@@ -384,6 +361,7 @@ def _denoise(unet, cross_attention_kwargs, sample, timestep, encoder_hidden_stat
     masks = batched_masks(ip_masks)
     if masks is not None:
         cross_attention_kwargs = dict(cross_attention_kwargs or {}, ip_adapter_masks=masks)
-    with lora_rows(unet, lora), per_row_ip_scales(ip_scales):
-        return unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, timestep_cond=timestep_cond,
-                    cross_attention_kwargs=cross_attention_kwargs, added_cond_kwargs=added, return_dict=False)[0]
+    arguments = dict(sample=sample, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                     timestep_cond=timestep_cond, cross_attention_kwargs=cross_attention_kwargs,
+                     added_cond_kwargs=added, return_dict=False)
+    return run_rows(unet, arguments, lora=lora, ip_scales=ip_scales)[0]
