@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         if rank > 0:
             continue
         report["families"][name] = result
-        print(f"{name}: {result['ranks']} ranks; one request {result['one_gpu']['alone_s']:.3f} s on one GPU, "
+        print(f"{name}: {result['ranks']} ranks; one request {result['one_gpu']['alone_s']:.3f} s on one device, "
               f"{result['context_parallel']['alone_s']:.3f} s split ({result['single_request_speedup']:.2f}x); "
-              f"{result['requests']} requests per s: one GPU {result['one_gpu']['together_per_s']:.3f}, split "
+              f"{result['requests']} requests per s: one device {result['one_gpu']['together_per_s']:.3f}, split "
               f"{result['context_parallel']['together_per_s']:.3f} ({result['throughput_ratio']:.2f}x)", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, default=str))  # NOTE: after each family, for a timeout

@@ -24,7 +24,7 @@ from .engine.metrics import CallRecord
 from .engine.request import Request, RequestHandle, next_request_id, start_in_caller
 from .engine.scheduler import SchedulerConfig
 from .module_scan import scan_scope
-from .parallel import PACKING_OFF, start_context_parallel
+from .parallel import start_context_parallel
 from .models.packing.attention import check_packed_attention
 from .programs import program_for, registered_pipelines
 from .programs.checks import check_call_inputs
@@ -143,10 +143,9 @@ class StepBatched:
             config = dataclasses.replace(config, exact=exact)
         if not isinstance(mixed_resolution, bool):
             raise ValueError(f"mixed_resolution={mixed_resolution!r} must be True or False")
-        self.engine = EngineCore(config, mixed_shapes=mixed_resolution and self.parallel is None,
-                                 on_idle=_freeing_models_of(pipe))
-        if self.parallel is not None:
-            self.engine.packing_refusal = PACKING_OFF
+        self.engine = EngineCore(config, mixed_shapes=mixed_resolution, on_idle=_freeing_models_of(pipe))
+        if self.parallel is not None and mixed_resolution:
+            self.engine.packing_refusal = self.parallel.packing_refusal()
         # NOTE: the engine thread holds the engine, not this wrapper; when the wrapper is collected, stop it.
         self._finalizer = weakref.finalize(self, self.engine.close, True, _FINALIZER_JOIN_S)
 

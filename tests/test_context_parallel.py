@@ -27,6 +27,8 @@ TOLERANCE = 1e-4
 SPLIT_FAMILIES = ["flux", "flux2", "qwenimage", "wan2.1", "wan2.2", "z-image", "ltx2", "ltx2.3"]
 # families whose sizes share calls in the model's own forward (per-image lists), so nothing is packed
 OWN_MIXED_SIZES = {"z-image"}
+# families whose packed calls run split (their plan splits only the forward's own inputs: parallel/packed.py)
+PACKED_SPLIT = {"flux", "flux2"}
 # families whose blocks can't run split (the model layer says why): rank 0 runs them alone
 ALONE_FAMILIES = {"hunyuan-video-1.5": "query-by-key mask"}
 FAMILIES = [*SPLIT_FAMILIES, *ALONE_FAMILIES]
@@ -88,10 +90,14 @@ def test_requests_of_different_sizes_equal_the_plain_pipeline_under_ulysses(fami
     assert leader["parallel"]["split"] and not leader["parallel"]["alone"], leader["parallel"]
     # every call rank 0 made on a split model, rank 1 made too
     assert follower["calls_followed"] == leader["parallel"]["calls_relayed"] > 0
+    if family in PACKED_SPLIT:  # rows of several sizes shared packed calls, each rank holding a share of each
+        assert leader["mixed"]["calls"] > 0 and leader["mixed"]["sizes_per_call"] > 1, leader["mixed"]
+        assert PACKING_OFF not in str(leader["splits"])
+        return
     assert leader["mixed"]["calls"] == 0
     if family in OWN_MIXED_SIZES:  # different sizes shared split calls: fewer calls than the requests' steps
         assert leader["parallel"]["calls_relayed"] < leader["steps"], leader
-    else:  # sizes don't pack under context parallelism: each size's call runs split, and stats() says why
+    else:  # these sizes don't pack under context parallelism: each size's call runs split; stats() says why
         assert leader["splits"].get(f"denoise: {PACKING_OFF}", 0) > 0, leader["splits"]
 
 
@@ -102,6 +108,13 @@ def test_a_model_whose_blocks_cant_run_split_runs_on_rank_0_alone_and_says_why(f
     assert leader["parallel"]["split"] == []
     assert ALONE_FAMILIES[family] in leader["parallel"]["alone"]["transformer"]
     assert leader["parallel"]["calls_relayed"] == follower["calls_followed"] == 0
+
+
+@pytest.mark.parametrize("family", ["flux", "wan2.1"])
+def test_per_request_state_is_refused_in_the_caller_under_context_parallelism(families, family):
+    refused = families[family][0]["refused"]
+    assert "teacache= can't run under context parallelism" in refused["teacache"], refused
+    assert "adapters= (per-request LoRA) can't run under context parallelism" in refused["adapters"], refused
 
 
 def test_wan22_splits_both_experts(families):

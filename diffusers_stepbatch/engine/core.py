@@ -69,7 +69,7 @@ class EngineCore:
         self.timer = timer or CallTimer()  # device-true call times for the cost models (engine/timing.py)
         self.packing = PackingCostModel(self.costs)
         self.mixed_shapes = mixed_shapes  # items of different shapes may share a packed call (`WorkItem.pack`)
-        self.packing_refusal: str | None = None  # why not, where a rule (not the caller) turned packing off
+        self.packing_refusal: str | None = None  # why items carry no `pack`, where a rule turned packing off
         self.metrics = EngineMetrics()
         self._name = name
         self._wakeup = threading.Condition()
@@ -346,7 +346,7 @@ class EngineCore:
                 packable[(group_key[0], pack.key)].append(group_key)
             else:
                 calls.extend(self._chunk(group_key, members))
-                if self.packing_refusal is not None and group_key[0] == "denoise":
+                if pack is None and self.packing_refusal is not None and group_key[0] == "denoise":
                     refused[group_key[0]] += 1
         for kind, shapes in refused.items():
             if shapes > 1:  # NOTE: the model layer refuses such packs itself (hooks on the model); say why here

@@ -15,6 +15,7 @@ from ..adapters.lora import streams_ambiguous
 from ..adapters.state import AdapterState, lora_rows
 from ..cache.teacache import TeaCacheState, kept_on_failure
 from . import ModelSupport, Packing, support_for
+from .packing.support import SPLIT_PACKED
 
 
 def model_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -25,6 +26,9 @@ def model_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 def packed_forward(packing: Packing, model: torch.nn.Module, calls: list[dict[str, Any]], packed_attention: str,
                    teacache: Sequence) -> list[Any]:
     """A packed call: one output per call of `calls` (their arguments by name)."""
+    split = getattr(model, SPLIT_PACKED, None)  # NOTE: under context parallelism, every rank runs its share
+    if split is not None:
+        return split(packing, calls, packed_attention)
     return packing.run(model, calls, packed_attention, teacache)
 
 

@@ -11,12 +11,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .packed import splits_packed
 from .plans import ParallelModels, check_parallel_config, enable_context_parallel
 from .ranks import DEFAULT_TIMEOUT_S, check_same_weights, rank_device, start_ranks
 from .relay import CallRelay, RanksLost, follow, header_group
 
-# NOTE: packed forwards drive the model's blocks past the hooks that split the sequence over the ranks
-PACKING_OFF = "context parallel: a packed call can't run split over the ranks, each size runs its own call"
+PACKING_OFF = ("context parallel: this model's packed calls can't run split (its plan splits inside the model), "
+               "each size runs its own call")
 
 __all__ = ["ContextParallelRun", "PACKING_OFF", "RanksLost", "start_context_parallel"]
 
@@ -41,6 +42,14 @@ class ContextParallelRun:
     def close(self) -> None:
         if self.relay is not None:
             self.relay.close()
+
+    def packing_refusal(self) -> str | None:
+        """`PACKING_OFF` when a split model packs calls but not split over the ranks (`parallel/packed.py`)."""
+        from ..models import support_for
+
+        refused = [model for model in self.models.split.values()
+                   if support_for(model).packing is not None and not splits_packed(model)]
+        return PACKING_OFF if refused else None
 
     def describe(self) -> dict[str, Any]:
         """For `stats()["parallel"]`: the degrees, which models run split and why the others don't."""

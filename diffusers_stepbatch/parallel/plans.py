@@ -22,14 +22,6 @@ from .gloo_gather import use_padded_gathers_on_gloo
 DENOISERS = ("transformer", "transformer_2", "unet")
 
 
-_SEQUENCE_HOOKS = ("cp_input---", "cp_output---")
-
-
-def splits_sequence(hook_name: str) -> bool:
-    """True for a context-parallel split or gather hook: stateless, so requests may share the model."""
-    return hook_name.startswith(_SEQUENCE_HOOKS)
-
-
 @dataclass
 class ParallelModels:
     """Denoisers split over the ranks (name -> model), and why the others run on rank 0 alone."""

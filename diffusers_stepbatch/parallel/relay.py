@@ -13,6 +13,7 @@ fails at once with `RanksLost`, never a hang.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -23,10 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from ..models.packing.support import SPLIT_PACKED
+from .packed import run_split_packed, splits_packed
+
 logger = logging.getLogger(__name__)
 
 _STOP = "stop"
 _CALL = "call"
+_PACKED = "packed"
 # NOTE: a follower waits for rank 0's next call as long as the server idles
 _IDLE_WAIT = datetime.timedelta(days=365)
 
@@ -61,27 +66,37 @@ class CallRelay:
             inner = model.forward
             self._forwards.append((model, inner))
             model.forward = self._relayed(index, inner)
+            if splits_packed(model):
+                setattr(model, SPLIT_PACKED, functools.partial(self._packed, index, model))
 
     def _relayed(self, index: int, inner):
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                if self._lost is not None:
-                    raise RanksLost(f"a context-parallel follower rank is gone ({self._lost}); restart the "
-                                    "launch (torchrun) to serve again") from self._lost
-                if self._closed:
-                    raise RuntimeError("this context-parallel relay is closed: the followers have stopped")
-                try:
-                    _send(self._headers, (_CALL, index), (args, kwargs), self._device)
-                    self.calls += 1
-                    return inner(*args, **kwargs)
-                except (RuntimeError, dist.DistBackendError) as exc:
-                    if _is_transport_error(exc):
-                        self._lost = exc
-                        raise RanksLost(f"a context-parallel follower rank is gone during a call ({exc})") from exc
-                    raise
+            return self._run((_CALL, index), (args, kwargs), lambda: inner(*args, **kwargs))
 
         forward.__wrapped__ = inner
         return forward
+
+    def _packed(self, index: int, model: torch.nn.Module, packing: Any, calls: list, packed_attention: str) -> list:
+        return self._run((_PACKED, index), ((calls, packed_attention), {}),
+                         lambda: run_split_packed(packing, model, calls, packed_attention))
+
+    def _run(self, op: tuple[str, int], call: tuple[tuple, dict], run) -> Any:
+        """Send `call` to the followers, then `run()` it here; one at a time, in order."""
+        with self._lock:
+            if self._lost is not None:
+                raise RanksLost(f"a context-parallel follower rank is gone ({self._lost}); restart the "
+                                "launch (torchrun) to serve again") from self._lost
+            if self._closed:
+                raise RuntimeError("this context-parallel relay is closed: the followers have stopped")
+            try:
+                _send(self._headers, op, call, self._device)
+                self.calls += 1
+                return run()
+            except (RuntimeError, dist.DistBackendError) as exc:
+                if _is_transport_error(exc):
+                    self._lost = exc
+                    raise RanksLost(f"a context-parallel follower rank is gone during a call ({exc})") from exc
+                raise
 
     @property
     def lost(self) -> BaseException | None:
@@ -96,6 +111,8 @@ class CallRelay:
             self._closed = True
             for model, inner in self._forwards:
                 model.forward = inner
+                if hasattr(model, SPLIT_PACKED):
+                    delattr(model, SPLIT_PACKED)
             if self._lost is None:
                 try:
                     _send(self._headers, (_STOP, -1), ((), {}), self._device)
@@ -113,6 +130,8 @@ def follow(models: Sequence[torch.nn.Module], device: torch.device, headers: Any
 
     A call that raises here raises on rank 0 too (same inputs, same code): the follower goes on to the next.
     """
+    from ..models import support_for
+
     forwards = [model.forward for model in models]
     calls = 0
     while True:
@@ -122,7 +141,11 @@ def follow(models: Sequence[torch.nn.Module], device: torch.device, headers: Any
         calls += 1
         try:
             with torch.inference_mode():
-                forwards[index](*args, **kwargs)
+                if op == _PACKED:
+                    model = models[index]
+                    run_split_packed(support_for(model).packing, model, *args)
+                else:
+                    forwards[index](*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - rank 0 reports it to the request
             logger.debug("a relayed call raised on this follower (rank 0 raises it too): %s", exc)
 

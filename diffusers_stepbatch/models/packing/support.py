@@ -8,6 +8,13 @@ from ...module_scan import diffusers_hooks, marked_modules, own_attribute
 
 logger = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()
+SPLIT_PACKED = "_stepbatch_split_packed"
+_SEQUENCE_HOOKS = ("cp_input---", "cp_output---")
+
+
+def splits_sequence(hook_name: str) -> bool:
+    """True for a context-parallel split or gather hook: stateless, so requests may share the model."""
+    return hook_name.startswith(_SEQUENCE_HOOKS)
 
 
 def unsupported_reason(transformer, processor_class: type | tuple[type, ...], called_whole: tuple[str, ...] = ()
@@ -20,8 +27,9 @@ def unsupported_reason(transformer, processor_class: type | tuple[type, ...], ca
     if own_attribute(transformer, "_hf_hook") is not None:
         return "the transformer has an accelerate offload hook (enable_model_cpu_offload)"
     whole = tuple(f"{name}." for name in called_whole)
+    split_packed = own_attribute(transformer, SPLIT_PACKED) is not None
     for name, module in marked_modules(transformer):
-        hooks = diffusers_hooks(module)
+        hooks = [hook for hook in diffusers_hooks(module) if not (split_packed and splits_sequence(hook))]
         if hooks:
             return f"diffusers hooks {sorted(hooks)} are registered on {name or 'the transformer'}"
         processor = own_attribute(module, "processor")
@@ -33,8 +41,7 @@ def unsupported_reason(transformer, processor_class: type | tuple[type, ...], ca
 
 
 def extra_attention_kwargs(kwargs: dict | None, name: str) -> str | None:
-    """A reason to keep sizes apart when attention kwargs hold more than the LoRA `scale` (they reach the
-    attention processor, which the packed forward does not call)."""
+    """Why sizes stay apart: attention kwargs beyond the LoRA `scale` (the packed forward skips the processor)."""
     extra = set(kwargs or {}) - {"scale"}
     return f"{name} {sorted(extra)} go to the attention processor" if extra else None
 

@@ -22,6 +22,7 @@ from diffusers import DiffusionPipeline
 from ...engine.batch import WorkItem
 from ...engine.split_reasons import named_key
 from ...models.merge_checks import log_once
+from ...models.packing.support import splits_sequence
 from ...module_scan import diffusers_hooks, execution_device, marked_modules
 from ..checks.generic_call import num_steps, parameters_after_self
 from ..checks.program import check_program_call
@@ -31,7 +32,6 @@ from ..pid.generic import plan_generic_pid_exit
 from ..registry import PlannedRequest, register_program, request_pipeline, unhooked_class
 from ..request_state import active_view
 from ...adapters.state import NOT_GIVEN
-from ...parallel.plans import splits_sequence
 from .proxies import DENOISER_NAMES, denoiser_names, plan_proxies
 from .turns import generic_program
 from .work_items import HOLDERS, Holder
