@@ -45,3 +45,14 @@ def base_url(served):
 
     with ServerThread(create_app(ServeConfig(), model=served)) as url:
         yield url
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of the modules that share the local Ray instance (tests/ray_helpers.py), stop it."""
+    yield
+    if getattr(item.module, "USES_LOCAL_RAY", False) and not getattr(getattr(nextitem, "module", None),
+                                                                     "USES_LOCAL_RAY", False):
+        from .ray_helpers import stop_local_ray_serve
+
+        stop_local_ray_serve()

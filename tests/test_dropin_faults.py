@@ -191,18 +191,20 @@ def test_a_synchronous_call_from_a_callback_raises_in_every_program(name):
 
 def test_the_process_exits_while_the_engine_is_busy():
     script = textwrap.dedent("""
+        import threading
         import time
         from diffusers_stepbatch import StepBatched
         from diffusers_stepbatch.testing import tiny_pixart_or_sana_pipeline
         pipe = tiny_pixart_or_sana_pipeline()
         pipe.set_progress_bar_config(disable=True)
         sb = StepBatched(pipe)
-        def stuck(view, i, t, kwargs):
+        busy = threading.Event()
+        def stuck(i, t, latents):  # PixArtSigmaPipeline's (legacy) step callback
+            busy.set()
             time.sleep(600)
-            return kwargs
         sb.submit("a cat", height=32, width=32, num_inference_steps=2, use_resolution_binning=False,
-                  clean_caption=False, max_sequence_length=16, callback_on_step_end=stuck)
-        time.sleep(3)
+                  clean_caption=False, max_sequence_length=16, callback=stuck)
+        assert busy.wait(60)  # the engine thread is inside the request's step now
         print("leaving", flush=True)
     """)
     started = time.time()

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
-import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,17 +19,12 @@ pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 yaml = pytest.importorskip("yaml")
 
+from .ray_helpers import ROOT, local_ray_serve
 from .serve_helpers import decode_b64, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+USES_LOCAL_RAY = True  # conftest stops the shared instance after the last module that uses it
 CONFIG = ROOT / "examples" / "ray_serve.yaml"
 REPLICA_HEADER = "x-stepbatch-replica"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,31 +32,20 @@ def ray_app():
     from ray import serve
 
     from diffusers_stepbatch.serve.ray import DEPLOYMENT_NAME, build_app
-    from diffusers_stepbatch.serve.ray_proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     config = yaml.safe_load(CONFIG.read_text())
     application = config["applications"][0]
     deployment = next(d for d in application["deployments"] if d["name"] == DEPLOYMENT_NAME)
     options = {k: v for k, v in deployment.items() if k != "name"}
     assert options["num_replicas"] == 2
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "TOKENIZERS_PARALLELISM": "false"}
-    # NOTE: a private local instance: 127.0.0.1 only, no dashboard, no usage stats
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # before the local instance starts: its proxy reads it
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
-             _node_ip_address="127.0.0.1")
-    port = _free_port()
+    url = local_ray_serve()
+    serve.run(build_app({**application["args"], **options}), name=application["name"],
+              route_prefix=application["route_prefix"])
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({**application["args"], **options}), name=application["name"],
-                  route_prefix=application["route_prefix"])
-        url = f"http://127.0.0.1:{port}"
         assert wait_for(lambda: _status(f"{url}/health") == 200, timeout=120, interval=0.5)
         yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete(application["name"])
 
 
 def test_example_config_and_build_app_options():
@@ -97,6 +78,22 @@ def _status(url: str) -> int:
         return 0
 
 
+def _replica_running(url: str) -> str | None:
+    """The replica that answered this /metrics poll (Ray's proxy picks one) if its engine runs requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=5)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    running = any(sample.labels.get("state") == "running" and sample.value >= 1
+                  for family in text_string_to_metric_families(response.text)
+                  if family.name == "stepbatch_engine_requests" for sample in family.samples)
+    return response.headers.get(REPLICA_HEADER) if running else None
+
+
 def _generate(url: str, seed: int, steps: int = 20) -> httpx.Response | Exception:
     body = {"model": "toy-shapes", "prompt": "a red circle at the top left on a white background", "seed": seed,
             "num_inference_steps": steps}
@@ -117,11 +114,12 @@ def test_requests_spread_over_both_replicas_and_a_killed_replica_fails_only_its_
     in_burst = np.asarray(decode_b64(responses[0].json()["data"][0]["b64_json"]))
     assert np.array_equal(np.asarray(decode_b64(_generate(ray_app, 0).json()["data"][0]["b64_json"])), in_burst)
 
-    victim = min(replicas)
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        # NOTE: 600 steps: with 12 requests sharing each replica's forwards, 200 steps could all finish within 2 s
-        load = [pool.submit(_generate, ray_app, 100 + i, 600) for i in range(24)]
-        time.sleep(2.0)  # both replicas are denoising their share (each request needs > 2 s here)
+        # NOTE: 150 steps: the victim, a replica seen running its share, dies at once, so its requests are still
+        # in flight and the other replica's have most of their steps to go
+        load = [pool.submit(_generate, ray_app, 100 + i, 150) for i in range(24)]
+        victim = wait_for(lambda: _replica_running(ray_app), timeout=60, interval=0.02)
+        assert victim in replicas, (victim, replicas)
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         killed_at = time.monotonic()
         results = [future.result(timeout=180) for future in load]

@@ -5,8 +5,6 @@ job store, a job was a 404 on the replica that didn't make it)."""
 from __future__ import annotations
 
 import collections
-import os
-import socket
 
 import pytest
 
@@ -16,8 +14,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("sqlalchemy", reason="the job store needs `pip install -e .[serve]`")
 
 from .postgres_helpers import fresh_database, missing_reason, postgres_server
+from .ray_helpers import local_ray_serve
 from .serve_helpers import wait_for
-from .test_serve_ray import ROOT, REPLICA_HEADER
+from .test_serve_ray import REPLICA_HEADER
+
+USES_LOCAL_RAY = True  # conftest stops the shared instance after the last module that uses it
 
 SHORT = {"num_frames": 5, "num_inference_steps": 2, "size": "32x32"}
 
@@ -31,29 +32,19 @@ def ray_videos(tmp_path_factory):
 
     from diffusers_stepbatch.serve.ray import build_app
 
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "TOKENIZERS_PARALLELISM": "false"}
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     with postgres_server() as admin:
         database = fresh_database(admin, "ray")
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
-                 _node_ip_address="127.0.0.1")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        url = local_ray_serve()
+        # NOTE: max_steps lets the "long" job run until it is cancelled
+        serve.run(build_app({"model": "tiny-wan", "jobs_db": database, "video_fps": 4, "jobs_poll_s": 0.2,
+                             "max_steps": 100_000,
+                             "video_dir": str(tmp_path_factory.mktemp("ray-videos")), "num_replicas": 2,
+                             "ray_actor_options": {"num_cpus": 1}}), name="videos", route_prefix="/")
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            # NOTE: max_steps lets the "long" job run until it is cancelled
-            serve.run(build_app({"model": "tiny-wan", "jobs_db": database, "video_fps": 4, "jobs_poll_s": 0.2,
-                                 "max_steps": 100_000,
-                                 "video_dir": str(tmp_path_factory.mktemp("ray-videos")), "num_replicas": 2,
-                                 "ray_actor_options": {"num_cpus": 1}}), name="videos", route_prefix="/")
-            url = f"http://127.0.0.1:{port}"
             assert wait_for(lambda: _status(f"{url}/health") == 200, timeout=180, interval=0.5)
             yield url
         finally:
-            serve.shutdown()
-            ray.shutdown()
+            serve.delete("videos")  # before its database goes
 
 
 def _status(url: str) -> int | None:

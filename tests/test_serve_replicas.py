@@ -27,6 +27,7 @@ from .serve_helpers import ServerProcess, ServerThread, wait_for
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 SHORT = {"num_frames": 5, "num_inference_steps": 2}
 LEASE_S = 3.0
+ORPHAN_STEPS = 200  # ~2 s at 16x16 here: still running on A when A is killed, a poll after it started
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_a_killed_replicas_job_is_finished_by_the_other_within_its_lease(postgre
     with a, b:
         client_a, client_b = a.client(), b.client()
         job = client_a.videos.create(prompt="orphan", size="16x16",
-                                     extra_body={"num_frames": 5, "num_inference_steps": 600, "seed": 3})
+                                     extra_body={"num_frames": 5, "num_inference_steps": ORPHAN_STEPS, "seed": 3})
         assert wait_for(lambda: client_a.videos.retrieve(job.id).progress > 0, timeout=60)
         killed = time.monotonic()
         a.stop(signal.SIGKILL)
@@ -146,7 +147,7 @@ def test_a_killed_replicas_job_is_finished_by_the_other_within_its_lease(postgre
         folders = sorted(path.parent.name for path in (videos / job.id).glob("attempt-*/video.mp4"))
         assert folders == ["attempt-2"]  # B's attempt; A's never finished
         again = client_b.videos.create(prompt="orphan", size="16x16",
-                                       extra_body={"num_frames": 5, "num_inference_steps": 600, "seed": 3})
+                                       extra_body={"num_frames": 5, "num_inference_steps": ORPHAN_STEPS, "seed": 3})
         assert finished(client_b, again.id).status == "completed"
         assert client_b.videos.download_content(job.id).read() == client_b.videos.download_content(again.id).read()
 
