@@ -14,7 +14,7 @@ from diffusers_stepbatch.models.packing import rotary_memo
 from diffusers_stepbatch.models.packing.rotary_memo import held_bytes, remembered
 
 from .references import max_diff, single_thread  # noqa: F401  (a fixture)
-from .test_flux2_packing import _token_shapes
+from .test_flux2_packing import flux2_parts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -122,7 +122,7 @@ def test_packed_flux2_forwards_embed_a_requests_positions_once_and_stay_exact(he
     handle = model.pos_embed.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
     try:
         with torch.no_grad():
-            parts = _token_shapes(shapes)
+            parts = flux2_parts(shapes)
             for step in range(3):  # NOTE: the same ids tensors at each step, as the pipelines pass them
                 torch.manual_seed(step)
                 for part in parts:
