@@ -333,12 +333,12 @@ def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shape
     packing, per_row_lora = support_for(transformer, through_compile=True).packing, bool(lora_layers(transformer))
     outputs = [None] * len(shapes)
     for skip in dict.fromkeys(skip for _, inputs in shapes for skip in inputs["skip_layers"]):
-        picked = []  # (shape, its rows in this skip set, those rows' inputs)
+        picked = []  # (shape, its rows in this skip set as a tensor and a list, those rows' inputs)
         for index, (_, inputs) in enumerate(shapes):
             rows = [r for r, row_skip in enumerate(inputs["skip_layers"]) if row_skip == skip]
             if rows:
-                picked.append((index, torch.tensor(rows, device=inputs["hidden_states"].device), inputs))
-        parts = [_picked_rows(inputs, rows) for _, rows, inputs in picked]
+                picked.append((index, torch.tensor(rows, device=inputs["hidden_states"].device), rows, inputs))
+        parts = [_picked_rows(inputs, rows, numbers) for _, rows, numbers, inputs in picked]
         calls = [dict(hidden_states=part["hidden_states"], encoder_hidden_states=part["encoder_hidden_states"],
                       pooled_projections=part["pooled_projections"], timestep=part["timestep"],
                       joint_attention_kwargs=joint_attention_kwargs, skip_layers=None if skip is None else list(skip),
@@ -348,18 +348,19 @@ def _packed_denoise(transformer, joint_attention_kwargs, packed_attention, shape
                              per_shape=lambda: [(_denoise(transformer, joint_attention_kwargs, **part),)
                                                 for part in parts],
                              lora=[row for part in parts for row in part["lora"]] if per_row_lora else None)
-        for (index, rows, inputs), (result, *_) in zip(picked, results):
+        for (index, rows, _, inputs), (result, *_) in zip(picked, results):
             if outputs[index] is None:
                 outputs[index] = result.new_empty((len(inputs["skip_layers"]), *result.shape[1:]))
             outputs[index].index_copy_(0, rows, result)
     return outputs
 
 
-def _picked_rows(inputs: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-    """The denoise inputs of `rows` (rows of one skip set, in a call without IP-Adapter embeddings)."""
+def _picked_rows(inputs: dict[str, Any], rows: torch.Tensor, numbers: list[int]) -> dict[str, Any]:
+    """The denoise inputs of `rows` (rows of one skip set, in a call without IP-Adapter embeddings); `numbers`:
+    the same rows as a list (reading them back from `rows` would be a host read on a GPU)."""
     picked = {name: inputs[name].index_select(0, rows)
               for name in ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")}
-    return dict(picked, **{name: [inputs[name][r] for r in rows.tolist()] for name in ("skip_layers", "lora")})
+    return dict(picked, **{name: [inputs[name][r] for r in numbers] for name in ("skip_layers", "lora")})
 
 
 def _denoise(transformer, joint_attention_kwargs, hidden_states, timestep, encoder_hidden_states, pooled_projections,
