@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from .ports import free_port
 
 BIN_DIRS = [Path(f"/usr/lib/postgresql/{version}/bin") for version in (17, 16, 15)]
 
@@ -50,9 +51,7 @@ def postgres_server() -> Iterator[str]:
         user = pwd.getpwnam("postgres")
         os.chown(folder, user.pw_uid, user.pw_gid)
         as_user = ["runuser", "-u", "postgres", "--"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     data = folder / "data"
     run = dict(check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     subprocess.run([*as_user, str(binaries / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",

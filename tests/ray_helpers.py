@@ -6,8 +6,9 @@ module's tests, so that its idle processes don't run beside the rest of the suit
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
+
+from .ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _url: str | None = None
@@ -30,9 +31,7 @@ def local_ray_serve() -> str:
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # before the local instance starts: its proxy reads it
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
              _node_ip_address="127.0.0.1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
     except BaseException:

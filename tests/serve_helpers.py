@@ -12,6 +12,8 @@ from typing import Self
 import numpy as np
 from PIL import Image
 
+from .ports import free_port
+
 TOY_CALL = {"num_inference_steps": 20, "guidance_scale": 3.5, "max_sequence_length": 16}
 
 
@@ -104,9 +106,7 @@ class ServerProcess:
         import os
         import sys
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         # NOTE: `launcher`: what runs the module instead of this Python (torchrun's `python -m torch.distributed.run`)
         self.command = [*(launcher or [sys.executable]), "-m", "diffusers_stepbatch.serve", "--port", str(self.port),
                         "--no-access-log", "--log-level", "warning", *args]

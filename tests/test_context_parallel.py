@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import torch
 from diffusers_stepbatch import StepBatched
 from diffusers_stepbatch.parallel import PACKING_OFF
 from diffusers_stepbatch.testing import tiny_flux_pipeline
+
+from .ports import free_port
 
 RANKS_SCRIPT = Path(__file__).with_name("context_parallel_ranks.py")
 TOLERANCE = 1e-4
@@ -37,15 +38,9 @@ FAMILIES = [*SPLIT_FAMILIES, *ALONE_FAMILIES]
 TIME_LIMIT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_ranks(*args: str, world_size: int = 2) -> list[subprocess.Popen]:
     """`world_size` processes of the ranks script, each with the environment torchrun gives its workers."""
-    port = _free_port()
+    port = free_port()
     processes = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -186,7 +181,7 @@ def test_the_server_under_torchrun_answers_the_openai_client_and_stops_every_ran
     from .serve_helpers import TOY_CALL, ServerProcess, decode_b64, pixels
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(_free_port())]
+                "--master-port", str(free_port())]
     server = ServerProcess("--model", "toy", "--context-parallel", "ulysses=2", launcher=torchrun).start()
     prompt = "a red circle at the top left on a white background"
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 from diffusers_stepbatch.serve.cli import add_serve_arguments, config_from_args, main
 
 from .serve_helpers import decode_b64, wait_for
+from .ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,14 +78,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return done
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_finishes_in_flight_requests_then_exits():
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     process = subprocess.Popen(
@@ -188,7 +182,7 @@ def test_load_model_from_a_local_folder(tmp_path):
 
 def test_run_serves_a_pipeline_built_in_python_with_the_clis_shutdown(tmp_path):
     """`run(config, model=serve_pipeline(...))`: the CLI's server (graceful SIGTERM) around your own pipeline."""
-    port = _free_port()
+    port = free_port()
     code = ("from diffusers_stepbatch.serve import ServeConfig, serve_pipeline\n"
             "from diffusers_stepbatch.serve.cli import run\n"
             "from diffusers_stepbatch.testing import tiny_flux_pipeline\n"

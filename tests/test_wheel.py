@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +23,7 @@ pytest.importorskip("fastapi", reason="the server tests need `pip install -e .[s
 httpx = pytest.importorskip("httpx")
 
 from .test_serve_browser import CHROMIUM, CHROMIUM_FLAGS
+from .ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = ROOT / "diffusers_stepbatch" / "serve" / "static"
@@ -64,12 +64,6 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_wheel_holds_every_static_asset(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assets = sorted(path.name for path in STATIC.iterdir() if path.is_file())
@@ -84,7 +78,7 @@ def test_installed_wheel_serves_the_page_and_a_generation_in_chromium(installed,
                            capture_output=True, text=True, cwd=tmp_path, env=_clean_env())
     assert found.returncode == 0, found.stderr[-3000:]
     assert found.stdout.startswith(str(installed)), found.stdout  # the wheel's copy, not this checkout
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen([str(script), "serve", "--port", str(port), "--log-level", "warning"], cwd=tmp_path,
                               env=_clean_env(), stdout=log, stderr=subprocess.STDOUT)
