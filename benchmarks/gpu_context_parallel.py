@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_families import FAMILIES, _environment, _wait, _with_seed  # noqa: E402
+from gpu_families import FAMILIES, _environment, _wait, _with_seed, add_build_arguments  # noqa: E402
+from serve import free_port  # noqa: E402
 from throughput import command_line, in_worker_thread, run_clients  # noqa: E402
 
 from diffusers_stepbatch import StepBatched  # noqa: E402
@@ -98,11 +98,8 @@ def bench_family(name: str, real: bool, rounds: int, args) -> dict | None:
 
 
 def _relaunch_under_torchrun(ranks: int, argv: list[str]) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-port", str(port), __file__, *argv]
+               "--master-port", str(free_port()), __file__, *argv]
     raise SystemExit(subprocess.call(command, env=dict(os.environ, OMP_NUM_THREADS="1")))
 
 
@@ -114,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ring", action="store_true", help="Ring attention instead of Ulysses (needs flash / "
                         "cuDNN attention: --attention-backend)")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per side (medians)")
-    parser.add_argument("--qwen-layers", type=int, default=12, help="Qwen-Image transformer blocks (the model has 60)")
+    add_build_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="CPU, 2 gloo ranks, the tiny test configs, one round")
     parser.add_argument("--out", type=Path, help="the JSON (default: benchmarks/results/gpu_context_parallel.json; "
                         "a dry run's goes to the temp folder)")

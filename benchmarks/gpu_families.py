@@ -248,12 +248,17 @@ def _environment(real: bool) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
+def add_build_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options the families' builders read (`Family.build(real, args)`)."""
+    parser.add_argument("--qwen-layers", type=int, default=12, help="Qwen-Image transformer blocks (the model has 60)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--rounds", type=int, default=2, help="interleaved measured rounds (medians)")
     parser.add_argument("--warmup-rounds", type=int, default=2, help="unmeasured StepBatched rounds first")
-    parser.add_argument("--qwen-layers", type=int, default=12, help="Qwen-Image transformer blocks (the model has 60)")
+    add_build_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="CPU, the tiny test configs, one round")
     parser.add_argument("--out", type=Path, help="the JSON (default: benchmarks/results/gpu_families.json; a dry "
                         "run's goes to the temp folder)")
