@@ -12,7 +12,7 @@ import functools
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -339,7 +339,7 @@ class EngineCore:
             return [[request] for members in groups.values() for request in members]
         calls: list[list[Request] | _PackedCall] = []
         packable: dict[Any, list[Any]] = defaultdict(list)
-        refused: Counter = Counter()
+        refused_shapes = 0
         for group_key, members in groups.items():
             pack = members[0].pending.pack
             if self.mixed_shapes and pack is not None:
@@ -347,10 +347,9 @@ class EngineCore:
             else:
                 calls.extend(self._chunk(group_key, members))
                 if pack is None and self.packing_refusal is not None and group_key[0] == "denoise":
-                    refused[group_key[0]] += 1
-        for kind, shapes in refused.items():
-            if shapes > 1:  # NOTE: the model layer refuses such packs itself (hooks on the model); say why here
-                self.metrics.splits.add(f"{kind}: {self.packing_refusal}", shapes - 1)
+                    refused_shapes += 1
+        if refused_shapes > 1:  # NOTE: the model layer refuses such packs itself (hooks on the model); say why here
+            self.metrics.splits.add(f"denoise: {self.packing_refusal}", refused_shapes - 1)
         for pack_key, group_keys in packable.items():
             item_rows = [[r.pending.rows for r in groups[group_key]] for group_key in group_keys]
             parts = [(group_key, sum(rows)) for group_key, rows in zip(group_keys, item_rows)]
