@@ -98,9 +98,11 @@ def bench_family(name: str, real: bool, rounds: int, args) -> dict | None:
 
 
 def _relaunch_under_torchrun(ranks: int, argv: list[str]) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-port", str(free_port()), __file__, *argv]
-    raise SystemExit(subprocess.call(command, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    with tempfile.TemporaryDirectory() as logs:  # NOTE: else torchrun leaves a torchelastic_* folder in /tmp
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                   "--master-port", str(free_port()), "--log-dir", logs, __file__, *argv]
+        code = subprocess.call(command, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

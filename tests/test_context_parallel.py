@@ -171,7 +171,7 @@ def test_teacache_with_parallel_is_refused_before_any_rank_starts():
     assert not torch.distributed.is_initialized()
 
 
-def test_the_server_under_torchrun_answers_the_openai_client_and_stops_every_rank():
+def test_the_server_under_torchrun_answers_the_openai_client_and_stops_every_rank(tmp_path):
     import concurrent.futures
 
     import numpy as np
@@ -182,7 +182,9 @@ def test_the_server_under_torchrun_answers_the_openai_client_and_stops_every_ran
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port())]
-    server = ServerProcess("--model", "toy", "--context-parallel", "ulysses=2", launcher=torchrun).start()
+    # NOTE: TMPDIR: torchrun leaves a torchelastic_* log folder in the temporary directory
+    server = ServerProcess("--model", "toy", "--context-parallel", "ulysses=2", launcher=torchrun,
+                           env={"TMPDIR": str(tmp_path)}).start()
     prompt = "a red circle at the top left on a white background"
     try:
         client = server.client()
